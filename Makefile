@@ -1,0 +1,30 @@
+# Quick start:  make demo   (CPU hot-swap demo: 4 workers + 1 warm spare, one SIGKILL)
+#               make test   (full test suite, CPU only)
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+TORCH   := torch==2.13.0
+
+.PHONY: demo test test-fast bench sim figures clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,slurm]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m deadpool.train experiment=cpu_hotswap
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) experiments/bench_runtime.py
+	$(PY) experiments/bench_sim.py
+
+clean:
+	rm -rf .venv outputs multirun

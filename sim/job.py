@@ -1,0 +1,218 @@
+"""The training job as one SimPy process; strategies subclass it.
+
+The job's life is: recover (if needed) -> compute until something happens -> ... A compute
+segment is a single wait that only a failure (or a pool arrival the job asked for) ends, so
+the event count grows with failures, not with training steps; progress and periodic
+checkpoints inside a segment are computed in closed form when it ends (``sim.schedule``).
+
+Progress ``W`` is kept work in nominal seconds (what a full-width, overhead-free job would
+have done in that time). Throughput factors (``factors``: bucket -> fraction of nominal) turn
+run time into progress; the lost fraction of each factor is booked to its badput bucket, so
+the ledger always sums to the wall time.
+
+Strategies must implement ``on_interrupt(cause)`` (called with the segment already closed;
+set ``self.recovering`` to get ``recover()`` run) and ``recover()`` (a generator built from
+``phase``, ``wait_for_pool`` and the group helpers). ``recover()`` may be interrupted at any
+yield; it is then re-entered from the top and must be written so that re-entry redoes only
+what is still pending.
+"""
+
+from __future__ import annotations
+
+import math
+
+import simpy
+
+from sim.cluster import Cluster, NodesAvailable
+from sim.layout import Layout
+from sim.ledger import Ledger
+from sim.schedule import Checkpoints
+
+
+class Job:
+    """Base job: segment and phase accounting, waiting for pool nodes, DP-group shrink/regrow."""
+
+    def __init__(self, env: simpy.Environment, cluster: Cluster, layout: Layout, ledger: Ledger):
+        self.env, self.cluster, self.layout, self.ledger = env, cluster, layout, ledger
+        self.W = 0.0  # kept progress, nominal seconds
+        self.ckpt: Checkpoints | None = None
+        self.factors: dict[str, float] = {}  # bucket -> throughput factor, applied in order
+        self.recovering = False
+        self.background_need = 0  # pool size at which a computing job wants to be interrupted
+        self.mem_floor = 0.0  # progress of the state restored by the last recovery
+        self.vacant: set[int] = set()  # slots that lost their node and need one
+        npg = layout.nodes_per_group
+        self.group_active = [True] * layout.num_groups
+        self.active_groups = layout.num_groups
+        self._npg = npg
+        self._seg_t0: float | None = None
+        self._phase: tuple[str, float] | None = None
+        self._wake: simpy.Event | None = None
+        self._need = 0
+        self._grow_sent = False
+        cluster.listener = self._pool_changed
+        self.proc = env.process(self.run())
+        cluster.job_proc = self.proc
+
+    # -- strategy interface -----------------------------------------------------------------
+    def on_interrupt(self, cause) -> None:
+        raise NotImplementedError
+
+    def recover(self):
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    # -- main loop --------------------------------------------------------------------------
+    def run(self):
+        while True:
+            try:
+                if self.recovering:
+                    yield from self.recover()
+                    self.recovering = False
+                self._seg_t0 = self.env.now
+                yield self.env.event()  # compute until interrupted or the window closes
+            except simpy.Interrupt as irq:
+                self._seg_close()
+                if isinstance(irq.cause, NodesAvailable):
+                    self._grow_sent = False
+                self.on_interrupt(irq.cause)
+
+    @property
+    def rate(self) -> float:
+        r = 1.0
+        for f in self.factors.values():
+            r *= f
+        return r
+
+    def _seg_close(self) -> None:
+        if self._seg_t0 is None:
+            return
+        dt = self.env.now - self._seg_t0
+        r = self.rate
+        if self.ckpt is not None:
+            w1, stall = self.ckpt.advance(self._seg_t0, self.W, dt, r)
+        else:
+            w1, stall = self.W + r * dt, 0.0
+        self.ledger.add("ckpt_stall", stall)
+        rem = dt - stall
+        for bucket, f in self.factors.items():
+            self.ledger.add(bucket, rem * (1.0 - f))
+            rem *= f
+        self.W = w1
+        self._seg_t0 = None
+
+    def finalize(self) -> None:
+        """Close the books at the end of the window (the process is left suspended)."""
+        self._seg_close()
+        if self._phase is not None:
+            bucket, t0 = self._phase
+            self.ledger.add(bucket, self.env.now - t0)
+            self._phase = None
+
+    # -- helpers for recover() --------------------------------------------------------------
+    def phase(self, bucket: str, seconds: float):
+        """Spend ``seconds`` in badput ``bucket``; an interrupt books the elapsed part."""
+        if seconds <= 0:
+            return
+        t0 = self.env.now
+        self._phase = (bucket, t0)
+        try:
+            yield self.env.timeout(seconds)
+        except simpy.Interrupt:
+            self.ledger.add(bucket, self.env.now - t0)
+            self._phase = None
+            raise
+        self.ledger.add(bucket, seconds)
+        self._phase = None
+
+    def wait_for_pool(self, n: int):
+        """Block until the pool holds at least ``n`` nodes (badput: wait_spare)."""
+        if self.cluster.pool_size() >= n:
+            return
+        self.ledger.count("stalls")
+        t0 = self.env.now
+        self._phase = ("wait_spare", t0)
+        try:
+            while self.cluster.pool_size() < n:
+                self._need = n
+                self._wake = self.env.event()
+                yield self._wake
+                self._wake = None
+        except simpy.Interrupt:
+            self._wake = None
+            self.ledger.add("wait_spare", self.env.now - t0)
+            self._phase = None
+            raise
+        self.ledger.add("wait_spare", self.env.now - t0)
+        self._phase = None
+
+    def fill_vacant(self):
+        """Give every vacant slot a pool node, waiting when the pool is empty."""
+        for slot in sorted(self.vacant):
+            yield from self.wait_for_pool(1)
+            self.cluster.assign(slot, self.cluster.take())
+            self.vacant.discard(slot)
+
+    def rollback_to(self, w: float) -> None:
+        """Discard progress above ``w`` (booked as lost work)."""
+        if w < self.W:
+            self.ledger.add("lost", self.W - w)
+            self.W = w
+
+    def lost_since_snapshot(self, interval_w: float, lag_s: float) -> float:
+        """Progress since the newest replicated in-memory snapshot (taken every ``interval_w``
+        of progress, usable ``lag_s`` after it is taken), but never below ``mem_floor``."""
+        since = self.W - self.mem_floor
+        if since <= 0:
+            return 0.0
+        k = math.floor((self.W + 1e-9) / interval_w)
+        mark = k * interval_w
+        if lag_s > 0 and (self.W - mark) / max(self.rate, 1e-12) < lag_s:
+            mark -= interval_w
+        return min(since, max(self.W - mark, 0.0))
+
+    # -- data-parallel groups (shrink / regrow) ---------------------------------------------
+    def group_of(self, slot: int) -> int:
+        return slot // self._npg
+
+    def group_slots(self, g: int) -> range:
+        return range(g * self._npg, (g + 1) * self._npg)
+
+    def dissolve(self, g: int) -> None:
+        """Drop DP group ``g``: its healthy nodes join the pool, throughput shrinks."""
+        self.group_active[g] = False
+        self.active_groups -= 1
+        for s in self.group_slots(g):
+            self.vacant.discard(s)
+            self.cluster.release(s)
+        self.ledger.count("shrinks")
+        self._set_width()
+
+    def regrow_one(self) -> None:
+        """Re-form the first dropped group from pool nodes. Must have ``pool >= nodes_per_group``."""
+        g = self.group_active.index(False)
+        for s in self.group_slots(g):
+            self.cluster.assign(s, self.cluster.take())
+        self.group_active[g] = True
+        self.active_groups += 1
+        self.ledger.count("regrows")
+        self._set_width()
+
+    def can_regrow(self) -> bool:
+        return self.active_groups < len(self.group_active) and self.cluster.pool_size() >= self._npg
+
+    def _set_width(self) -> None:
+        self.factors["degraded"] = self.active_groups / len(self.group_active)
+
+    # -- pool notifications -----------------------------------------------------------------
+    def _pool_changed(self) -> None:
+        if self.env.active_process is self.proc:
+            return  # the job itself released nodes; it re-checks the pool before computing
+        n = self.cluster.pool_size()
+        if self._wake is not None:
+            if n >= self._need and not self._wake.triggered:
+                self._wake.succeed()
+        elif (self._seg_t0 is not None and self.background_need and n >= self.background_need
+              and not self._grow_sent):
+            self._grow_sent = True
+            self.proc.interrupt(NodesAvailable())

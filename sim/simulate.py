@@ -1,0 +1,141 @@
+"""Run scenarios: one trace per seed, replayed against every selected strategy.
+
+``run_one`` replays one trace against one strategy and returns a flat result row;
+``run_scenario`` loops over seeds and strategies (common random numbers: every strategy sees
+the same trace for a given seed) and reports progress on stderr.
+
+The job runs for a fixed wall-clock window (``duration_days``) and we measure the useful work
+done in it; work in progress when the window closes counts as useful (the window is a
+measurement interval of a longer run, not the end of training).
+
+Goodput definitions (REFERENCE.md): job goodput (ETTR) = kept progress at nominal speed /
+wall time; fleet goodput = job goodput x active GPUs / (active + charged spare + redundant
+GPUs), where spares are charged to strategies that reserve them (``uses_spares``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Iterable, Mapping
+
+import simpy
+
+from sim import strategies
+from sim.cluster import Cluster
+from sim.layout import Layout
+from sim.ledger import BUCKETS, COUNTERS, Ledger
+from sim.trace import DAY_S, FAIL, HOUR_S, REMOVE, Trace, TraceSpec, generate
+from sim.trace_io import load_addremove, load_csv
+
+
+class CountingEnvironment(simpy.Environment):
+    """A SimPy environment that counts processed events (for the events-vs-failures check)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events_processed = 0
+
+    def step(self) -> None:
+        self.events_processed += 1
+        super().step()
+
+
+def make_trace(tcfg: Mapping, layout: Layout, horizon_s: float, seed: int) -> Trace:
+    """The trace for one seed: generated over active + spare nodes, or loaded from a file."""
+    source = tcfg.get("source", "generate")
+    if source == "generate":
+        return generate(TraceSpec.from_cfg(tcfg), layout.num_nodes + layout.num_spares, horizon_s, seed)
+    if source == "csv":
+        return load_csv(tcfg["path"], horizon_s=horizon_s)
+    if source == "addremove":
+        return load_addremove(tcfg["path"], time_unit_s=float(tcfg.get("time_unit_s", 1.0)),
+                              horizon_s=horizon_s, num_nodes=layout.num_nodes + layout.num_spares)
+    raise ValueError(f"trace.source must be generate, csv or addremove, got {source!r}")
+
+
+def job_mtbf_s(tcfg: Mapping, layout: Layout, trace: Trace | None = None) -> float:
+    """Mean time between unexpected failures of the job (used for Daly-optimal intervals)."""
+    if tcfg.get("source", "generate") == "generate":
+        return TraceSpec.from_cfg(tcfg).node_mttf_s / layout.num_nodes
+    assert trace is not None
+    hits = int((((trace.event == FAIL) | (trace.event == REMOVE)) & (trace.node < layout.num_nodes)).sum())
+    return trace.horizon_s / hits if hits else float("inf")
+
+
+def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Trace,
+            horizon_s: float, mtbf_s: float) -> dict:
+    """Replay ``trace`` against strategy ``name`` for ``horizon_s`` seconds; one result row."""
+    t_start = time.perf_counter()
+    env = CountingEnvironment()
+    ledger = Ledger()
+    spares = layout.num_spares if strategies.uses_spares(scfg) else 0
+    cluster = Cluster(env, trace, layout.num_nodes, spares, ledger)
+    kind = scfg.get("kind", name)
+    job = strategies.build(kind, env, cluster, layout, ledger, scfg, calib, mtbf_s)
+    env.run(until=horizon_s)
+    job.finalize()
+    goodput = job.W / horizon_s
+    redundant = strategies.redundant_gpus(kind, scfg, layout.num_gpus)
+    charged = layout.num_gpus + spares * layout.gpus_per_node + redundant
+    row = {
+        "strategy": name,
+        "goodput": goodput,
+        "fleet_goodput": goodput * layout.num_gpus / charged,
+        **ledger.counts,
+        "useful_h": job.W / HOUR_S,
+        **{f"badput_{b}_h": ledger.badput_s[b] / HOUR_S for b in BUCKETS},
+        "accounting_error_s": horizon_s - job.W - sum(ledger.badput_s.values()),
+        "charged_spare_nodes": spares,
+        "redundant_gpus": redundant,
+        "events": env.events_processed,
+        "sim_wall_s": time.perf_counter() - t_start,
+    }
+    return row
+
+
+def scenario_columns(cfg: Mapping, layout: Layout, mtbf_s: float) -> dict:
+    t = cfg["trace"]
+    return {
+        "trace": t.get("name", t.get("source", "")),
+        "num_gpus": layout.num_gpus,
+        "num_nodes": layout.num_nodes,
+        "num_spares": layout.num_spares,
+        "gpus_per_node": layout.gpus_per_node,
+        "unexpected_per_1000_node_days": t.get("unexpected_per_1000_node_days", float("nan")),
+        "job_mtbf_h": mtbf_s / HOUR_S,
+        "duration_days": float(cfg["duration_days"]),
+        "step_time_s": layout.step_time_s,
+    }
+
+
+def run_scenario(cfg: Mapping, progress: bool = True, trace_dir=None) -> list[dict]:
+    """Every seed x every selected strategy. ``cfg`` is the composed conf/sim.yaml."""
+    layout = Layout.from_cfg(cfg["cluster"])
+    horizon = float(cfg["duration_days"]) * DAY_S
+    names = list(cfg["strategies"])
+    for n in names:
+        if n not in cfg["strategy"]:
+            raise ValueError(f"strategies lists {n!r}, but there is no strategy.{n} config; "
+                             f"known: {', '.join(cfg['strategy'])}")
+    seeds = range(int(cfg.get("seed_offset", 0)), int(cfg.get("seed_offset", 0)) + int(cfg["seeds"]))
+    rows = []
+    t0 = time.perf_counter()
+    for i, seed in enumerate(seeds):
+        trace = make_trace(cfg["trace"], layout, horizon, seed)
+        if trace_dir is not None:
+            from sim.trace_io import save_csv
+            save_csv(trace, f"{trace_dir}/trace_seed{seed}.csv")
+        mtbf = job_mtbf_s(cfg["trace"], layout, trace)
+        common = scenario_columns(cfg, layout, mtbf)
+        for name in names:
+            row = run_one(name, cfg["strategy"][name], cfg["calibration"], layout, trace, horizon, mtbf)
+            rows.append({"strategy": name, "seed": seed, **common, **row})
+        if progress:
+            done = i + 1
+            print(f"[sim] seed {done}/{len(seeds)} done ({len(trace)} trace events, "
+                  f"{time.perf_counter() - t0:.1f}s elapsed)", file=sys.stderr, flush=True)
+    return rows
+
+
+__all__ = ["run_one", "run_scenario", "make_trace", "job_mtbf_s", "COUNTERS"]

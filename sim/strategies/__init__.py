@@ -1,0 +1,38 @@
+"""Strategies: one interface (a ``sim.job.Job`` subclass with ``params_from_cfg``), one trace.
+
+Every strategy is built by ``build(kind, env, cluster, layout, ledger, scfg, calib, mtbf_s)``
+and replays the same trace. ``uses_spares(kind, scfg)`` says whether it holds the reserved
+spare pool (and is charged for it in fleet goodput).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from sim.strategies.checkpoint_restart import CheckpointRestart
+from sim.strategies.deadpool import DeadPool
+from sim.strategies.elastic import Elastic
+from sim.strategies.replication import Replication
+
+REGISTRY = {
+    "deadpool": DeadPool,
+    "checkpoint_restart": CheckpointRestart,
+    "replication": Replication,
+    "elastic": Elastic,
+}
+
+
+def build(kind: str, env, cluster, layout, ledger, scfg: Mapping, calib: Mapping, mtbf_s: float):
+    if kind not in REGISTRY:
+        raise ValueError(f"unknown strategy kind {kind!r}; known: {', '.join(REGISTRY)}")
+    cls = REGISTRY[kind]
+    return cls(env, cluster, layout, ledger, cls.params_from_cfg(layout, scfg, calib, mtbf_s))
+
+
+def uses_spares(scfg: Mapping) -> bool:
+    return bool(scfg.get("uses_spares", True))
+
+
+def redundant_gpus(kind: str, scfg: Mapping, num_gpus: int) -> float:
+    """Extra GPUs a strategy occupies beyond the active job (charged in fleet goodput)."""
+    return float(scfg.get("redundant_gpu_frac", 0.0)) * num_gpus if kind == "replication" else 0.0

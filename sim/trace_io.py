@@ -22,7 +22,7 @@ Add/remove traces (the shape used by Oobleck/Bamboo spot-instance evaluations): 
 ``time,event,node`` with ``event`` in {add, remove} (also ``+``/``-``), comma or whitespace
 separated, optional header, ``#`` comments. ``time`` is multiplied by ``time_unit_s`` (e.g.
 0.001 for milliseconds). Node names may be strings; they are numbered in order of first
-appearance. A node whose first event is ``add`` is absent until then.
+appearance. A node whose first event is an ``add`` after time 0 is absent until then.
 
 Every malformed line raises ``TraceFormatError`` naming the file and the line number.
 """
@@ -158,9 +158,9 @@ def load_addremove(path: str | Path, time_unit_s: float = 1.0, horizon_s: float 
             node = ids.setdefault(fields[2], len(ids))
             rows.append((t, node, ev))
     n = max(len(ids), num_nodes or 0)
-    first: dict[int, int] = {}
-    for _, node, ev in rows:
-        first.setdefault(node, ev)
+    first: dict[int, tuple[int, float]] = {}
+    for t, node, ev in rows:
+        first.setdefault(node, (ev, t))
     horizon = horizon_s if horizon_s is not None else (rows[-1][0] if rows else 0.0)
     return Trace(
         time_s=np.array([r[0] for r in rows], dtype=float),
@@ -172,7 +172,7 @@ def load_addremove(path: str | Path, time_unit_s: float = 1.0, horizon_s: float 
         transient_causes=frozenset(),
         num_nodes=n,
         horizon_s=float(horizon),
-        initially_down=np.array(sorted(k for k, v in first.items() if v == ADD), dtype=np.int64),
+        initially_down=np.array(sorted(k for k, (ev, t) in first.items() if ev == ADD and t > 0), dtype=np.int64),
     )
 
 

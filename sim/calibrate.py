@@ -1,0 +1,205 @@
+"""Fit the simulator's hot-swap parameters from the runtime's run directories.
+
+    python -m sim.calibrate RUN_DIR [RUN_DIR ...] [--name measured] [--out PATH]
+
+Reads each run's ``summary.json`` (and ``metrics.jsonl`` when present) as written by the
+runtime, fits the parameters below and writes a calibration YAML (default:
+conf/sim/calibration/<name>.yaml, selected with ``calibration=<name>``) with a comment on
+every line saying where the value came from. Parameters the runs say nothing about are
+copied from the base calibration (``--base``, default ``default``) and say so.
+
+Fits (scipy):
+- ``rebuild_base_s + rebuild_per_log2_gpus_s * log2(world_size)`` ~ ``rebuild_s``:
+  ``curve_fit`` with non-negative bounds when >= 2 world sizes are present, else the base
+  slope is kept and only the intercept is fitted (median).
+- ``transfer_latency_s + bytes / (transfer_gbps_per_node * 1e9)`` ~ ``transfer_s``: non-negative
+  linear least squares (``lsq_linear``) when >= 2 distinct sizes, else the base latency is
+  kept and the bandwidth is the median of ``bytes / (transfer_s - latency)``.
+- ``detect_s``, ``plan_s``: medians over recoveries.
+- ``warmup_steps``: median of ``(first_step_s - step_time_s) / step_time_s``, >= 0.
+- ``snapshot_overhead_frac``: median per-step ``snapshot_blocked_s`` / median ``step_time_s``
+  from metrics.jsonl, else ``snapshot.blocked_s_median / step_time_s`` from summary.json.
+- ``replicate_lag_steps``: ``snapshot.replicate_s_median / step_time_s``.
+- ``snapshot_interval_steps``: the runs' ``snapshot.interval_steps`` (must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import yaml
+from scipy.optimize import curve_fit, lsq_linear
+
+import sim.config
+
+FITTED = ("detect_s", "plan_s", "rebuild_base_s", "rebuild_per_log2_gpus_s", "transfer_latency_s",
+          "transfer_gbps_per_node", "warmup_steps", "snapshot_overhead_frac",
+          "snapshot_interval_steps", "replicate_lag_steps")
+
+
+class CalibrationError(ValueError):
+    """A run directory that cannot be used; the message names it."""
+
+
+def load_run(run_dir: str | Path) -> dict:
+    """``summary.json`` plus per-step medians from ``metrics.jsonl`` (if present)."""
+    d = Path(run_dir)
+    p = d / "summary.json"
+    if not p.exists():
+        raise CalibrationError(f"{d}: no summary.json")
+    try:
+        s = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"{p}: not JSON ({e})") from None
+    for key in ("world_size", "step_time_s", "recoveries", "snapshot"):
+        if key not in s:
+            raise CalibrationError(f"{p}: missing key {key!r}")
+    s["_dir"] = str(d)
+    m = d / "metrics.jsonl"
+    if m.exists():
+        blocked, steps = [], []
+        with open(m) as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    raise CalibrationError(f"{m}:{lineno}: not JSON") from None
+                steps.append(float(r["step_time_s"]))
+                blocked.append(float(r.get("snapshot_blocked_s", 0.0)))
+        if steps:
+            s["_metrics_step_median"] = statistics.median(steps)
+            s["_metrics_blocked_median"] = statistics.median(blocked)
+    return s
+
+
+def _recs(runs, key) -> list[tuple[dict, dict]]:
+    return [(r, x) for r in runs for x in r["recoveries"] if x.get(key) is not None]
+
+
+def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
+    """Returns (values, sources) for every key of ``base``."""
+    vals = dict(base)
+    src = {k: f"copied from base calibration '{base.get('name', 'default')}' (not measured)" for k in base}
+    names = ", ".join(Path(r["_dir"]).name for r in runs)
+    recs = [x for r in runs for x in r["recoveries"]]
+
+    for key in ("detect_s", "plan_s"):
+        xs = [float(x[key]) for x in recs if x.get(key) is not None]
+        if xs:
+            vals[key] = statistics.median(xs)
+            src[key] = f"median of {len(xs)} recoveries ({names})"
+
+    pts = [(float(r["world_size"]), float(x["rebuild_s"])) for r, x in _recs(runs, "rebuild_s")]
+    if pts:
+        ws = np.array([p[0] for p in pts])
+        y = np.array([p[1] for p in pts])
+        if len(set(ws.tolist())) >= 2 and len(pts) >= 3:
+            (a, b), _ = curve_fit(lambda w, a, b: a + b * np.log2(w), ws, y,
+                                  p0=[1.0, 1.0], bounds=([0.0, 0.0], [np.inf, np.inf]))
+            vals["rebuild_base_s"], vals["rebuild_per_log2_gpus_s"] = float(a), float(b)
+            src["rebuild_base_s"] = src["rebuild_per_log2_gpus_s"] = (
+                f"curve_fit rebuild_s ~ a + b*log2(world_size) on {len(pts)} recoveries, "
+                f"world sizes {sorted(set(int(w) for w in ws))} ({names})")
+        else:
+            b = float(base["rebuild_per_log2_gpus_s"])
+            vals["rebuild_base_s"] = max(0.0, float(np.median(y - b * np.log2(ws))))
+            src["rebuild_base_s"] = (f"median of rebuild_s - {b}*log2(world_size) over {len(pts)} "
+                                     f"recoveries at one world size ({names}); slope kept from base")
+
+    tp = [(float(x["bytes_transferred"]), float(x["transfer_s"])) for x in recs
+          if x.get("bytes_transferred") is not None and x.get("transfer_s") is not None]
+    if tp:
+        b = np.array([p[0] for p in tp])
+        y = np.array([p[1] for p in tp])
+        if len(set(b.tolist())) >= 2:
+            res = lsq_linear(np.column_stack([np.ones_like(b), b / 1e9]), y, bounds=(0.0, np.inf))
+            lat, inv_bw = res.x
+            vals["transfer_latency_s"] = float(lat)
+            src["transfer_latency_s"] = f"lsq_linear transfer_s ~ latency + bytes/bw on {len(tp)} recoveries ({names})"
+            if inv_bw > 0:
+                vals["transfer_gbps_per_node"] = float(1.0 / inv_bw)
+                src["transfer_gbps_per_node"] = src["transfer_latency_s"]
+        else:
+            lat = float(base["transfer_latency_s"])
+            bw = [bb / 1e9 / (yy - lat) for bb, yy in tp if yy > lat and bb > 0]
+            if bw:
+                vals["transfer_gbps_per_node"] = statistics.median(bw)
+                src["transfer_gbps_per_node"] = (f"median bytes/(transfer_s - {lat}) over {len(bw)} "
+                                                 f"recoveries of one size ({names}); latency kept from base")
+
+    warm = [max(0.0, (float(x["first_step_s"]) - float(r["step_time_s"])) / float(r["step_time_s"]))
+            for r, x in _recs(runs, "first_step_s") if float(r["step_time_s"]) > 0]
+    if warm:
+        vals["warmup_steps"] = statistics.median(warm)
+        src["warmup_steps"] = f"median (first_step_s - step_time_s)/step_time_s over {len(warm)} recoveries ({names})"
+
+    snap = [r for r in runs if r["snapshot"].get("enabled")]
+    if snap:
+        fr = []
+        for r in snap:
+            if "_metrics_step_median" in r and r["_metrics_step_median"] > 0:
+                fr.append(r["_metrics_blocked_median"] / r["_metrics_step_median"])
+            elif float(r["step_time_s"]) > 0:
+                fr.append(float(r["snapshot"]["blocked_s_median"]) / float(r["step_time_s"]))
+        vals["snapshot_overhead_frac"] = max(0.0, statistics.median(fr))
+        src["snapshot_overhead_frac"] = (f"median snapshot_blocked_s / step_time_s over {len(snap)} runs "
+                                         f"(metrics.jsonl where present, else summary.json) ({names})")
+        lag = [float(r["snapshot"]["replicate_s_median"]) / float(r["step_time_s"]) for r in snap
+               if float(r["step_time_s"]) > 0]
+        vals["replicate_lag_steps"] = statistics.median(lag)
+        src["replicate_lag_steps"] = f"median replicate_s_median / step_time_s over {len(lag)} runs ({names})"
+        intervals = {int(r["snapshot"]["interval_steps"]) for r in snap}
+        if len(intervals) > 1:
+            raise CalibrationError(f"runs disagree on snapshot.interval_steps: {sorted(intervals)}")
+        vals["snapshot_interval_steps"] = intervals.pop()
+        src["snapshot_interval_steps"] = f"snapshot.interval_steps of the runs ({names})"
+    return vals, src
+
+
+def render(vals: dict, src: dict, name: str, run_dirs: Iterable[str]) -> str:
+    lines = [f"# Calibration '{name}' fitted by sim.calibrate from runtime runs:"]
+    lines += [f"#   {d}" for d in run_dirs]
+    lines.append("# Every value says where it came from. Select with calibration=" + name)
+    for k, v in vals.items():
+        if k == "name":
+            lines.append(f"name: {name}")
+            continue
+        if isinstance(v, float):
+            v = float(f"{v:.6g}")
+        lines.append(f"{k}: {yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}  # {src[k]}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(prog="python -m sim.calibrate", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dirs", nargs="+", help="runtime run directories (summary.json, metrics.jsonl)")
+    ap.add_argument("--name", default="measured", help="calibration name (config group option)")
+    ap.add_argument("--out", default=None, help="output YAML (default conf/sim/calibration/<name>.yaml)")
+    ap.add_argument("--base", default="default", help="calibration to take unmeasured values from")
+    a = ap.parse_args(argv)
+    base_path = sim.config.SIM_CONF_DIR / "calibration" / f"{a.base}.yaml"
+    base = yaml.safe_load(base_path.read_text())
+    runs = [load_run(d) for d in a.run_dirs]
+    vals, src = fit(runs, base)
+    out = Path(a.out) if a.out else sim.config.SIM_CONF_DIR / "calibration" / f"{a.name}.yaml"
+    out.write_text(render(vals, src, a.name, a.run_dirs))
+    print(f"[calibrate] {len(runs)} runs, {sum(len(r['recoveries']) for r in runs)} recoveries -> {out}")
+    for k in FITTED:
+        print(f"  {k} = {vals[k]}    ({src[k]})")
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except CalibrationError as e:
+        sys.exit(f"sim.calibrate: {e}")

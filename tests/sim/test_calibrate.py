@@ -1,0 +1,92 @@
+"""sim.calibrate on fixture run directories in the runtime's output format."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from sim import calibrate
+
+
+def write_run(d, world_size, rebuild_a=1.5, rebuild_b=0.8, lat=0.2, gbps=4.0, step=0.5, blocked=0.01,
+              n_rec=3, bytes_per=(1e9, 2e9, 4e9), metrics=True):
+    d.mkdir(parents=True)
+    recs = []
+    for i in range(n_rec):
+        b = bytes_per[i % len(bytes_per)]
+        recs.append(dict(failed_rank=i, spare_rank=world_size + i, fault="kill", detected_by="heartbeat",
+                         resume_step=10 + i, steps_recomputed=1, detect_s=2.0 + 0.1 * i, plan_s=0.3,
+                         rebuild_s=rebuild_a + rebuild_b * math.log2(world_size), transfer_s=lat + b / (gbps * 1e9),
+                         rollback_s=0.1, first_step_s=step * 1.5, kill_to_training_s=9.0,
+                         kill_to_first_step_s=9.5, bytes_transferred=b))
+    summary = dict(world_size=world_size, num_spares=1, dp=world_size, tp=1, pp=1, model_params=10_000_000,
+                   state_bytes_per_rank=160_000_000, steps=100, step_time_s=step,
+                   snapshot=dict(enabled=True, interval_steps=1, copy_s_median=0.05, replicate_s_median=0.25,
+                                 blocked_s_median=blocked),
+                   recoveries=recs, final_digest="abc")
+    (d / "summary.json").write_text(json.dumps(summary))
+    if metrics:
+        with open(d / "metrics.jsonl", "w") as f:
+            for step_i in range(20):
+                for rank in range(world_size):
+                    f.write(json.dumps(dict(step=step_i, rank=rank, loss=1.0, step_time_s=step, snapshot_copy_s=0.05,
+                                            snapshot_blocked_s=blocked, replicate_s=0.25, generation=0,
+                                            t=1e9 + step_i)) + "\n")
+    return d
+
+
+def test_fit_recovers_known_parameters(tmp_path):
+    dirs = [write_run(tmp_path / f"ws{w}", w) for w in (4, 8, 16)]
+    out = tmp_path / "measured.yaml"
+    calibrate.main([str(d) for d in dirs] + ["--name", "measured", "--out", str(out)])
+    text = out.read_text()
+    vals = yaml.safe_load(text)
+    assert vals["rebuild_base_s"] == pytest.approx(1.5, rel=1e-3)
+    assert vals["rebuild_per_log2_gpus_s"] == pytest.approx(0.8, rel=1e-3)
+    assert vals["transfer_latency_s"] == pytest.approx(0.2, rel=1e-3)
+    assert vals["transfer_gbps_per_node"] == pytest.approx(4.0, rel=1e-3)
+    assert vals["detect_s"] == pytest.approx(2.1)
+    assert vals["warmup_steps"] == pytest.approx(0.5)
+    assert vals["snapshot_overhead_frac"] == pytest.approx(0.02)
+    assert vals["replicate_lag_steps"] == pytest.approx(0.5)
+    # every parameter line states its source; unmeasured ones say they were copied
+    for line in text.splitlines():
+        if line and not line.startswith("#") and not line.startswith("name:"):
+            assert "  # " in line, line
+    assert "requeue_s: 120.0  # copied from base calibration" in text
+
+
+def test_one_world_size_keeps_base_slope(tmp_path):
+    d = write_run(tmp_path / "one", 8, bytes_per=(2e9,), metrics=False)
+    base = yaml.safe_load((calibrate.sim.config.SIM_CONF_DIR / "calibration" / "default.yaml").read_text())
+    vals, src = calibrate.fit([calibrate.load_run(d)], base)
+    assert vals["rebuild_per_log2_gpus_s"] == base["rebuild_per_log2_gpus_s"]
+    assert vals["rebuild_base_s"] == pytest.approx(max(0.0, 1.5 + 0.8 * 3 - 2.0 * 3))
+    # transfer_s = 0.7 s is below the base latency (1 s): nothing to fit, the base value stays
+    assert "copied" in src["transfer_gbps_per_node"]
+    assert vals["snapshot_overhead_frac"] == pytest.approx(0.02)  # from summary.json
+
+
+def test_fitted_calibration_runs_in_the_simulator(tmp_path):
+    dirs = [write_run(tmp_path / f"ws{w}", w) for w in (4, 8)]
+    out = tmp_path / "m.yaml"
+    calibrate.main([str(d) for d in dirs] + ["--out", str(out)])
+    from sim.layout import Layout
+    from sim import costs
+    lay = Layout(num_gpus=16384, gpus_per_node=8, tp=8, pp=16, num_spares=21, model_params=405e9,
+                 bytes_per_param_state=16, optimizer_sharded_over_dp=True, step_time_s=6.3)
+    hot = costs.hotswap(lay, yaml.safe_load(out.read_text()))
+    assert hot.rebuild_s == pytest.approx(1.5 + 0.8 * 14, rel=1e-3)
+
+
+def test_bad_run_dir_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(calibrate.CalibrationError, match="empty: no summary.json"):
+        calibrate.load_run(tmp_path / "empty")
+    d = write_run(tmp_path / "broken", 4)
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(calibrate.CalibrationError, match=r"metrics.jsonl:\d+: not JSON"):
+        calibrate.load_run(d)

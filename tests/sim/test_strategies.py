@@ -1,0 +1,183 @@
+"""Each strategy on handmade traces with answers worked out by hand, plus invariants.
+
+Layout (conftest): 8 active nodes in 4 DP groups of 2, 10 s steps; calibration: detection
+5 s, swap 25 s, restart 110 s, synchronous write 10 s. Window: 10,000 s.
+"""
+
+import pytest
+
+from sim.layout import Layout
+from sim.simulate import run_one
+
+T = 10_000.0
+
+
+def run(name, scfg, calib, layout, trace, mtbf=1e9):
+    return run_one(name, scfg, calib, layout, trace, T, mtbf)
+
+
+def badput_s(row, bucket):
+    return row[f"badput_{bucket}_h"] * 3600.0
+
+
+def test_deadpool_single_failure(layout, calib, strategy_cfgs, handmade):
+    lay = layout()
+    tr = handmade([(1003.0, 3, "fail", False, 5000.0)], 10, T)
+    r = run("deadpool", strategy_cfgs("deadpool"), calib, lay, tr)
+    # lost: 3 s since the snapshot at 1000; detection 5; swap 25
+    assert r["goodput"] == pytest.approx((T - 3 - 5 - 25) / T, abs=1e-6)
+    assert (r["failures"], r["swaps"], r["restarts"], r["stalls"]) == (1, 1, 0, 0)
+    assert badput_s(r, "lost") == pytest.approx(3.0)
+    assert r["fleet_goodput"] == pytest.approx(r["goodput"] * 8 / 10)
+
+
+def test_deadpool_planned_maintenance_is_a_drained_swap(layout, calib, strategy_cfgs, handmade):
+    tr = handmade([(1003.0, 3, "maintenance", False, 7200.0)], 10, T)
+    r = run("deadpool", strategy_cfgs("deadpool"), calib, layout(), tr)
+    assert r["goodput"] == pytest.approx((T - 25) / T, abs=1e-6)
+    assert (r["failures"], r["planned_maintenance"], r["swaps"]) == (0, 1, 1)
+
+
+def test_deadpool_buddy_lost_in_window_falls_back_to_disk(layout, calib, strategy_cfgs, handmade):
+    s = strategy_cfgs("deadpool") | {"disk_ckpt_interval_s": 500.0}
+    # node 2 fails at 1000; its buddy (slot 3) fails at 1010, before the swap is done at 1030
+    tr = handmade([(1000.0, 2, "fail", False, 5000.0), (1010.0, 3, "fail", False, 5000.0)], 10, T)
+    r = run("deadpool", s, calib, layout(), tr)
+    assert (r["fallbacks"], r["restarts"]) == (1, 1)
+    # the checkpoint at 1000 was still persisting (10 s) when node 2 died -> back to 500;
+    # resume at 1010 + 5 + 110 = 1125
+    assert badput_s(r, "lost") == pytest.approx(500.0, abs=1.0)
+    assert r["goodput"] == pytest.approx((500 + T - 1125) / T, abs=1e-3)
+
+
+def test_deadpool_no_spare_waits_for_repair(layout, calib, strategy_cfgs, handmade):
+    tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 8, T)
+    r = run("deadpool", strategy_cfgs("deadpool"), calib, layout(num_spares=0), tr)
+    assert r["stalls"] == 1
+    assert badput_s(r, "wait_spare") == pytest.approx(3000 - 5)
+    assert r["goodput"] == pytest.approx((1000 + T - 4025) / T, abs=1e-6)
+
+
+def test_deadpool_no_spare_shrinks(layout, calib, strategy_cfgs, handmade):
+    tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 8, T)
+    r = run("deadpool", strategy_cfgs("deadpool_shrink"), calib, layout(num_spares=0), tr)
+    # 3/4 width from 1030 until the repaired node re-forms the group at 4000 (+25 s)
+    assert (r["shrinks"], r["regrows"], r["stalls"]) == (1, 1, 0)
+    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2970 + T - 4025) / T, abs=1e-6)
+
+
+def test_elastic_shrinks_and_regrows(layout, calib, strategy_cfgs, handmade):
+    tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
+    r = run("elastic", strategy_cfgs("elastic"), calib, layout(), tr)
+    # detect 30 + shrink (0 + 20 + 30) -> 3/4 width from 1080 to 4000, regrow 25
+    assert (r["shrinks"], r["regrows"], r["charged_spare_nodes"]) == (1, 1, 0)
+    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2920 + T - 4025) / T, abs=1e-6)
+    assert r["fleet_goodput"] == pytest.approx(r["goodput"])
+
+
+def test_elastic_stalls_below_min_width(layout, calib, strategy_cfgs, handmade):
+    # six of eight nodes fail at once: one group left (< min 2), healthy survivors none
+    rows = [(1000.0, n, "fail", False, 2000.0) for n in range(6)]
+    r = run("elastic", strategy_cfgs("elastic"), calib, layout(), handmade(rows, 10, T))
+    assert r["stalls"] == 1
+    assert badput_s(r, "wait_spare") == pytest.approx(2000 - 30 - 50)
+
+
+def test_checkpoint_restart_known_lost_work(layout, calib, strategy_cfgs, handmade):
+    s = strategy_cfgs("checkpoint_restart") | {"ckpt_interval_s": 1000.0, "detect_s": 5.0}
+    tr = handmade([(2500.0, 3, "fail", True, 0.0)], 10, T)
+    r = run("checkpoint_restart", s, calib, layout(), tr)
+    # checkpoints durable at W=1000 (t=1010) and W=2000 (t=2020); failure at 2500 loses 480;
+    # restart done at 2505 + 110 = 2615, then 7 more cycles of 1010 s and 315 s of compute
+    assert badput_s(r, "lost") == pytest.approx(480.0)
+    assert badput_s(r, "ckpt_stall") == pytest.approx(90.0)
+    assert r["goodput"] == pytest.approx(9315.0 / T, abs=1e-6)
+    assert r["restarts"] == 1
+
+
+def test_checkpoint_restart_planned_drain_loses_nothing(layout, calib, strategy_cfgs, handmade):
+    s = strategy_cfgs("checkpoint_restart") | {"ckpt_interval_s": 1000.0}
+    tr = handmade([(2500.0, 3, "maintenance", False, 3600.0)], 10, T)
+    r = run("checkpoint_restart", s, calib, layout(), tr)
+    assert badput_s(r, "lost") == 0.0
+    assert badput_s(r, "restart") == pytest.approx(110.0)
+
+
+def test_replication_absorbs_one_loss(layout, calib, strategy_cfgs, handmade):
+    tr = handmade([(1000.0, 2, "fail", False, 3000.0)], 10, T)
+    r = run("replication", strategy_cfgs("replication"), calib, layout(), tr)
+    # detect 5 + failover 10 + replace 25; redundant computation costs 1/1.1 throughout
+    assert (r["absorbed"], r["restarts"], r["swaps"]) == (1, 0, 1)
+    assert r["goodput"] == pytest.approx((T - 40) / 1.1 / T, abs=1e-6)
+
+
+def test_replication_without_spares_runs_degraded(layout, calib, strategy_cfgs, handmade):
+    tr = handmade([(1000.0, 2, "fail", False, 3000.0)], 8, T)
+    r = run("replication", strategy_cfgs("replication"), calib, layout(num_spares=0), tr)
+    assert r["goodput"] == pytest.approx((1000 + 0.7 * 2985 + T - 4025) / 1.1 / T, abs=1e-6)
+
+
+def test_replication_both_copies_lost_restarts(layout, calib, strategy_cfgs, handmade):
+    tr = handmade([(1000.0, 2, "fail", False, 5000.0), (2000.0, 3, "fail", False, 5000.0)], 8, T)
+    r = run("replication", strategy_cfgs("replication"), calib, layout(num_spares=0), tr)
+    assert (r["fallbacks"], r["restarts"]) == (1, 1)
+
+
+@pytest.mark.parametrize("name", ["deadpool", "deadpool_shrink", "checkpoint_restart", "replication", "elastic"])
+def test_ledger_sums_to_wall_time_on_a_real_trace(name, strategy_cfgs):
+    from sim.simulate import make_trace
+    from sim.trace import DAY_S
+    import yaml
+    import sim.config
+    calib = yaml.safe_load((sim.config.SIM_CONF_DIR / "calibration" / "default.yaml").read_text())
+    tcfg = yaml.safe_load((sim.config.SIM_CONF_DIR / "trace" / "llama3.yaml").read_text())
+    tcfg["unexpected_per_1000_node_days"] = 60.0  # busy: overlapping failures, empty pools
+    lay = Layout(num_gpus=2048, gpus_per_node=8, tp=8, pp=4, num_spares=2, model_params=70e9,
+                 bytes_per_param_state=16, optimizer_sharded_over_dp=True, step_time_s=5.0)
+    horizon = 20 * DAY_S
+    tr = make_trace(tcfg, lay, horizon, seed=1)
+    r = run_one(name, strategy_cfgs(name), calib, lay, tr, horizon, 3600.0)
+    assert abs(r["accounting_error_s"]) < 1e-3
+    assert 0.0 < r["goodput"] <= 1.0
+    assert all(r[k] >= -1e-9 for k in r if k.startswith("badput_"))
+
+
+def test_deadpool_matches_analytic_goodput_with_ample_spares(strategy_cfgs):
+    """goodput ~= 1 - (failures*(detect + swap + E[recompute]) + planned*swap) / T, where
+    E[recompute] = step/2 + replicate lag (1 step) under the default calibration."""
+    import yaml
+    import sim.config
+    from sim import costs
+    from sim.simulate import make_trace
+    from sim.trace import DAY_S
+    calib = yaml.safe_load((sim.config.SIM_CONF_DIR / "calibration" / "default.yaml").read_text())
+    tcfg = yaml.safe_load((sim.config.SIM_CONF_DIR / "trace" / "llama3.yaml").read_text())
+    lay = Layout(num_gpus=16384, gpus_per_node=8, tp=8, pp=16, num_spares=64, model_params=405e9,
+                 bytes_per_param_state=16, optimizer_sharded_over_dp=True, step_time_s=6.3)
+    hot = costs.hotswap(lay, calib)
+    horizon = 54 * DAY_S
+    for seed in range(3):
+        r = run_one("deadpool", strategy_cfgs("deadpool"), calib, lay, make_trace(tcfg, lay, horizon, seed),
+                    horizon, 3 * 3600.0)
+        per_failure = hot.detect_s + hot.swap_s + 1.5 * lay.step_time_s
+        predicted = 1 - (r["failures"] * per_failure + r["planned_maintenance"] * hot.swap_s) / horizon
+        assert r["goodput"] == pytest.approx(predicted, abs=2e-4)
+        assert r["fallbacks"] == 0 and r["stalls"] == 0
+
+
+def test_events_scale_with_failures_not_steps(layout, calib, strategy_cfgs):
+    import yaml
+    import sim.config
+    from sim.simulate import make_trace
+    from sim.trace import DAY_S
+    tcfg = yaml.safe_load((sim.config.SIM_CONF_DIR / "trace" / "llama3.yaml").read_text())
+    horizon = 54 * DAY_S
+    events = {}
+    for step in (0.1, 10.0):
+        lay = Layout(num_gpus=16384, gpus_per_node=8, tp=8, pp=16, num_spares=21, model_params=405e9,
+                     bytes_per_param_state=16, optimizer_sharded_over_dp=True, step_time_s=step)
+        tr = make_trace(tcfg, lay, horizon, seed=0)
+        r = run_one("deadpool", strategy_cfgs("deadpool"), calib, lay, tr, horizon, 3 * 3600.0)
+        events[step] = r["events"]
+        assert r["events"] < 10 * len(tr)
+    assert events[0.1] == events[10.0]  # 46 million vs 466 thousand steps: same event count

@@ -1,0 +1,85 @@
+"""Launchers start and fence the processes of a job; the coordinator never starts them itself.
+
+``LocalLauncher`` starts every worker and warm spare as a child process of the coordinator on this
+machine, so process exit is observable (``poll``) and a hung process can be fenced (SIGKILL).
+On SLURM / torchrun the processes are started by ``srun``; ``ExternalLauncher`` then has no
+handles: failures are seen through heartbeats and collective errors only, and fencing is a store
+key that a remote process's heartbeat thread honours (see experiments/slurm/).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+class LocalLauncher:
+    def __init__(self, run_dir: Path, job_json: Path):
+        self.run_dir = Path(run_dir)
+        self.job_json = Path(job_json)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.logs: dict[int, Path] = {}
+
+    def start(self, slots: list[int]) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env["PYTHONUNBUFFERED"] = "1"
+        for slot in slots:
+            log = self.run_dir / "logs" / f"slot{slot}.log"
+            self.logs[slot] = log
+            self.procs[slot] = subprocess.Popen(
+                [sys.executable, "-m", "deadpool.worker", "--job", str(self.job_json), "--slot", str(slot)],
+                stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def poll(self, slot: int) -> int | None:
+        """Exit code of the process in ``slot``, or None while it runs."""
+        return self.procs[slot].poll()
+
+    def kill(self, slot: int) -> None:
+        """Fence: a declared-dead process must never come back (a SIGSTOPped one would)."""
+        p = self.procs.get(slot)
+        if p is not None and p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_all(self, timeout_s: float) -> None:
+        for slot, p in self.procs.items():
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill(slot)
+                p.wait()
+
+    def log_tail(self, slot: int, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.logs[slot].read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ExternalLauncher:
+    """Processes started elsewhere (srun, torchrun): no exit codes, fencing through the store."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def start(self, slots: list[int]) -> None:
+        pass
+
+    def poll(self, slot: int) -> int | None:
+        return None
+
+    def kill(self, slot: int) -> None:
+        self.store.set(f"fence/{slot}", "1")
+
+    def wait_all(self, timeout_s: float) -> None:
+        pass
+
+    def log_tail(self, slot: int, lines: int = 20) -> str:
+        return ""

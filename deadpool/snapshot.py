@@ -1,0 +1,398 @@
+"""The snapshot engine: per-step, asynchronous in-memory snapshots replicated to a buddy rank.
+
+After optimizer step ``s`` the trainer calls ``snapshot(s)``; the engine copies parameters and
+optimizer state into one flat host buffer (a slot of a small local ring) *off the critical path*:
+on CPU a copier thread does it while the next step's forward/backward runs; on CUDA the copy is
+issued on a side stream into pinned memory. Parameters only change again in the next optimizer
+step, so the trainer must call ``wait_copy()`` after backward and before ``optimizer.step()``:
+that wait is the only time snapshots can block training, and it is measured (``blocked_s``).
+
+A replication thread (one per generation, with its own process group) then sends each snapshot to
+the rank's buddy in chunks and receives the ward's snapshot. A replica counts only when it is
+complete and its CRC32 matches the sender's. Each rank therefore holds:
+
+    local ring:  its own snapshots of the last ``num_local_slots`` snapshot steps (rollback targets)
+    replicas:    the last two verified snapshots of its ward (what a spare is rebuilt from)
+
+All ranks replicate the same steps in the same order (every ``interval``-th step), so the ring of
+sends and receives always pairs up. If replication falls behind, ``snapshot()`` waits for a free
+slot (backpressure, also counted in ``blocked_s``) rather than skipping steps.
+"""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+HEADER_BYTES = 1 << 16  # pickled metadata (step, RNG states, data position) must fit
+_ALIGN = 64
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """A rank's training state in a fixed order: parameters, then AdamW state per parameter."""
+    out = [(f"param/{n}", p) for n, p in model.named_parameters()]
+    for n, p in model.named_parameters():
+        st = opt.state[p]
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            out.append((f"{k}/{n}", st[k]))
+    return out
+
+
+@dataclass
+class Entry:
+    name: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple
+
+
+class StateLayout:
+    """Where each state tensor lives in the flat byte buffer."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]):
+        self.entries: list[Entry] = []
+        off = 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            self.entries.append(Entry(name, off, nbytes, t.dtype, tuple(t.shape)))
+            off += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.nbytes = off
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries]
+
+    def state_dict(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {e.name: v for e, v in zip(self.entries, self.views(flat))}
+
+
+def checksum(flat: torch.Tensor) -> int:
+    # zlib releases the GIL on large buffers, so this runs beside the training thread.
+    return zlib.crc32(flat.numpy())
+
+
+@dataclass
+class Slot:
+    flat: torch.Tensor
+    step: int = -1
+    header: bytes = b""
+    crc: int = 0
+    copied: threading.Event = field(default_factory=threading.Event)
+    replicating: bool = False
+    cuda_event: object = None
+
+
+@dataclass
+class Replica:
+    owner: int
+    step: int
+    flat: torch.Tensor
+    header: bytes
+    crc: int
+
+
+class SnapshotEngine:
+    """Owns the local snapshot ring, the ward's replicas, and the copier / replication threads."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], *, interval: int = 1,
+                 num_local_slots: int = 3, chunk_bytes: int = 4 << 20, device: str = "cpu",
+                 fault_hook=None):
+        if interval < 1:
+            raise ValueError("ft.snapshot_interval_steps must be >= 1")
+        if num_local_slots < 2:
+            raise ValueError("ft.num_local_slots must be >= 2 (one being written, one to roll back to)")
+        self.tensors = [t for _, t in tensors]
+        self.layout = StateLayout(tensors)
+        self.interval = interval
+        self.chunk_bytes = max(1 << 16, int(chunk_bytes))
+        self.device = device
+        self.fault_hook = fault_hook or (lambda step, phase: None)
+        pin = device.startswith("cuda") and torch.cuda.is_available()
+        self.slots = [Slot(torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=pin))
+                      for _ in range(num_local_slots)]
+        self.replicas: dict[int, list[Replica]] = {}
+        self._lock = threading.Condition()
+        self._copy_q: queue.Queue = queue.Queue()
+        self._last_copy: Slot | None = None
+        self._side_stream = torch.cuda.Stream() if pin else None
+        self._copier = threading.Thread(target=self._copy_loop, name="snapshot-copier", daemon=True)
+        self._copier.start()
+        self._repl: _Replicator | None = None
+        # timings of the latest snapshot / replication (seconds), read by the trainer's metrics
+        self.last_copy_s = 0.0
+        self.last_replicate_s = 0.0
+        self.blocked_s = 0.0
+
+    def is_snapshot_step(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    # -- main thread: take a snapshot -------------------------------------------------------------
+    def snapshot(self, step: int, header: dict) -> None:
+        """Start an asynchronous snapshot of the live state tagged ``step``. Main thread only."""
+        slot = self.slots[(step // self.interval) % len(self.slots)]
+        t0 = time.perf_counter()
+        with self._lock:
+            while slot.replicating:
+                self._lock.wait()
+        self.blocked_s += time.perf_counter() - t0
+        slot.copied.clear()
+        slot.step = step
+        slot.header = pickle.dumps(header)
+        if len(slot.header) > HEADER_BYTES:
+            raise ValueError("snapshot header too large")
+        if self._side_stream is not None:  # pragma: no cover - needs CUDA
+            main = torch.cuda.current_stream()
+            self._side_stream.wait_stream(main)
+            with torch.cuda.stream(self._side_stream):
+                for v, t in zip(self.layout.views(slot.flat), self.tensors):
+                    v.copy_(t, non_blocking=True)
+                slot.cuda_event = torch.cuda.Event()
+                slot.cuda_event.record()
+        self._last_copy = slot
+        self._copy_q.put(slot)
+
+    def wait_copy(self) -> None:
+        """Must be called after backward and before the optimizer step: the live state may change."""
+        slot = self._last_copy
+        if slot is None:
+            return
+        t0 = time.perf_counter()
+        if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
+            torch.cuda.current_stream().wait_event(slot.cuda_event)  # GPU-side wait, CPU goes on
+        else:
+            slot.copied.wait()
+        self.blocked_s += time.perf_counter() - t0
+
+    def _copy_loop(self) -> None:
+        while True:
+            slot: Slot = self._copy_q.get()
+            t0 = time.perf_counter()
+            if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
+                slot.cuda_event.synchronize()
+            else:
+                for v, t in zip(self.layout.views(slot.flat), self.tensors):
+                    v.copy_(t)
+            slot.crc = checksum(slot.flat)
+            self.last_copy_s = time.perf_counter() - t0
+            slot.copied.set()
+            repl = self._repl
+            if repl is not None and not repl.stopped:
+                with self._lock:
+                    slot.replicating = True
+                repl.queue.put(slot)
+
+    # -- what this rank can resume from ------------------------------------------------------------
+    def local_steps(self) -> list[int]:
+        self.drain()
+        return sorted(s.step for s in self.slots if s.step >= 0 and s.copied.is_set())
+
+    def replica_steps(self) -> dict[int, list[int]]:
+        with self._lock:
+            return {o: sorted(r.step for r in reps) for o, reps in self.replicas.items()}
+
+    def drain(self) -> None:
+        """Wait until every queued local copy has finished (not replication)."""
+        for s in self.slots:
+            if s.step >= 0:
+                s.copied.wait()
+
+    def local_slot(self, step: int) -> Slot:
+        self.drain()
+        for s in self.slots:
+            if s.step == step and s.copied.is_set():
+                return s
+        raise KeyError(f"no local snapshot of step {step}")
+
+    def restore_local(self, step: int) -> dict:
+        """Roll the live state back to this rank's own snapshot of ``step``; returns its header."""
+        slot = self.local_slot(step)
+        if checksum(slot.flat) != slot.crc:
+            raise RuntimeError(f"local snapshot of step {step} is corrupt (CRC mismatch)")
+        self._load(slot.flat)
+        return pickle.loads(slot.header)
+
+    def _load(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for v, t in zip(self.layout.views(flat), self.tensors):
+                t.copy_(v, non_blocking=False)
+
+    def replica(self, owner: int, step: int) -> Replica:
+        with self._lock:
+            for r in self.replicas.get(owner, []):
+                if r.step == step:
+                    return r
+        raise KeyError(f"no replica of rank {owner} at step {step}")
+
+    # -- state transfer to a spare (main thread, before replication starts) ----------------------
+    def send_replica(self, comm, owner: int, step: int, dst_rank: int) -> int:
+        rep = self.replica(owner, step)
+        pg = comm.group("repl")
+        _send_state(pg, comm.group_rank("repl", dst_rank), rep.step, rep.flat, rep.header, rep.crc,
+                    self.chunk_bytes, wait=_blocking)
+        return rep.flat.numel()
+
+    def recv_state(self, comm, src_rank: int, step: int) -> dict:
+        """Receive a full state from ``src_rank``, verify it, load it live and keep it as a local
+        snapshot of ``step``. Returns the header."""
+        slot = self.slots[(step // self.interval) % len(self.slots)]
+        pg = comm.group("repl")
+        got_step, header, crc = _recv_state(pg, comm.group_rank("repl", src_rank), slot.flat,
+                                            self.chunk_bytes, wait=_blocking)
+        if got_step != step or checksum(slot.flat) != crc:
+            raise RuntimeError(f"state transfer from rank {src_rank} failed verification "
+                               f"(step {got_step} vs {step})")
+        slot.step, slot.header, slot.crc = step, header, crc
+        slot.copied.set()
+        self._load(slot.flat)
+        return pickle.loads(header)
+
+    # -- replication thread lifecycle ------------------------------------------------------------
+    def start_replication(self, comm, store_factory, first_step: int | None) -> None:
+        """Start this generation's replication thread; optionally replicate ``first_step`` (a local
+        snapshot, e.g. the state just restored) at once so the new rank is protected quickly."""
+        self.stop_replication()
+        topo = comm.topo
+        self._repl = _Replicator(self, comm, topo.buddy(), topo.ward(), store_factory)
+        self._repl.start()
+        if first_step is not None:
+            slot = self.local_slot(first_step)
+            with self._lock:
+                slot.replicating = True
+            self._repl.queue.put(slot)
+
+    def stop_replication(self) -> None:
+        """Abandon the current replication thread (it may be blocked on a dead peer)."""
+        if self._repl is not None:
+            self._repl.stopped = True
+            self._repl.queue.put(None)
+            self._repl = None
+        with self._lock:
+            for s in self.slots:
+                s.replicating = False
+            self._lock.notify_all()
+
+    def _commit_replica(self, rep: Replica, repl: "_Replicator") -> bool:
+        with self._lock:
+            if repl.stopped:
+                return False
+            reps = [r for r in self.replicas.get(rep.owner, []) if r.step != rep.step]
+            reps.append(rep)
+            self.replicas[rep.owner] = sorted(reps, key=lambda r: r.step)[-2:]
+            return True
+
+    def _release(self, slot: Slot) -> None:
+        with self._lock:
+            slot.replicating = False
+            self._lock.notify_all()
+
+
+class _Replicator(threading.Thread):
+    """Sends each local snapshot to the buddy and receives the ward's, in lockstep with all ranks."""
+
+    def __init__(self, engine: SnapshotEngine, comm, buddy: int, ward: int, store_factory):
+        super().__init__(name=f"snapshot-repl-g{comm.topo.generation}", daemon=True)
+        self.engine, self.comm = engine, comm
+        self.buddy, self.ward = buddy, ward
+        self.queue: queue.Queue = queue.Queue()
+        self.stopped = False
+        self.store_factory = store_factory
+        self.protected_reported = False
+        n = engine.layout.nbytes
+        # fresh receive buffers per generation: an abandoned receive may still write into the old ones
+        self.recv_pool = [torch.empty(n, dtype=torch.uint8) for _ in range(3)]
+
+    def _free_recv_buffer(self) -> torch.Tensor:
+        held = {id(r.flat) for reps in self.engine.replicas.values() for r in reps}
+        for b in self.recv_pool:
+            if id(b) not in held:
+                return b
+        raise RuntimeError("no free replica buffer")  # cannot happen: at most 2 are held
+
+    def run(self) -> None:
+        pg = self.comm.group("repl")
+        dst = self.comm.group_rank("repl", self.buddy)
+        src = self.comm.group_rank("repl", self.ward)
+        store = None
+        while True:
+            slot = self.queue.get()
+            if slot is None or self.stopped:
+                return
+            t0 = time.perf_counter()
+            try:
+                buf = self._free_recv_buffer()
+                sends = _post_sends(pg, dst, slot.step, slot.flat, slot.header, slot.crc,
+                                    self.engine.chunk_bytes)
+                # a "replication" fault fires here: sends posted, first chunk of the ward's arrived
+                step, header, crc = _recv_state(pg, src, buf, self.engine.chunk_bytes,
+                                                wait=_blocking,
+                                                after_first_chunk=lambda s: self.engine.fault_hook(s, "replication"))
+                for w in sends:
+                    w.wait()
+            except Exception:
+                # peer gone: the coordinator will abort the generation; this thread is done
+                self.stopped = True
+                self.engine._release(slot)
+                return
+            self.engine._release(slot)
+            if checksum(buf) != crc:
+                continue  # a torn or corrupt replica never counts
+            if not self.engine._commit_replica(Replica(self.ward, step, buf, header, crc), self):
+                return
+            self.engine.last_replicate_s = time.perf_counter() - t0
+            if not self.protected_reported:
+                store = store or self.store_factory()
+                keys = self.comm.keys
+                store.set(keys.protected(self.comm.topo.rank), repr(time.time()))
+                store.add(keys.protected_count, 1)
+                self.protected_reported = True
+
+
+def _blocking(work) -> None:
+    # Point-to-point waits must not use a timeout: a timed-out send/recv breaks the pair. A dead
+    # peer is fenced (SIGKILLed) by the coordinator, which closes its sockets and ends this wait.
+    work.wait()
+
+
+def _meta(step: int, nbytes: int, crc: int, header_len: int) -> torch.Tensor:
+    return torch.tensor([step, nbytes, crc, header_len], dtype=torch.int64)
+
+
+def _chunks(flat: torch.Tensor, chunk_bytes: int):
+    for off in range(0, flat.numel(), chunk_bytes):
+        yield flat[off:off + chunk_bytes]
+
+
+def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: int, chunk_bytes: int) -> list:
+    hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    hdr[:len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    works = [pg.send([_meta(step, flat.numel(), crc, len(header))], dst, 0), pg.send([hdr], dst, 1)]
+    for i, c in enumerate(_chunks(flat, chunk_bytes)):
+        works.append(pg.send([c], dst, 2 + i))
+    return works
+
+
+def _send_state(pg, dst, step, flat, header, crc, chunk_bytes, wait) -> None:
+    for w in _post_sends(pg, dst, step, flat, header, crc, chunk_bytes):
+        wait(w)
+
+
+def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait,
+                after_first_chunk=None) -> tuple[int, bytes, int]:
+    meta = torch.zeros(4, dtype=torch.int64)
+    hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    wait(pg.recv([meta], src, 0))
+    step, nbytes, crc, hlen = (int(x) for x in meta.tolist())
+    if nbytes != flat.numel():
+        raise RuntimeError(f"state layout mismatch: peer sends {nbytes} bytes, expected {flat.numel()}")
+    wait(pg.recv([hdr], src, 1))
+    for i, c in enumerate(_chunks(flat, chunk_bytes)):
+        wait(pg.recv([c], src, 2 + i))
+        if i == 0 and after_first_chunk is not None:
+            after_first_chunk(step)
+    return step, bytes(hdr[:hlen].numpy()), crc & 0xFFFFFFFF

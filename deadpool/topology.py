@@ -1,0 +1,84 @@
+"""Parallel degrees and rank coordinates: which rank is where, and who backs up whom.
+
+``ParallelDims`` is the layout (dp x tp x pp, and how many ranks share a node); ``Topology`` is one
+generation's view of it for one rank. Recovery never edits a topology: it builds the next
+generation's object, because the spare takes the dead rank's coordinates and everything else
+(buddies, groups) follows from them. Rank order is pp-major, then dp, then tp, so the ranks of one
+tensor-parallel group are adjacent and share a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deadpool.policies import BUDDY_POLICIES, make_policy
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    ranks_per_node: int = 1
+
+    def __post_init__(self):
+        for axis in ("dp", "tp", "pp", "ranks_per_node"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"parallel.{axis} must be >= 1, got {getattr(self, axis)}")
+        if self.world_size % self.ranks_per_node:
+            raise ValueError(
+                f"world size {self.world_size} (dp*tp*pp) is not a multiple of "
+                f"ranks_per_node={self.ranks_per_node}")
+        if self.tp > 1 and self.ranks_per_node % self.tp:
+            raise ValueError("a tensor-parallel group must fit inside one node (ranks_per_node % tp == 0)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        pp, rest = divmod(rank, self.dp * self.tp)
+        dp, tp = divmod(rest, self.tp)
+        return {"pp": pp, "dp": dp, "tp": tp}
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """All groups along one mesh axis, each a sorted list of ranks."""
+        others = [a for a in ("pp", "dp", "tp") if a != axis]
+        groups: dict[tuple, list[int]] = {}
+        for r in range(self.world_size):
+            c = self.coords(r)
+            groups.setdefault(tuple(c[a] for a in others), []).append(r)
+        return list(groups.values())
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One rank's view of one generation."""
+
+    dims: ParallelDims
+    rank: int
+    generation: int
+    buddy_policy: str = "ring_over_nodes"
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.dims.coords(self.rank)
+
+    def buddy(self, rank: int | None = None) -> int:
+        """The rank that holds ``rank``'s replica."""
+        policy = make_policy(BUDDY_POLICIES, self.buddy_policy)
+        r = self.rank if rank is None else rank
+        return policy(r, self.dims.world_size, self.dims.ranks_per_node)
+
+    def ward(self) -> int:
+        """The rank whose replica this rank holds (inverse of ``buddy``)."""
+        for r in range(self.dims.world_size):
+            if self.buddy(r) == self.rank:
+                return r
+        raise RuntimeError("buddy policy is not a permutation")

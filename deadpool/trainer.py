@@ -1,0 +1,131 @@
+"""The training loop of one rank: step, snapshot, maybe persist.
+
+``Trainer`` holds the model, optimizer, data and snapshot engine across generations; a
+generation's communicator is passed to ``train``. The loop reads top to bottom::
+
+    while steps left:  abort? -> forward/backward -> all-reduce grads -> wait for the snapshot copy
+                       -> optimizer step -> snapshot (async) -> maybe persist -> metrics
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from deadpool import checkpoint
+from deadpool.comm import Communicator
+from deadpool.data import SyntheticCorpus
+from deadpool.faults import FaultInjector
+from deadpool.model import build_model, build_optimizer
+from deadpool.snapshot import SnapshotEngine, state_tensors
+
+
+class Trainer:
+    def __init__(self, cfg: dict, slot: int, injector: FaultInjector, metrics_path: Path):
+        self.cfg = cfg
+        self.slot = slot
+        self.injector = injector
+        ft = cfg["ft"]
+        self.device = cfg["device"]
+        self.model = build_model(cfg["model"], cfg["seed"], self.device)
+        self.opt = build_optimizer(self.model, cfg["lr"], cfg["weight_decay"])
+        self.params = [p for p in self.model.parameters()]
+        self.corpus = SyntheticCorpus(cfg["model"]["vocab_size"], cfg["seed"])
+        self.engine = SnapshotEngine(
+            state_tensors(self.model, self.opt), interval=ft["snapshot_interval_steps"],
+            num_local_slots=ft["num_local_slots"], chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
+            device=self.device, fault_hook=injector.fire)
+        self.snapshots_on = bool(ft["snapshot"])
+        self.step = 0
+        self.generation = 0
+        self.rank: int | None = None
+        self.metrics = open(metrics_path, "a", buffering=1)
+        self.step_times: list[float] = []
+
+    # -- state ------------------------------------------------------------------------------------
+    def header(self) -> dict:
+        return {"step": self.step, "data_position": self.step, "rng_cpu": torch.get_rng_state(),
+                "generation": self.generation}
+
+    def apply_header(self, header: dict) -> None:
+        self.step = int(header["step"])
+        if header.get("rng_cpu") is not None:
+            torch.set_rng_state(header["rng_cpu"])
+
+    def snapshot_now(self) -> None:
+        """Take (and finish copying) a local snapshot of the current step, e.g. after a restore."""
+        self.engine.snapshot(self.step, self.header())
+        self.engine.drain()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in state_tensors(self.model, self.opt)}
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for _, t in state_tensors(self.model, self.opt):
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def train(self, comm: Communicator, on_first_step=None) -> None:
+        """Train until ``num_steps``. Raises ``Aborted`` / ``CollectiveError`` on a failure."""
+        cfg = self.cfg
+        dp_rank = comm.topo.coords["dp"]
+        interval = self.engine.interval
+        persist = int(cfg["ft"]["persist_interval_steps"] or 0)
+        first = True
+        while self.step < cfg["num_steps"]:
+            t0 = time.perf_counter()
+            blocked0 = self.engine.blocked_s
+            comm.raise_if_aborted()
+            self.injector.fire(self.step, "step_start")
+            # gradients of an aborted step must not leak into its replay
+            self.opt.zero_grad(set_to_none=True)
+            x, y = self.corpus.batch(self.step, dp_rank, cfg["batch_size"], cfg["seq_len"])
+            loss = self.model(x.to(self.device), y.to(self.device))
+            loss.backward()
+            self.injector.fire(self.step, "mid_step")
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            comm.allreduce_mean(flat)
+            off = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p))
+                off += n
+            self.engine.wait_copy()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)  # abandoned all-reduce buffers are never reused
+            self.step += 1
+            if self.snapshots_on and self.step % interval == 0:
+                self.engine.snapshot(self.step, self.header())
+            if persist and self.step % persist == 0:
+                self.persist(self.step)
+            dt = time.perf_counter() - t0
+            self.step_times.append(dt)
+            self.log(loss.item(), dt, self.engine.blocked_s - blocked0)
+            if first and on_first_step is not None:
+                on_first_step()
+            first = False
+
+    def log(self, loss: float, step_time_s: float, blocked_s: float) -> None:
+        rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
+               "loss": round(loss, 6), "step_time_s": step_time_s,
+               "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
+               "replicate_s": self.engine.last_replicate_s, "t": time.time()}
+        self.metrics.write(json.dumps(rec) + "\n")
+        every = int(self.cfg.get("log_every_steps", 0) or 0)
+        if self.rank == 0 and every and (self.step % every == 0 or self.step == self.cfg["num_steps"]):
+            print(f"[rank 0] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
+                  f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms",
+                  flush=True)
+
+    def persist(self, step: int) -> None:
+        """Write this rank's live state to disk (synchronous; DCP's async_save is the next step)."""
+        root = self.cfg["ft"]["checkpoint_dir"]
+        checkpoint.save_rank_state(root, step, self.rank, self.state_dict(), self.header())
+        if self.rank == 0:
+            checkpoint.write_meta(root, step, None, "periodic")

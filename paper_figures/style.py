@@ -1,0 +1,91 @@
+"""Shared figure style: strategy colours and labels, sizes, loading result files, saving.
+
+Figures read only result files (``results/...`` CSV/JSON written by runs and sweeps) and this
+module; nothing here runs a simulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+OUT = Path(__file__).resolve().parent / "out"
+
+STRATEGIES = {  # name -> (label, colour, marker)
+    "deadpool": ("DeadPool (hot swap)", "#d62728", "o"),
+    "deadpool_shrink": ("DeadPool, shrink when no spare", "#ff7f0e", "D"),
+    "checkpoint_restart": ("Checkpoint/restart", "#1f77b4", "s"),
+    "replication": ("Replication", "#2ca02c", "^"),
+    "elastic": ("Elastic", "#9467bd", "v"),
+}
+BUCKET_COLOURS = {
+    "ckpt_stall": "#1f77b4", "lost": "#d62728", "detection": "#ff7f0e", "reconfiguration": "#8c564b",
+    "restart": "#7f7f7f", "wait_spare": "#e377c2", "degraded": "#9467bd", "redundant": "#2ca02c",
+    "snapshot": "#17becf",
+}
+
+plt.rcParams.update({
+    "figure.dpi": 120, "savefig.dpi": 200, "font.size": 10, "axes.titlesize": 11,
+    "axes.labelsize": 10, "legend.fontsize": 8.5, "axes.grid": True, "grid.alpha": 0.3,
+    "axes.spines.top": False, "axes.spines.right": False,
+})
+
+
+def label(strategy: str) -> str:
+    return STRATEGIES.get(strategy, (strategy,))[0]
+
+
+def colour(strategy: str) -> str:
+    return STRATEGIES.get(strategy, (None, "#333333"))[1]
+
+
+def marker(strategy: str) -> str:
+    return STRATEGIES.get(strategy, (None, None, "x"))[2]
+
+
+def ordered(strategies) -> list[str]:
+    known = [s for s in STRATEGIES if s in set(strategies)]
+    return known + sorted(set(strategies) - set(known))
+
+
+def args(default_input: str, description: str) -> argparse.Namespace:
+    """Common CLI: ``--input`` (result directory, default under results/) and ``--out``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--input", default=str(RESULTS / default_input), help="result directory to read")
+    ap.add_argument("--out", default=str(OUT), help="where to write PNG and PDF")
+    return ap.parse_args()
+
+
+def load_aggregate(directory: str | Path) -> pd.DataFrame | None:
+    p = Path(directory) / "aggregate.csv"
+    if not p.exists():
+        print(f"skip: no {p} (run the sweep first: experiments/sim/run_local.sh <sweep>)")
+        return None
+    return pd.read_csv(p)
+
+
+def save(fig, out_dir: str | Path, name: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(out / f"{name}.{ext}", bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {out / name}.png/.pdf")
+    return out / f"{name}.png"
+
+
+def errorbar(ax, x, df, metric, strategy, **kw):
+    """Mean with its 95% CI as error bars."""
+    y = df[f"{metric}_mean"]
+    err = [y - df[f"{metric}_ci95_lo"], df[f"{metric}_ci95_hi"] - y]
+    ax.errorbar(x, y, yerr=err, label=label(strategy), color=colour(strategy), marker=marker(strategy),
+                capsize=2, lw=1.5, ms=5, **kw)

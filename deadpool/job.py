@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from deadpool.coordinator import Coordinator, JobFailed
-from deadpool.launcher import LocalLauncher
+from deadpool.launcher import ExternalLauncher, LocalLauncher
 from deadpool.report import write_outputs
 
 
@@ -59,13 +59,18 @@ def run_job(cfg: dict, log=print) -> dict:
     cfg = dict(cfg, _store={"host": cfg["launcher"]["host"], "port": store.port})
     job_json = run_dir / "job.json"
     job_json.write_text(json.dumps(cfg, indent=1))
-    launcher = LocalLauncher(run_dir, job_json)
     n_workers = cfg["parallel"]["dp"] * cfg["parallel"]["tp"] * cfg["parallel"]["pp"]
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
     t0 = time.time()
-    launcher.start(slots)
-    log(f"[deadpool] {n_workers} workers + {cfg['ft']['num_spares']} warm spare(s) started; "
-        f"store on port {store.port}; run dir {run_dir}")
+    if cfg["launcher"]["name"] == "local":
+        launcher = LocalLauncher(run_dir, job_json)
+        launcher.start(slots)
+        log(f"[deadpool] {n_workers} workers + {cfg['ft']['num_spares']} warm spare(s) started; "
+            f"store on port {store.port}; run dir {run_dir}")
+    else:  # srun / torchrun start the processes: `python -m deadpool.worker --job ... --slot $SLURM_PROCID`
+        launcher = ExternalLauncher(store)
+        log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{store.port}; waiting for "
+            f"{len(slots)} processes (job file {job_json})")
     coord = Coordinator(cfg, store, launcher, log=log)
     try:
         coord.run()

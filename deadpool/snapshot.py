@@ -326,12 +326,12 @@ class _Replicator(threading.Thread):
             t0 = time.perf_counter()
             try:
                 buf = self._free_recv_buffer()
+                # a "replication" fault fires after the first chunk is posted, the rest not:
+                # the buddy is left with a torn replica of this step
                 sends = _post_sends(pg, dst, slot.step, slot.flat, slot.header, slot.crc,
-                                    self.engine.chunk_bytes)
-                # a "replication" fault fires here: sends posted, first chunk of the ward's arrived
-                step, header, crc = _recv_state(pg, src, buf, self.engine.chunk_bytes,
-                                                wait=_blocking,
-                                                after_first_chunk=lambda s: self.engine.fault_hook(s, "replication"))
+                                    self.engine.chunk_bytes,
+                                    after_first_chunk=lambda s=slot.step: self.engine.fault_hook(s, "replication"))
+                step, header, crc = _recv_state(pg, src, buf, self.engine.chunk_bytes, wait=_blocking)
                 for w in sends:
                     w.wait()
             except Exception:
@@ -368,12 +368,15 @@ def _chunks(flat: torch.Tensor, chunk_bytes: int):
         yield flat[off:off + chunk_bytes]
 
 
-def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: int, chunk_bytes: int) -> list:
+def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: int, chunk_bytes: int,
+                after_first_chunk=None) -> list:
     hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     hdr[:len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     works = [pg.send([_meta(step, flat.numel(), crc, len(header))], dst, 0), pg.send([hdr], dst, 1)]
     for i, c in enumerate(_chunks(flat, chunk_bytes)):
         works.append(pg.send([c], dst, 2 + i))
+        if i == 0 and after_first_chunk is not None:
+            after_first_chunk()  # sends are asynchronous: the rest is not posted yet
     return works
 
 
@@ -382,8 +385,7 @@ def _send_state(pg, dst, step, flat, header, crc, chunk_bytes, wait) -> None:
         wait(w)
 
 
-def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait,
-                after_first_chunk=None) -> tuple[int, bytes, int]:
+def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait) -> tuple[int, bytes, int]:
     meta = torch.zeros(4, dtype=torch.int64)
     hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     wait(pg.recv([meta], src, 0))
@@ -393,6 +395,4 @@ def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait,
     wait(pg.recv([hdr], src, 1))
     for i, c in enumerate(_chunks(flat, chunk_bytes)):
         wait(pg.recv([c], src, 2 + i))
-        if i == 0 and after_first_chunk is not None:
-            after_first_chunk(step)
     return step, bytes(hdr[:hlen].numpy()), crc & 0xFFFFFFFF

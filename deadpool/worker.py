@@ -54,8 +54,12 @@ class Heartbeat(threading.Thread):
         self.interval_s = interval_s
 
     def run(self):
+        fence = f"fence/{self.key.split('/')[-1]}"
         while True:
             self.store.set(self.key, repr(time.time()))
+            # a process the coordinator declared dead must not come back (e.g. after SIGCONT)
+            if self.store.check([fence]):
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(self.interval_s)
 
 
@@ -197,11 +201,20 @@ class Worker:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", required=True, help="job.json written by the launcher")
-    ap.add_argument("--slot", type=int, required=True, help="launch slot of this process")
+    ap.add_argument("--slot", type=int, help="launch slot of this process")
+    ap.add_argument("--slot-from-env", action="store_true",
+                    help="take the slot from SLURM_PROCID or RANK (srun / torchrun)")
     args = ap.parse_args(argv)
+    if args.slot is None:
+        env = os.environ.get("SLURM_PROCID", os.environ.get("RANK"))
+        if not args.slot_from_env or env is None:
+            ap.error("give --slot N, or --slot-from-env under srun / torchrun")
+        args.slot = int(env)
     cfg = json.loads(Path(args.job).read_text())
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     torch.set_num_threads(int(cfg.get("torch_num_threads", 1)))
+    if cfg["device"].startswith("cuda"):  # pragma: no cover - needs CUDA
+        torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", 0))))
     code = 0
     try:
         Worker(cfg, args.slot).run()

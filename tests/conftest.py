@@ -1,0 +1,30 @@
+"""Shared test helpers: compose the training config with Hydra, skip GPU tests without CUDA."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose_train(overrides: list[str], run_dir: Path) -> dict:
+    """The resolved training config as the entry point would build it (run_dir pinned)."""
+    from deadpool.train import compose_config
+
+    return compose_config(overrides, run_dir)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

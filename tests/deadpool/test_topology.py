@@ -1,0 +1,45 @@
+import pytest
+
+from deadpool.policies import FirstFree, RingOverNodes, SameNodeFirst
+from deadpool.topology import ParallelDims, Topology
+
+
+def test_coords_roundtrip_and_axis_groups():
+    dims = ParallelDims(dp=2, tp=2, pp=2, ranks_per_node=2)
+    assert dims.world_size == 8
+    for r in range(8):
+        c = dims.coords(r)
+        assert dims.rank_of(c["pp"], c["dp"], c["tp"]) == r
+    assert dims.axis_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.axis_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.axis_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("world,per_node", [(4, 1), (6, 2), (8, 4), (3, 3)])
+def test_buddy_is_a_permutation_on_another_node(world, per_node):
+    dims = ParallelDims(dp=world, ranks_per_node=per_node)
+    buddies = [Topology(dims, r, 0).buddy() for r in range(world)]
+    assert sorted(buddies) == list(range(world))
+    if world // per_node > 1:
+        assert all(dims.node_of(r) != dims.node_of(b) for r, b in enumerate(buddies))
+    for r in range(world):
+        assert Topology(dims, buddies[r], 0).ward() == r
+
+
+def test_ring_over_nodes_matches_its_docstring():
+    ring = RingOverNodes()
+    assert [ring(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+
+
+def test_spare_policies():
+    spares = [{"slot": 7, "node": 0}, {"slot": 5, "node": 1}, {"slot": 9, "node": 1}]
+    assert FirstFree()(3, spares, 2)["slot"] == 5
+    assert SameNodeFirst()(1, spares, 2)["slot"] == 7
+    assert SameNodeFirst()(5, spares, 2)["slot"] == 5  # no spare on node 2: first free
+
+
+@pytest.mark.parametrize("kwargs,msg", [({"dp": 0}, "dp"), ({"dp": 3, "ranks_per_node": 2}, "multiple"),
+                                        ({"dp": 1, "tp": 4, "ranks_per_node": 2}, "inside one node")])
+def test_bad_layouts_are_rejected_with_a_clear_message(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        ParallelDims(**kwargs)

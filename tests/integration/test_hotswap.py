@@ -1,0 +1,95 @@
+"""Hot-swap with real processes: kill (SIGKILL), hang (SIGSTOP) or crash a rank, let a warm spare
+take over, and require the final state to be bitwise equal to a failure-free run of the same seed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deadpool.job import run_job
+from deadpool.report import compare_final_states
+from tests.conftest import compose_train
+
+BASE = ["model=tiny", "parallel=dp4", "num_steps=20", "ft.num_spares=1",
+        "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    summary = run_job(compose_train(BASE + ["faults=none"], run_dir), log=quiet)
+    assert summary["outcome"] == "completed" and not summary["recoveries"]
+    return run_dir, summary
+
+
+def slots_by_rank(run_dir: Path) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.setdefault(r["rank"], set()).add(r["slot"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("faults,rank,detected_by", [
+    ("kill_mid_step", 1, "exit"),        # peers are inside the gradient all-reduce
+    ("kill_step_start", 2, "exit"),      # at a step boundary
+    ("kill_replication", 1, "exit"),     # mid-transfer of a snapshot: that replica must not count
+    ("kill_rank0", 0, "exit"),           # rank 0 is nothing special (the store is not on it)
+    ("kill_last", 3, "exit"),            # wrap-around buddy: rank 3's replica lives on rank 0
+    ("stop_hang", 2, "heartbeat"),       # SIGSTOP: sockets stay open, only heartbeats tell
+    ("exception", 1, "exception"),       # the training step raises
+])
+def test_warm_spare_replaces_failed_rank_and_state_matches_failure_free(
+        reference, tmp_path, faults, rank, detected_by):
+    summary = run_job(compose_train(BASE + [f"faults={faults}"], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    (rec,) = summary["recoveries"]
+    assert rec["failed_rank"] == rank
+    assert rec["detected_by"] == detected_by
+    assert rec["spare_slot"] == 4 and rec["outcome"] == "hot-swapped"
+    assert 0 <= rec["steps_recomputed"] <= 2
+    if faults == "kill_replication":  # the torn replica of step 11 must not be used
+        assert rec["resume_step"] < 11
+    for k in ("detect_s", "plan_s", "rebuild_s", "transfer_s", "rollback_s", "first_step_s",
+              "kill_to_training_s", "kill_to_first_step_s"):
+        assert rec[k] is not None and rec[k] >= 0, k
+    # survivors kept their processes; only the dead rank's slot changed
+    slots = slots_by_rank(tmp_path)
+    assert slots[rank] == {rank, 4}
+    assert all(slots[r] == {r} for r in range(4) if r != rank)
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+    assert summary["final_digest"] == reference[1]["final_digest"]
+
+
+@pytest.mark.slow
+def test_no_spare_left_writes_a_dcp_checkpoint_that_resumes_to_the_same_state(reference, tmp_path):
+    stopped = tmp_path / "stopped"
+    summary = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.num_spares=0"], stopped),
+                      log=quiet)
+    assert summary["outcome"] == "checkpoint_and_stop"
+    assert "no warm spare" in summary["message"]
+    S = summary["recoveries"][0]["resume_step"]
+    ckpt = stopped / "checkpoints"
+    assert (ckpt / f"step_{S}" / "meta.json").exists()
+    assert sorted(p.name for p in (ckpt / f"step_{S}").glob("rank_*")) == [f"rank_{r}" for r in range(4)]
+    resumed = tmp_path / "resumed"
+    summary2 = run_job(compose_train(BASE + ["faults=none", f"ft.resume_from={ckpt}"], resumed),
+                       log=quiet)
+    assert summary2["outcome"] == "completed"
+    equal, why = compare_final_states(resumed, reference[0])
+    assert equal, why
+
+
+def test_bad_config_is_rejected_before_any_process_starts(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "deadpool.train", "parallel.tp=2",
+                        f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "tensor and pipeline" in p.stderr
+    assert not (tmp_path / "logs").exists()

@@ -1,0 +1,26 @@
+import pytest
+
+from deadpool.faults import Fault, FaultEvent, FaultInjector, InjectedFault
+
+
+def test_exception_fault_fires_once_at_its_rank_step_and_phase():
+    inj = FaultInjector([{"rank": 1, "step": 3, "phase": "mid_step", "kind": "exception"}], slot=1)
+    inj.set_rank(1)
+    inj.fire(3, "step_start")
+    inj.fire(2, "mid_step")
+    with pytest.raises(InjectedFault):
+        inj.fire(3, "mid_step")
+    inj.fire(3, "mid_step")  # a replayed step after recovery does not fire again
+
+
+def test_other_ranks_are_untouched():
+    inj = FaultInjector([FaultEvent(1, 3, "mid_step", Fault.KILL)], slot=0)
+    inj.set_rank(0)
+    inj.fire(3, "mid_step")  # would SIGKILL this test process if it fired
+
+
+def test_bad_phase_is_rejected():
+    with pytest.raises(ValueError, match="phase"):
+        FaultEvent.from_cfg({"rank": 0, "step": 1, "phase": "lunch", "kind": "kill"})
+    with pytest.raises(ValueError):
+        FaultEvent.from_cfg({"rank": 0, "step": 1, "phase": "mid_step", "kind": "explode"})

@@ -40,15 +40,17 @@ def main():
     bottom = np.zeros(len(runs))
     for phase, c in zip(PHASES, COLOURS):
         vals = np.array([statistics.median(float(x.get(phase) or 0.0) for x in recs) for _, _, recs in runs])
-        ax.bar(range(len(runs)), vals, bottom=bottom, color=c, label=phase.removesuffix("_s").replace("_", " "))
+        ax.bar(range(len(runs)), vals, bottom=bottom, color=c, width=0.5,
+               label=phase.removesuffix("_s").replace("_", " "))
         bottom += vals
     totals = [statistics.median(float(x.get("kill_to_first_step_s") or 0.0) for x in recs) for _, _, recs in runs]
-    ax.plot(range(len(runs)), totals, "k_", ms=18, mew=2, label="kill to first step (measured)")
+    ax.plot(range(len(runs)), totals, "k_", ms=24, mew=2, label="kill to first step (measured)")
     ax.set_xticks(range(len(runs)), [f"{s.get('world_size')} ranks\n{recs[0].get('fault', '')}\n{name}"
                                       for name, s, recs in runs], fontsize=7)
     ax.set_ylabel("seconds (median over recoveries)")
     ax.set_title("Hot-swap recovery breakdown (runtime)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set_xlim(-0.75, len(runs) - 0.25)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     style.save(fig, a.out, "fig05_runtime_recovery")
 
 

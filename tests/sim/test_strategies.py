@@ -181,3 +181,18 @@ def test_events_scale_with_failures_not_steps(layout, calib, strategy_cfgs):
         events[step] = r["events"]
         assert r["events"] < 10 * len(tr)
     assert events[0.1] == events[10.0]  # 46 million vs 466 thousand steps: same event count
+
+
+def test_addremove_trace_replays(tmp_path, layout, calib, strategy_cfgs):
+    """A spot-style trace: node 3 is removed at 100 s and back at 900 s; node 10 joins at 200 s."""
+    from sim.trace_io import load_addremove
+    p = tmp_path / "spot.csv"
+    p.write_text("time,event,node\n" + "".join(f"0,add,{n}\n" for n in range(10)) +
+                 "100,remove,3\n200,add,10\n900,add,3\n")
+    tr = load_addremove(p, horizon_s=T)
+    assert tr.initially_down.tolist() == [10]
+    r = run("deadpool", strategy_cfgs("deadpool"), calib, layout(), tr)
+    assert (r["failures"], r["swaps"], r["restarts"]) == (1, 1, 0)
+    assert r["goodput"] == pytest.approx((T - 5 - 25) / T, abs=1e-6)
+    r = run("elastic", strategy_cfgs("elastic"), calib, layout(), tr)
+    assert (r["shrinks"], r["regrows"]) == (1, 1)  # node 10 joins the idle survivor at 200 s

@@ -22,6 +22,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
+sim: $(STAMP)
+	$(PY) -m sim.run
+
+figures: $(STAMP)
+	$(PY) paper_figures/make_all.py
+
 bench: $(STAMP)
 	$(PY) experiments/bench_runtime.py
 	$(PY) experiments/bench_sim.py

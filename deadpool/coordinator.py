@@ -278,6 +278,7 @@ class Coordinator:
             prot = [float(self.store.get(keys.protected(r))) for r in ranks
                     if self.store.check([keys.protected(r)])]
             rec["kill_to_protected_s"] = (max(prot) - tk) if len(prot) == len(ranks) else None
+            rec["bytes_transferred"] = sum(t.get("bytes_received", 0) for t in timings)
             rec["outcome"] = "hot-swapped"
         self.recoveries.append(rec)
         self.pending = None

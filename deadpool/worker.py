@@ -161,6 +161,7 @@ class Worker:
         src = plan.sources[rank]
         if src["kind"] == "replica":
             tr.apply_header(tr.engine.recv_state(comm, src["holder"], S))
+            timing["bytes_received"] = tr.engine.layout.nbytes
         timing["transferred"] = now()
         if src["kind"] == "local":
             tr.apply_header(tr.engine.restore_local(S))

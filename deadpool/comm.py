@@ -19,6 +19,7 @@ key between short waits and raises ``Aborted`` once it is set.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -63,7 +64,7 @@ class Communicator:
 
     @classmethod
     def build(cls, topo: Topology, store, backend: str = "gloo", poll_s: float = 0.02,
-              timeout_s: float = 120.0) -> "Communicator":
+              timeout_s: float = 120.0, repl_nice: int = 0) -> "Communicator":
         self = cls(topo, store, backend, poll_s, timeout_s)
         dims, g = topo.dims, topo.generation
         world = list(range(dims.world_size))
@@ -72,7 +73,9 @@ class Communicator:
             if topo.rank in ranks:
                 self._add("dp", f"g{g}/dp{i}/", ranks)
         # The replication channel always runs on gloo over host memory (pinned buffers on CUDA).
-        self._add("repl", f"g{g}/repl/", world, backend="gloo")
+        # It is created from a lower-priority thread so gloo's I/O threads for it inherit that
+        # priority: replication traffic then yields the CPU to training.
+        _in_thread(lambda: self._add("repl", f"g{g}/repl/", world, backend="gloo"), repl_nice)
         return self
 
     def _add(self, name: str, prefix: str, ranks: list[int], backend: str | None = None):
@@ -142,6 +145,25 @@ class Communicator:
 
 
 _PARKED: list[Communicator] = []
+
+
+def _in_thread(fn, nice: int) -> None:
+    from deadpool.snapshot import lower_thread_priority
+
+    err: list[BaseException] = []
+
+    def run():
+        lower_thread_priority(nice)
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the caller
+            err.append(e)
+
+    t = threading.Thread(target=run, name="repl-group-init")
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
 
 
 def wall() -> float:

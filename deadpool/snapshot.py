@@ -12,7 +12,12 @@ the rank's buddy in chunks and receives the ward's snapshot. A replica counts on
 complete and its CRC32 matches the sender's. Each rank therefore holds:
 
     local ring:  its own snapshots of the last ``num_local_slots`` snapshot steps (rollback targets)
-    replicas:    the last two verified snapshots of its ward (what a spare is rebuilt from)
+    replicas:    the last two complete snapshots of its ward (what a spare is rebuilt from)
+
+A replica is checked against the sender's CRC32 either on receipt (``verify="eager"``) or when it
+is about to be used (``verify="lazy"``, the default: when a survivor reports what it can resume
+from, it verifies the replicas it holds and reports only those that match). Lazy verification
+takes one checksum pass per step off the steady state; a replica never counts unverified.
 
 All ranks replicate the same steps in the same order (every ``interval``-th step), so the ring of
 sends and receives always pairs up. If replication falls behind, ``snapshot()`` waits for a free
@@ -21,6 +26,7 @@ slot (backpressure, also counted in ``blocked_s``) rather than skipping steps.
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import threading
@@ -72,6 +78,22 @@ class StateLayout:
         return {e.name: v for e, v in zip(self.entries, self.views(flat))}
 
 
+def lower_thread_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority (Linux: nice applies per thread).
+
+    Snapshot copies, checksums and replication traffic then take the CPU time training leaves
+    idle (all-reduce waits, Python overhead) instead of competing with it; threads this thread
+    creates (e.g. gloo's I/O threads for the replication group) inherit the lower priority.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+    except OSError:
+        pass
+
+
 def checksum(flat: torch.Tensor) -> int:
     # zlib releases the GIL on large buffers, so this runs beside the training thread.
     return zlib.crc32(flat.numpy())
@@ -95,6 +117,7 @@ class Replica:
     flat: torch.Tensor
     header: bytes
     crc: int
+    verified: bool = False
 
 
 class SnapshotEngine:
@@ -102,7 +125,7 @@ class SnapshotEngine:
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], *, interval: int = 1,
                  num_local_slots: int = 3, chunk_bytes: int = 4 << 20, device: str = "cpu",
-                 fault_hook=None):
+                 fault_hook=None, background_nice: int = 0, verify: str = "lazy"):
         if interval < 1:
             raise ValueError("ft.snapshot_interval_steps must be >= 1")
         if num_local_slots < 2:
@@ -113,6 +136,10 @@ class SnapshotEngine:
         self.chunk_bytes = max(1 << 16, int(chunk_bytes))
         self.device = device
         self.fault_hook = fault_hook or (lambda step, phase: None)
+        self.background_nice = int(background_nice)
+        if verify not in ("eager", "lazy"):
+            raise ValueError(f"ft.replica_verify must be 'eager' or 'lazy', got {verify!r}")
+        self.verify = verify
         pin = device.startswith("cuda") and torch.cuda.is_available()
         self.slots = [Slot(torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=pin))
                       for _ in range(num_local_slots)]
@@ -170,6 +197,7 @@ class SnapshotEngine:
         self.blocked_s += time.perf_counter() - t0
 
     def _copy_loop(self) -> None:
+        lower_thread_priority(self.background_nice)
         while True:
             slot: Slot = self._copy_q.get()
             t0 = time.perf_counter()
@@ -193,8 +221,14 @@ class SnapshotEngine:
         return sorted(s.step for s in self.slots if s.step >= 0 and s.copied.is_set())
 
     def replica_steps(self) -> dict[int, list[int]]:
+        """Steps of the replicas held, per owner: only those whose CRC32 matches the sender's."""
         with self._lock:
-            return {o: sorted(r.step for r in reps) for o, reps in self.replicas.items()}
+            reps = [r for rs in self.replicas.values() for r in rs]
+        for r in reps:
+            if not r.verified:
+                r.verified = checksum(r.flat) == r.crc
+        with self._lock:
+            return {o: sorted(r.step for r in rs if r.verified) for o, rs in self.replicas.items()}
 
     def drain(self) -> None:
         """Wait until every queued local copy has finished (not replication)."""
@@ -315,6 +349,7 @@ class _Replicator(threading.Thread):
         raise RuntimeError("no free replica buffer")  # cannot happen: at most 2 are held
 
     def run(self) -> None:
+        lower_thread_priority(self.engine.background_nice)
         pg = self.comm.group("repl")
         dst = self.comm.group_rank("repl", self.buddy)
         src = self.comm.group_rank("repl", self.ward)
@@ -340,9 +375,12 @@ class _Replicator(threading.Thread):
                 self.engine._release(slot)
                 return
             self.engine._release(slot)
-            if checksum(buf) != crc:
-                continue  # a torn or corrupt replica never counts
-            if not self.engine._commit_replica(Replica(self.ward, step, buf, header, crc), self):
+            verified = False
+            if self.engine.verify == "eager":
+                if checksum(buf) != crc:
+                    continue  # a torn or corrupt replica never counts
+                verified = True
+            if not self.engine._commit_replica(Replica(self.ward, step, buf, header, crc, verified), self):
                 return
             self.engine.last_replicate_s = time.perf_counter() - t0
             if not self.protected_reported:

@@ -38,8 +38,12 @@ class Trainer:
         self.engine = SnapshotEngine(
             state_tensors(self.model, self.opt), interval=ft["snapshot_interval_steps"],
             num_local_slots=ft["num_local_slots"], chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
-            device=self.device, fault_hook=injector.fire)
+            device=self.device, fault_hook=injector.fire,
+            background_nice=int(ft.get("snapshot_nice", 0)), verify=ft.get("replica_verify", "lazy"))
         self.snapshots_on = bool(ft["snapshot"])
+        # measurement aid (experiments/bench_runtime.py): snapshot only in alternate blocks of this
+        # many steps, so on/off step times are compared inside one run; 0 = every interval
+        self.ab_block = int(ft.get("snapshot_ab_block_steps", 0) or 0)
         self.step = 0
         self.generation = 0
         self.rank: int | None = None
@@ -100,22 +104,24 @@ class Trainer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)  # abandoned all-reduce buffers are never reused
             self.step += 1
-            if self.snapshots_on and self.step % interval == 0:
+            took = self.snapshots_on and self.step % interval == 0 and (
+                not self.ab_block or (self.step // self.ab_block) % 2 == 0)
+            if took:
                 self.engine.snapshot(self.step, self.header())
             if persist and self.step % persist == 0:
                 self.persist(self.step)
             dt = time.perf_counter() - t0
             self.step_times.append(dt)
-            self.log(loss.item(), dt, self.engine.blocked_s - blocked0)
+            self.log(loss.item(), dt, self.engine.blocked_s - blocked0, took)
             if first and on_first_step is not None:
                 on_first_step()
             first = False
 
-    def log(self, loss: float, step_time_s: float, blocked_s: float) -> None:
+    def log(self, loss: float, step_time_s: float, blocked_s: float, snapshot: bool) -> None:
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
                "loss": round(loss, 6), "step_time_s": step_time_s,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
-               "replicate_s": self.engine.last_replicate_s, "t": time.time()}
+               "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot, "t": time.time()}
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg.get("log_every_steps", 0) or 0)
         if self.rank == 0 and every and (self.step % every == 0 or self.step == self.cfg["num_steps"]):

@@ -118,7 +118,7 @@ class Worker:
         comm = None
         try:
             comm = Communicator.build(topo, self.store, self.backend, self.ft["collective_poll_s"],
-                                      self.ft["pg_timeout_s"])
+                                      self.ft["pg_timeout_s"], repl_nice=int(self.ft.get("snapshot_nice", 0)))
             timing["rebuilt"] = now()
             self.restore(plan, rank, comm, timing)
             timing["ready"] = now()

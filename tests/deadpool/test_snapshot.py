@@ -100,9 +100,13 @@ def test_ring_replication_delivers_verified_replicas_to_buddies():
         own = engines[ward].local_slot(1)
         assert torch.equal(rep.flat, own.flat)
         assert rep.crc == checksum(own.flat)
+    # a replica corrupted in memory is never reported as a resume candidate
+    rep = engines[0].replica(n - 1, 1)
+    rep.flat[100] ^= 0xFF
+    rep.verified = False
+    assert engines[0].replica_steps()[n - 1] == [0]
     for c in comms:
         c.park()
-        engines_stop = None
     for e in engines.values():
         e.stop_replication()
 

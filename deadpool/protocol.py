@@ -37,6 +37,9 @@ class Keys:
     def protected(self, rank: int) -> str:
         return f"{self._p}protected/{rank}"
 
+    def repl_done(self, step: int) -> str:
+        return f"{self._p}repl_done/{step}"
+
     def failed(self, rank: int) -> str:
         return f"{self._p}failed/{rank}"
 

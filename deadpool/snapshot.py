@@ -20,8 +20,12 @@ from, it verifies the replicas it holds and reports only those that match). Lazy
 takes one checksum pass per step off the steady state; a replica never counts unverified.
 
 All ranks replicate the same steps in the same order (every ``interval``-th step), so the ring of
-sends and receives always pairs up. If replication falls behind, ``snapshot()`` waits for a free
-slot (backpressure, also counted in ``blocked_s``) rather than skipping steps.
+sends and receives always pairs up. A step is *protected* once every rank has finished
+replicating it (a counter per step in the store). The invariant that makes recovery always
+possible: a rank never drops its local snapshot, nor a replica, of the newest protected step it
+knows of, nor anything newer. So the newest protected step is always in every survivor's local
+ring and in the dead rank's buddy's replicas. If replication falls behind, ``snapshot()`` waits
+for a slot it may overwrite (backpressure, counted in ``blocked_s``) rather than skipping steps.
 """
 
 from __future__ import annotations
@@ -151,6 +155,8 @@ class SnapshotEngine:
         self._copier = threading.Thread(target=self._copy_loop, name="snapshot-copier", daemon=True)
         self._copier.start()
         self._repl: _Replicator | None = None
+        self._protected = -1          # newest step known protected in the current generation
+        self._protect_store = None    # main thread's store client, keys and world size
         # timings of the latest snapshot / replication (seconds), read by the trainer's metrics
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
@@ -160,13 +166,27 @@ class SnapshotEngine:
         return step % self.interval == 0
 
     # -- main thread: take a snapshot -------------------------------------------------------------
-    def snapshot(self, step: int, header: dict) -> None:
-        """Start an asynchronous snapshot of the live state tagged ``step``. Main thread only."""
+    def snapshot(self, step: int, header: dict, abort_check=None) -> None:
+        """Start an asynchronous snapshot of the live state tagged ``step``. Main thread only.
+
+        ``abort_check`` is called while waiting for a free slot; it must raise if the generation
+        was aborted (a replication peer may be gone, so the slot would never free up).
+        """
         slot = self.slots[(step // self.interval) % len(self.slots)]
         t0 = time.perf_counter()
-        with self._lock:
-            while slot.replicating:
-                self._lock.wait()
+        while True:
+            with self._lock:
+                if slot.replicating:
+                    self._lock.wait(0.01)
+                    busy = True
+                else:
+                    busy = False
+            if not busy and (self._repl is None or self._may_overwrite(slot)):
+                break
+            if abort_check is not None:
+                abort_check()
+            if not busy:
+                time.sleep(0.0005)
         self.blocked_s += time.perf_counter() - t0
         slot.copied.clear()
         slot.step = step
@@ -183,6 +203,24 @@ class SnapshotEngine:
                 slot.cuda_event.record()
         self._last_copy = slot
         self._copy_q.put(slot)
+
+    def _is_protected(self, step: int) -> bool:
+        if step <= self._protected:
+            return True
+        if self._protect_store is None:
+            return False
+        store, keys, world = self._protect_store
+        if int(store.add(keys.repl_done(step), 0)) >= world:
+            self._protected = max(self._protected, step)
+            return True
+        return False
+
+    def _may_overwrite(self, slot: "Slot") -> bool:
+        """A slot may be reused once a newer step than the one it holds is protected."""
+        if slot.step < 0:
+            return True
+        newer = sorted((s.step for s in self.slots if s.step > slot.step), reverse=True)
+        return any(self._is_protected(st) for st in newer)
 
     def wait_copy(self) -> None:
         """Must be called after backward and before the optimizer step: the live state may change."""
@@ -292,6 +330,8 @@ class SnapshotEngine:
         snapshot, e.g. the state just restored) at once so the new rank is protected quickly."""
         self.stop_replication()
         topo = comm.topo
+        self._protected = -1
+        self._protect_store = (store_factory(), comm.keys, topo.dims.world_size)
         self._repl = _Replicator(self, comm, topo.buddy(), topo.ward(), store_factory)
         self._repl.start()
         if first_step is not None:
@@ -317,8 +357,21 @@ class SnapshotEngine:
                 return False
             reps = [r for r in self.replicas.get(rep.owner, []) if r.step != rep.step]
             reps.append(rep)
-            self.replicas[rep.owner] = sorted(reps, key=lambda r: r.step)[-2:]
+            reps.sort(key=lambda r: r.step)
+            # keep the newest protected replica and everything newer (at least two)
+            keep_from = min(self._protected, reps[-2].step if len(reps) > 1 else rep.step)
+            self.replicas[rep.owner] = [r for r in reps if r.step >= keep_from]
             return True
+
+    def truncate_after(self, step: int) -> None:
+        """Forget local snapshots and replicas newer than ``step`` (a timeline rolled back)."""
+        self.drain()
+        with self._lock:
+            for s in self.slots:
+                if s.step > step:
+                    s.step = -1
+            for owner in list(self.replicas):
+                self.replicas[owner] = [r for r in self.replicas[owner] if r.step <= step]
 
     def _release(self, slot: Slot) -> None:
         with self._lock:
@@ -340,13 +393,17 @@ class _Replicator(threading.Thread):
         n = engine.layout.nbytes
         # fresh receive buffers per generation: an abandoned receive may still write into the old ones
         self.recv_pool = [torch.empty(n, dtype=torch.uint8) for _ in range(3)]
+        self.nbytes = n
 
     def _free_recv_buffer(self) -> torch.Tensor:
         held = {id(r.flat) for reps in self.engine.replicas.values() for r in reps}
         for b in self.recv_pool:
             if id(b) not in held:
                 return b
-        raise RuntimeError("no free replica buffer")  # cannot happen: at most 2 are held
+        # more replicas newer than the protected step than buffers: replication is running ahead
+        b = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.recv_pool.append(b)
+        return b
 
     def run(self) -> None:
         lower_thread_priority(self.engine.background_nice)
@@ -383,6 +440,10 @@ class _Replicator(threading.Thread):
             if not self.engine._commit_replica(Replica(self.ward, step, buf, header, crc, verified), self):
                 return
             self.engine.last_replicate_s = time.perf_counter() - t0
+            store = store or self.store_factory()
+            if int(store.add(self.comm.keys.repl_done(slot.step), 1)) >= self.comm.topo.dims.world_size:
+                with self.engine._lock:
+                    self.engine._protected = max(self.engine._protected, slot.step)
             if not self.protected_reported:
                 store = store or self.store_factory()
                 keys = self.comm.keys

@@ -107,7 +107,7 @@ class Trainer:
             took = self.snapshots_on and self.step % interval == 0 and (
                 not self.ab_block or (self.step // self.ab_block) % 2 == 0)
             if took:
-                self.engine.snapshot(self.step, self.header())
+                self.engine.snapshot(self.step, self.header(), abort_check=comm.raise_if_aborted)
             if persist and self.step % persist == 0:
                 self.persist(self.step)
             dt = time.perf_counter() - t0

@@ -168,6 +168,7 @@ class Worker:
         elif src["kind"] == "live" and tr.step != S:
             raise RuntimeError(f"plan says live state at step {S} but rank is at {tr.step}")
         timing["rolled_back"] = now()
+        tr.engine.truncate_after(S)  # snapshots of the abandoned timeline must never be resumed
         if S not in tr.engine.local_steps():
             tr.snapshot_now()  # replication restarts from the resume step's snapshot
 

@@ -1,6 +1,6 @@
 """Runtime benchmark: snapshot overhead and hot-swap recovery time, measured side by side.
 
-    python experiments/bench_runtime.py [--pairs 3] [--steps 40] [--kills 5] [--out results/runtime/bench]
+    python experiments/bench_runtime.py [--pairs 3] [--steps 40] [--kills 5] [--out experiments/results/runtime/bench]
 
 1. Failure-free step time with snapshots on vs off, 2 workers: first inside one run, snapshots
    taken in alternating blocks of steps (the primary figure: both arms share the process and the
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--skip", choices=["overhead", "recovery"], default=None)
-    ap.add_argument("--out", default="results/runtime/bench")
+    ap.add_argument("--out", default="experiments/results/runtime/bench")
     args = ap.parse_args()
     out = Path(args.out)
     t0 = time.time()

@@ -1,6 +1,6 @@
 """Figure 1: job goodput (ETTR) and fleet goodput vs cluster size, per strategy.
 
-Reads results/sim/scale/aggregate.csv (experiments/sim/run_local.sh scale).
+Reads experiments/results/sim/scale/aggregate.csv (experiments/sim/run_local.sh scale).
     python paper_figures/fig01_goodput_vs_scale.py [--input DIR] [--out DIR]
 """
 

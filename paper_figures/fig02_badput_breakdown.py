@@ -1,6 +1,6 @@
 """Figure 2: where the time goes: badput by bucket per strategy, at each cluster size.
 
-Reads results/sim/scale/aggregate.csv. Stacked bars of mean badput as a percentage of wall
+Reads experiments/results/sim/scale/aggregate.csv. Stacked bars of mean badput as a percentage of wall
 time (checkpoint stalls, lost work, detection, reconfiguration, restart, waiting for a spare,
 degraded throughput, redundant compute, snapshot overhead).
     python paper_figures/fig02_badput_breakdown.py [--input DIR] [--out DIR]

@@ -1,6 +1,6 @@
 """Figure 3: goodput vs failure rate at 16,384 GPUs (where spare pools run dry).
 
-Reads results/sim/mtbf/aggregate.csv (experiments/sim/run_local.sh mtbf).
+Reads experiments/results/sim/mtbf/aggregate.csv (experiments/sim/run_local.sh mtbf).
     python paper_figures/fig03_goodput_vs_mtbf.py [--input DIR] [--out DIR]
 """
 

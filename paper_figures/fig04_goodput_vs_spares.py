@@ -1,6 +1,6 @@
 """Figure 4: goodput vs number of spare nodes under a high failure rate.
 
-Reads results/sim/spares/aggregate.csv (experiments/sim/run_local.sh spares). Job goodput
+Reads experiments/results/sim/spares/aggregate.csv (experiments/sim/run_local.sh spares). Job goodput
 rewards spares; fleet goodput charges them, so too few and too many both cost DeadPool.
     python paper_figures/fig04_goodput_vs_spares.py [--input DIR] [--out DIR]
 """

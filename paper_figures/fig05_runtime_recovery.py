@@ -1,6 +1,6 @@
 """Figure 5: measured recovery time breakdown of the runtime (hot swap), per run.
 
-Reads every ``summary.json`` below results/runtime/ (the runtime's run directories) and draws
+Reads every ``summary.json`` below experiments/results/runtime/ (the runtime's run directories) and draws
 the median detection / plan / rebuild / transfer / rollback / first-step time per run,
 labelled by world size and fault. Skips with a message when there are no runtime results.
     python paper_figures/fig05_runtime_recovery.py [--input DIR] [--out DIR]

@@ -1,4 +1,4 @@
-"""Regenerate every figure from the result files under results/ (no simulation is run).
+"""Regenerate every figure from the result files under experiments/results/ (no simulation is run).
 
     python paper_figures/make_all.py [--out DIR]
 """

@@ -1,6 +1,6 @@
 """Shared figure style: strategy colours and labels, sizes, loading result files, saving.
 
-Figures read only result files (``results/...`` CSV/JSON written by runs and sweeps) and this
+Figures read only result files (``experiments/results/...`` CSV/JSON written by runs and sweeps) and this
 module; nothing here runs a simulation.
 """
 
@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results"
+RESULTS = ROOT / "experiments" / "results"
 OUT = Path(__file__).resolve().parent / "out"
 
 STRATEGIES = {  # name -> (label, colour, marker)
@@ -57,7 +57,7 @@ def ordered(strategies) -> list[str]:
 
 
 def args(default_input: str, description: str) -> argparse.Namespace:
-    """Common CLI: ``--input`` (result directory, default under results/) and ``--out``."""
+    """Common CLI: ``--input`` (result directory, default under experiments/results/) and ``--out``."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--input", default=str(RESULTS / default_input), help="result directory to read")
     ap.add_argument("--out", default=str(OUT), help="where to write PNG and PDF")

@@ -1,6 +1,6 @@
 """Gather a multirun's per-job result files into one tidy CSV pair for paper_figures.
 
-    python -m sim.collect MULTIRUN_DIR [MULTIRUN_DIR ...] --out results/sim/<name>
+    python -m sim.collect MULTIRUN_DIR [MULTIRUN_DIR ...] --out experiments/results/sim/<name>
 
 Concatenates every ``summary.csv`` found below the given directories (one per sweep point)
 into ``<out>/summary.csv`` and recomputes ``<out>/aggregate.csv`` (mean and 95% CI per

@@ -90,3 +90,16 @@ def test_bad_run_dir_is_named(tmp_path):
         f.write("{not json\n")
     with pytest.raises(calibrate.CalibrationError, match=r"metrics.jsonl:\d+: not JSON"):
         calibrate.load_run(d)
+
+
+def test_ab_overhead_classifies_each_step_by_the_previous_steps_snapshot():
+    from sim.calibrate import _ab_overhead
+
+    rows = []
+    for step in range(1, 41):
+        took = (step // 4) % 2 == 0
+        prev_took = ((step - 1) // 4) % 2 == 0
+        rows.append({"rank": 0, "step": step, "snapshot": took,
+                     "step_time_s": 1.1 if prev_took else 1.0})
+    assert abs(_ab_overhead(rows) - 0.1) < 1e-9
+    assert _ab_overhead([{"rank": 0, "step": 1, "snapshot": True, "step_time_s": 1.0}]) is None

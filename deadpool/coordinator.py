@@ -308,6 +308,7 @@ class Coordinator:
                     break
                 continue
             self._finish_pending()
+            self._print_progress()
             keys = Keys(self.gen)
             if int(self.store.add(keys.finished_count, 0)) >= self.dims.world_size:
                 self.store.set(Keys.JOB_DONE, "1")
@@ -317,6 +318,13 @@ class Coordinator:
             time.sleep(poll)
         self._finish_pending(interrupted=self.outcome != "completed", force=True)
         self.store.set(Keys.JOB_STOP, "1")
+
+    def _print_progress(self) -> None:
+        if self.store.check([Keys.PROGRESS]):
+            line = self.store.get(Keys.PROGRESS).decode()
+            if line != getattr(self, "_last_progress", None):
+                self._last_progress = line
+                self.log(line)
 
     def _collect_finals(self) -> None:
         deadline = time.time() + 120

@@ -64,6 +64,7 @@ class Keys:
         return f"final/{rank}"
 
     JOB_DONE = "job/done"
+    PROGRESS = "job/progress"  # rank 0's latest progress line
     JOB_STOP = "job/stop"
 
 

@@ -173,7 +173,7 @@ class SnapshotEngine:
         was aborted (a replication peer may be gone, so the slot would never free up).
         """
         slot = self.slots[(step // self.interval) % len(self.slots)]
-        t0 = time.perf_counter()
+        t0 = last_check = time.perf_counter()
         while True:
             with self._lock:
                 if slot.replicating:
@@ -183,8 +183,9 @@ class SnapshotEngine:
                     busy = False
             if not busy and (self._repl is None or self._may_overwrite(slot)):
                 break
-            if abort_check is not None:
+            if abort_check is not None and time.perf_counter() - last_check > 0.01:
                 abort_check()
+                last_check = time.perf_counter()
             if not busy:
                 time.sleep(0.0005)
         self.blocked_s += time.perf_counter() - t0

@@ -25,7 +25,8 @@ from deadpool.snapshot import SnapshotEngine, state_tensors
 
 
 class Trainer:
-    def __init__(self, cfg: dict, slot: int, injector: FaultInjector, metrics_path: Path):
+    def __init__(self, cfg: dict, slot: int, injector: FaultInjector, metrics_path: Path,
+                 progress=None):
         self.cfg = cfg
         self.slot = slot
         self.injector = injector
@@ -49,6 +50,7 @@ class Trainer:
         self.rank: int | None = None
         self.metrics = open(metrics_path, "a", buffering=1)
         self.step_times: list[float] = []
+        self.progress = progress or (lambda line: None)
 
     # -- state ------------------------------------------------------------------------------------
     def header(self) -> dict:
@@ -125,9 +127,10 @@ class Trainer:
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg.get("log_every_steps", 0) or 0)
         if self.rank == 0 and every and (self.step % every == 0 or self.step == self.cfg["num_steps"]):
-            print(f"[rank 0] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
-                  f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms",
-                  flush=True)
+            line = (f"[rank 0] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
+                    f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms")
+            print(line, flush=True)
+            self.progress(line)
 
     def persist(self, step: int) -> None:
         """Write this rank's live state to disk (synchronous; DCP's async_save is the next step)."""

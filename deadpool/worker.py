@@ -76,7 +76,8 @@ class Worker:
         run_dir = Path(cfg["run_dir"])
         (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.injector = FaultInjector(cfg["faults"]["events"], slot, self.store)
-        self.trainer = Trainer(cfg, slot, self.injector, run_dir / "metrics" / f"slot{slot}.jsonl")
+        self.trainer = Trainer(cfg, slot, self.injector, run_dir / "metrics" / f"slot{slot}.jsonl",
+                               progress=lambda line: self.store.set(Keys.PROGRESS, line))
         self.run_dir = run_dir
         self.backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
         self.store.set(Keys.spare_ready(slot), repr(time.time()))

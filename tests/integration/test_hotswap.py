@@ -93,3 +93,28 @@ def test_bad_config_is_rejected_before_any_process_starts(tmp_path):
     assert p.returncode == 2
     assert "tensor and pipeline" in p.stderr
     assert not (tmp_path / "logs").exists()
+
+
+TWO_KILLS = "faults.events=[{rank:%d,step:12,phase:mid_step,kind:kill},{rank:%d,step:12,phase:mid_step,kind:kill}]"
+
+
+@pytest.mark.slow
+def test_two_simultaneous_failures_on_different_buddy_pairs_take_two_spares(reference, tmp_path):
+    # ranks 0 and 2: each one's replica lives on a survivor (1 and 3)
+    summary = run_job(compose_train(BASE + ["ft.num_spares=2", TWO_KILLS % (0, 2)], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    swapped = {r for rec in summary["recoveries"] for r in
+               (rec["failed_rank"] if isinstance(rec["failed_rank"], list) else [rec["failed_rank"]])}
+    assert swapped == {0, 2}
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_a_rank_and_its_buddy_lost_together_stops_with_a_clear_message(tmp_path):
+    # rank 2 holds rank 1's replica: losing both leaves no copy of rank 1's state in memory
+    summary = run_job(compose_train(BASE + ["ft.num_spares=2", TWO_KILLS % (1, 2)], tmp_path), log=quiet)
+    if summary["outcome"] == "completed":  # the two deaths were seen apart and 2 kept 1's replica
+        pytest.skip("kills landed in separate recoveries on this run")
+    assert summary["outcome"] == "unrecoverable"
+    assert "no verified replica of rank(s) [1]" in summary["message"]

@@ -38,14 +38,27 @@ def write_meta(root, step: int, world_size: int, reason: str) -> None:
     (p / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size, "reason": reason}))
 
 
+def is_complete(step_dir: Path) -> bool:
+    """Every rank named by meta.json finished writing (its header.json is written last)."""
+    try:
+        meta = json.loads((step_dir / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    n = meta.get("world_size")
+    return isinstance(n, int) and all((step_dir / f"rank_{r}" / "header.json").exists() for r in range(n))
+
+
 def latest_step_dir(root) -> Path:
+    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one)."""
     root = Path(root)
     if (root / "meta.json").exists():
+        if not is_complete(root):
+            raise FileNotFoundError(f"checkpoint {root} is incomplete (a rank's state is missing)")
         return root
-    steps = sorted((p for p in root.glob("step_*") if (p / "meta.json").exists()),
+    steps = sorted((p for p in root.glob("step_*") if is_complete(p)),
                    key=lambda p: int(p.name.split("_")[1]))
     if not steps:
-        raise FileNotFoundError(f"no complete DeadPool checkpoint (step_*/meta.json) under {root}")
+        raise FileNotFoundError(f"no complete DeadPool checkpoint (step_*/meta.json + every rank) under {root}")
     return steps[-1]
 
 

@@ -136,5 +136,6 @@ class Trainer:
         """Write this rank's live state to disk (synchronous; DCP's async_save is the next step)."""
         root = self.cfg["ft"]["checkpoint_dir"]
         checkpoint.save_rank_state(root, step, self.rank, self.state_dict(), self.header())
-        if self.rank == 0:
-            checkpoint.write_meta(root, step, None, "periodic")
+        if self.rank == 0:  # readers check every rank's files (checkpoint.is_complete)
+            p = self.cfg["parallel"]
+            checkpoint.write_meta(root, step, p["dp"] * p["tp"] * p["pp"], "periodic")

@@ -71,14 +71,17 @@ def test_warm_spare_replaces_failed_rank_and_state_matches_failure_free(
 @pytest.mark.slow
 def test_no_spare_left_writes_a_dcp_checkpoint_that_resumes_to_the_same_state(reference, tmp_path):
     stopped = tmp_path / "stopped"
-    summary = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.num_spares=0"], stopped),
-                      log=quiet)
+    summary = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.num_spares=0",
+                                            "ft.persist_interval_steps=5"], stopped), log=quiet)
     assert summary["outcome"] == "checkpoint_and_stop"
     assert "no warm spare" in summary["message"]
     S = summary["recoveries"][0]["resume_step"]
     ckpt = stopped / "checkpoints"
     assert (ckpt / f"step_{S}" / "meta.json").exists()
     assert sorted(p.name for p in (ckpt / f"step_{S}").glob("rank_*")) == [f"rank_{r}" for r in range(4)]
+    from deadpool import checkpoint
+    assert checkpoint.is_complete(ckpt / "step_10")  # periodic persistence before the failure
+    assert checkpoint.latest_step_dir(ckpt).name == f"step_{S}"
     resumed = tmp_path / "resumed"
     summary2 = run_job(compose_train(BASE + ["faults=none", f"ft.resume_from={ckpt}"], resumed),
                        log=quiet)

@@ -18,7 +18,6 @@ class SyntheticCorpus:
         g = torch.Generator().manual_seed(seed ^ 0x5EED)
         successors = torch.randint(0, vocab_size, (vocab_size, fanout), generator=g)
         choice = torch.randint(0, fanout, (num_tokens,), generator=g)
-        tokens = torch.empty(num_tokens, dtype=torch.long)
         tok = 0
         # A python loop over 256k tokens is ~0.2 s; vectorising the chain is not worth the clarity.
         succ = successors.tolist()
@@ -27,8 +26,7 @@ class SyntheticCorpus:
         for i in range(num_tokens):
             tok = succ[tok][ch[i]]
             out[i] = tok
-        tokens = torch.tensor(out, dtype=torch.long)
-        self.tokens = tokens
+        self.tokens = torch.tensor(out, dtype=torch.long)
         self.seed = seed
 
     def batch(self, step: int, dp_rank: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

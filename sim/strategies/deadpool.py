@@ -1,7 +1,8 @@
 """DeadPool: hot-swap a failed node with a spare, restore its state from its buddy's replica.
 
 Steady state: every ``snapshot_interval_steps`` steps each node snapshots its state and
-replicates it to its buddy (slot ``i ^ 1``) off the critical path; what blocks the main
+replicates it to its buddy, the next slot in a ring over nodes (``(i + 1) % n``, as the
+runtime's ``RingOverNodes``) off the critical path; what blocks the main
 thread is ``snapshot_overhead_frac`` (0 in the paper). Periodic asynchronous disk checkpoints
 exist only for the fallback below.
 
@@ -10,9 +11,10 @@ plus recomputation of the progress since the newest replicated snapshot. Planned
 maintenance is a drained swap (no detection, no recomputation).
 
 Fallbacks, modelled explicitly:
-- a node fails while its buddy's state is still unrestored (the *replication window*: from
-  the buddy's failure until its replacement has the state, including any wait for a spare)
-  -> both copies are gone -> restart from the newest durable disk checkpoint;
+- a node fails while a ring neighbour's state is still unrestored (the *replication window*:
+  from the neighbour's failure until its replacement has the state, including any wait for a
+  spare). Either the dead node held that neighbour's only copy (its ward) or the neighbour
+  held the dead node's replica (its buddy) -> restart from the newest durable disk checkpoint;
 - the pool is empty -> ``on_no_spare``: ``wait`` for a repaired node (stall), or ``shrink``
   (drop the failed node's data-parallel group, as the elastic strategy does, and regrow when
   enough nodes are back).
@@ -62,9 +64,10 @@ class DeadPool(Job):
                               disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
                               on_no_spare=str(scfg["on_no_spare"]))
 
-    def buddy(self, slot: int) -> int:
-        b = slot ^ 1
-        return b if b < self.num_slots else slot - 1
+    def neighbours(self, slot: int) -> set[int]:
+        """The buddy (holds this slot's replica) and the ward (whose replica this slot holds)."""
+        n = self.num_slots
+        return {(slot + 1) % n, (slot - 1) % n} - {slot}
 
     def on_interrupt(self, cause) -> None:
         self.recovering = True
@@ -77,7 +80,7 @@ class DeadPool(Job):
         if cause.planned:
             return  # drained: its state was handed over before it left
         self._cancel_persists()
-        if self.buddy(slot) in self.pending and not self.fallback:
+        if self.neighbours(slot) & self.pending and not self.fallback:
             self.fallback = True
             self.ledger.count("fallbacks")
             self.rollback_to(self.ckpt.rollback(self.env.now))

@@ -50,6 +50,16 @@ def test_deadpool_buddy_lost_in_window_falls_back_to_disk(layout, calib, strateg
     assert r["goodput"] == pytest.approx((500 + T - 1125) / T, abs=1e-3)
 
 
+def test_deadpool_ring_ward_lost_in_window_also_falls_back(layout, calib, strategy_cfgs, handmade):
+    # ring over nodes: slot 1's replica lives on slot 2; 1 fails, then 2 fails before 1 is restored
+    s = strategy_cfgs("deadpool") | {"disk_ckpt_interval_s": 500.0}
+    tr = handmade([(1000.0, 1, "fail", False, 5000.0), (1010.0, 2, "fail", False, 5000.0)], 10, T)
+    assert run("deadpool", s, calib, layout(), tr)["fallbacks"] == 1
+    # slots 1 and 5 are not ring neighbours: two independent swaps
+    tr = handmade([(1000.0, 1, "fail", False, 5000.0), (1010.0, 5, "fail", False, 5000.0)], 10, T)
+    assert run("deadpool", s, calib, layout(), tr)["fallbacks"] == 0
+
+
 def test_deadpool_no_spare_waits_for_repair(layout, calib, strategy_cfgs, handmade):
     tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 8, T)
     r = run("deadpool", strategy_cfgs("deadpool"), calib, layout(num_spares=0), tr)

@@ -279,7 +279,8 @@ class Coordinator:
                     if self.store.check([keys.protected(r)])]
             rec["kill_to_protected_s"] = (max(prot) - tk) if len(prot) == len(ranks) else None
             rec["bytes_transferred"] = sum(t.get("bytes_received", 0) for t in timings)
-            rec["outcome"] = "hot-swapped"
+            rec["outcome"] = "hot-swapped" if rec.get("spare_slot") not in (None, []) else \
+                "regrouped (no rank lost)"
         self.recoveries.append(rec)
         self.pending = None
 

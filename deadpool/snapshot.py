@@ -427,9 +427,16 @@ class _Replicator(threading.Thread):
                 step, header, crc = _recv_state(pg, src, buf, self.engine.chunk_bytes, wait=_blocking)
                 for w in sends:
                     w.wait()
-            except Exception:
-                # peer gone: the coordinator will abort the generation; this thread is done
-                self.stopped = True
+            except Exception as e:
+                # a peer is gone, or this thread failed: either way the ring is broken and
+                # every rank would soon wait on protection forever. Report it so the
+                # coordinator aborts the generation and rebuilds (replacing whoever is dead).
+                if not self.stopped:
+                    self.stopped = True
+                    try:
+                        self.comm.report_error(f"replication of step {slot.step} failed: {e}")
+                    except Exception:
+                        pass
                 self.engine._release(slot)
                 return
             self.engine._release(slot)

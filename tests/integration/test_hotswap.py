@@ -121,3 +121,17 @@ def test_a_rank_and_its_buddy_lost_together_stops_with_a_clear_message(tmp_path)
         pytest.skip("kills landed in separate recoveries on this run")
     assert summary["outcome"] == "unrecoverable"
     assert "no verified replica of rank(s) [1]" in summary["message"]
+
+
+@pytest.mark.slow
+def test_a_failing_replication_thread_is_reported_and_the_job_regroups(reference, tmp_path):
+    # found by experiments/soak_runtime.py: an error inside the replication thread used to stall
+    # every rank on snapshot backpressure; now it is reported and the generation is rebuilt
+    ev = "faults.events=[{rank:1,step:9,phase:replication,kind:exception}]"
+    summary = run_job(compose_train(BASE + [ev], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    (rec,) = summary["recoveries"]
+    assert rec["detected_by"] == "collective_error"
+    assert rec["outcome"] == "regrouped (no rank lost)"
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why

@@ -77,6 +77,18 @@ class Coordinator:
             return None
         return time.time() - float(self.store.get(key))
 
+    def _heartbeat_lost(self, slot: int) -> bool:
+        """Soft and hard heartbeat timeouts (as NVIDIA's in-process restart has them).
+
+        Past the soft timeout a process is only suspect: on a loaded host a healthy process's
+        heartbeat thread can be late. It is declared lost when the launcher confirms it is
+        stopped (a SIGSTOPped / hung-in-kernel local process), or past the hard timeout.
+        """
+        age = self._heartbeat_age(slot)
+        if age is None or age <= float(self.ft["heartbeat_timeout_s"]):
+            return False
+        return age > float(self.ft["heartbeat_hard_timeout_s"]) or self.launcher.is_stopped(slot)
+
     def _write_plan(self, plan: Plan) -> None:
         plan.t_written = time.time()
         self.store.set(Keys.plan(plan.generation), plan.to_json())
@@ -104,14 +116,12 @@ class Coordinator:
         """Failed ranks of the current generation with how each was seen, or None."""
         failed: dict[int, str] = {}
         keys = Keys(self.gen)
-        timeout = float(self.ft["heartbeat_timeout_s"])
         for rank, slot in self.members.ranks.items():
             if self.launcher.poll(slot) is not None:
                 crashed = self.store.check([f"crash/{slot}"])
                 failed[rank] = "exception" if crashed else "exit"
                 continue
-            age = self._heartbeat_age(slot)
-            if age is not None and age > timeout:
+            if self._heartbeat_lost(slot):
                 failed[rank] = "heartbeat"
         if not failed and int(self.store.add(keys.num_errors, 0)) > 0:
             for rank, slot in self.members.ranks.items():
@@ -123,10 +133,8 @@ class Coordinator:
         return (failed, time.time()) if failed else None
 
     def _check_spares(self) -> None:
-        timeout = float(self.ft["heartbeat_timeout_s"])
         for slot in list(self.members.spares):
-            age = self._heartbeat_age(slot)
-            if self.launcher.poll(slot) is not None or (age is not None and age > timeout):
+            if self.launcher.poll(slot) is not None or self._heartbeat_lost(slot):
                 self.log(f"[coordinator] warm spare in slot {slot} lost; pool now "
                          f"{len(self.members.spares) - 1}")
                 self.launcher.kill(slot)
@@ -224,8 +232,7 @@ class Coordinator:
             if time.time() > deadline:
                 for rank, slot in self.members.ranks.items():
                     if rank not in failed and rank not in statuses:
-                        failed[rank] = "heartbeat" if (self._heartbeat_age(slot) or 0) > float(
-                            self.ft["heartbeat_timeout_s"]) else "no_status"
+                        failed[rank] = "heartbeat" if self._heartbeat_lost(slot) else "no_status"
                         self.launcher.kill(slot)
                 return statuses
             time.sleep(0.002)

@@ -36,6 +36,8 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.num_spares must be >= 0")
     if ft["heartbeat_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:
         raise ValueError("ft.heartbeat_timeout_s must exceed 2 x ft.heartbeat_interval_s")
+    if ft["heartbeat_hard_timeout_s"] < ft["heartbeat_timeout_s"]:
+        raise ValueError("ft.heartbeat_hard_timeout_s must be >= ft.heartbeat_timeout_s")
     if ft["on_no_spare"] not in ("checkpoint_and_stop",):
         raise ValueError("ft.on_no_spare must be 'checkpoint_and_stop' (elastic shrink is not built yet)")
     world = p["dp"] * p["tp"] * p["pp"]

@@ -39,6 +39,17 @@ class LocalLauncher:
         """Exit code of the process in ``slot``, or None while it runs."""
         return self.procs[slot].poll()
 
+    def is_stopped(self, slot: int) -> bool:
+        """True if the process is stopped (SIGSTOP, traced) or gone, from /proc (Linux)."""
+        p = self.procs.get(slot)
+        if p is None or p.poll() is not None:
+            return True
+        try:
+            stat = Path(f"/proc/{p.pid}/stat").read_text()
+        except OSError:
+            return True
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+
     def kill(self, slot: int) -> None:
         """Fence: a declared-dead process must never come back (a SIGSTOPped one would)."""
         p = self.procs.get(slot)
@@ -74,6 +85,9 @@ class ExternalLauncher:
 
     def poll(self, slot: int) -> int | None:
         return None
+
+    def is_stopped(self, slot: int) -> bool:
+        return False  # remote: only the hard heartbeat timeout (or a peer's error) can tell
 
     def kill(self, slot: int) -> None:
         self.store.set(f"fence/{slot}", "1")

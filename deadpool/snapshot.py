@@ -243,8 +243,9 @@ class SnapshotEngine:
             if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
                 slot.cuda_event.synchronize()
             else:
-                for v, t in zip(self.layout.views(slot.flat), self.tensors):
-                    v.copy_(t)
+                # one call, so this low-priority thread takes the GIL once, not once per tensor
+                # (a preempted low-priority GIL holder would stall the training thread)
+                torch._foreach_copy_(self.layout.views(slot.flat), self.tensors)
             slot.crc = checksum(slot.flat)
             self.last_copy_s = time.perf_counter() - t0
             slot.copied.set()

@@ -43,3 +43,4 @@ def test_spare_policies():
 def test_bad_layouts_are_rejected_with_a_clear_message(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         ParallelDims(**kwargs)
+

@@ -24,8 +24,7 @@ def save_rank_state(root, step: int, rank: int, state: dict[str, torch.Tensor], 
     """Write one rank's state (name -> tensor, as from ``StateLayout.state_dict``) at ``step``."""
     d = rank_dir(root, step, rank)
     d.mkdir(parents=True, exist_ok=True)
-    dcp.save({k: v.clone() if v.dim() == 0 else v for k, v in state.items()}, checkpoint_id=str(d),
-             no_dist=True)
+    dcp.save(state, checkpoint_id=str(d), no_dist=True)
     extra = {k: v for k, v in header.items() if isinstance(v, (int, float, str))}
     (d / "header.json").write_text(json.dumps(extra))
     torch.save({"rng_cpu": header.get("rng_cpu")}, d / "rng.pt")

@@ -20,7 +20,6 @@ key between short waits and raises ``Aborted`` once it is set.
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -164,7 +163,3 @@ def _in_thread(fn, nice: int) -> None:
     t.join()
     if err:
         raise err[0]
-
-
-def wall() -> float:
-    return time.time()

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from deadpool import checkpoint
 from deadpool.planner import plan_resume
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import Keys, Plan, RankStatus
@@ -41,7 +42,6 @@ class Membership:
     ranks: dict[int, int]
     spares: list[int]
     generation: int = 0
-    dead_slots: set[int] = field(default_factory=set)
 
 
 class Coordinator:
@@ -61,15 +61,13 @@ class Coordinator:
         self.pending: dict | None = None
         self.outcome = "running"
         self.message = ""
-        self.t_start = time.time()
+        self.finals: dict[int, dict] = {}  # rank -> final digest record, once the job is done
+        self._last_progress: str | None = None
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
     def gen(self) -> int:
         return self.members.generation
-
-    def all_slots(self) -> list[int]:
-        return list(self.members.ranks.values()) + list(self.members.spares)
 
     def _heartbeat_age(self, slot: int) -> float | None:
         key = Keys.heartbeat(slot)
@@ -97,7 +95,7 @@ class Coordinator:
     def wait_warm(self) -> None:
         """Every process must import torch, build its model and report warm."""
         deadline = time.time() + float(self.ft["startup_timeout_s"])
-        waiting = set(self.all_slots())
+        waiting = set(self.members.ranks.values()) | set(self.members.spares)
         while waiting:
             for slot in list(waiting):
                 if self.store.check([Keys.spare_ready(slot)]):
@@ -118,14 +116,14 @@ class Coordinator:
         keys = Keys(self.gen)
         for rank, slot in self.members.ranks.items():
             if self.launcher.poll(slot) is not None:
-                crashed = self.store.check([f"crash/{slot}"])
+                crashed = self.store.check([Keys.crash(slot)])
                 failed[rank] = "exception" if crashed else "exit"
                 continue
             if self._heartbeat_lost(slot):
                 failed[rank] = "heartbeat"
         if not failed and int(self.store.add(keys.num_errors, 0)) > 0:
             for rank, slot in self.members.ranks.items():
-                if self.store.check([f"crash/{slot}"]):
+                if self.store.check([Keys.crash(slot)]):
                     failed[rank] = "exception"
             if not failed:
                 return {}, time.time()  # a collective broke; culprit not yet known
@@ -139,7 +137,6 @@ class Coordinator:
                          f"{len(self.members.spares) - 1}")
                 self.launcher.kill(slot)
                 self.members.spares.remove(slot)
-                self.members.dead_slots.add(slot)
 
     # -- recovery ---------------------------------------------------------------------------------
     def recover(self, failed: dict[int, str], t_detect: float) -> None:
@@ -171,7 +168,7 @@ class Coordinator:
             "detect_s": t_detect - t_kill, "t_kill": t_kill, "t_detect": t_detect,
         }
         for d in dead:
-            self.members.dead_slots.add(self.members.ranks.pop(d))
+            del self.members.ranks[d]
         if decision.resume_step is None:
             self.outcome, self.message = "unrecoverable", decision.reason
             self.log(f"[coordinator] cannot recover from memory: {decision.reason}. "
@@ -238,11 +235,10 @@ class Coordinator:
             time.sleep(0.002)
 
     def _wait_checkpoint(self, plan: Plan) -> None:
-        key = f"g{plan.generation}/num_checkpointed"
+        key = Keys(plan.generation).checkpointed_count()
         deadline = time.time() + 300
         while int(self.store.add(key, 0)) < len(plan.assignments) and time.time() < deadline:
             time.sleep(0.01)
-        from deadpool import checkpoint
         checkpoint.write_meta(self.ft["checkpoint_dir"], plan.resume_step, self.dims.world_size,
                               plan.reason)
         self.outcome = "checkpoint_and_stop"
@@ -307,10 +303,8 @@ class Coordinator:
                         if found and found[0]:
                             break
                         time.sleep(poll)
+                    # nobody provably dead: recover() declares failed whoever does not report
                     failed = found[0] if found else {}
-                    if not failed:
-                        # nobody is provably dead: those that do not report are declared failed
-                        failed = {}
                 self.recover(failed, t)
                 if self.outcome != "running":
                     break
@@ -330,13 +324,12 @@ class Coordinator:
     def _print_progress(self) -> None:
         if self.store.check([Keys.PROGRESS]):
             line = self.store.get(Keys.PROGRESS).decode()
-            if line != getattr(self, "_last_progress", None):
+            if line != self._last_progress:
                 self._last_progress = line
                 self.log(line)
 
     def _collect_finals(self) -> None:
         deadline = time.time() + 120
-        self.finals: dict[int, dict] = {}
         while len(self.finals) < self.dims.world_size and time.time() < deadline:
             for r, slot in self.members.ranks.items():
                 if r not in self.finals and self.store.check([Keys.final(r)]):

@@ -19,6 +19,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from deadpool.protocol import Keys
+
 
 class Fault(str, enum.Enum):
     KILL = "kill"
@@ -65,7 +67,7 @@ class FaultInjector:
         for ev in self.events:
             if ev.rank == self.rank and ev.step == step and ev.phase == phase and ev not in self.fired:
                 # only the process that first held the rank at this step carries the fault
-                key = f"fault_fired/{ev.rank}/{ev.step}/{ev.phase}"
+                key = Keys.fault_fired(ev.rank, ev.step, ev.phase)
                 if self.store is not None and self.store.add(key, 1) != 1:
                     continue
                 self.fired.add(ev)
@@ -75,7 +77,7 @@ class FaultInjector:
         if self.store is not None:
             rec = {"t": time.time(), "rank": ev.rank, "step": ev.step, "phase": ev.phase,
                    "kind": ev.kind.value, "slot": self.slot}
-            self.store.set(f"fault/{self.slot}", json.dumps(rec))
+            self.store.set(Keys.fault(self.slot), json.dumps(rec))
         if ev.kind is Fault.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
         elif ev.kind is Fault.STOP:

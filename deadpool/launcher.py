@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from deadpool.protocol import Keys
+
 
 class LocalLauncher:
     def __init__(self, run_dir: Path, job_json: Path):
@@ -90,7 +92,7 @@ class ExternalLauncher:
         return False  # remote: only the hard heartbeat timeout (or a peer's error) can tell
 
     def kill(self, slot: int) -> None:
-        self.store.set(f"fence/{slot}", "1")
+        self.store.set(Keys.fence(slot), "1")
 
     def wait_all(self, timeout_s: float) -> None:
         pass

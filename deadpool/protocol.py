@@ -55,6 +55,21 @@ class Keys:
     def fault(slot: int) -> str:
         return f"fault/{slot}"
 
+    def checkpointed_count(self) -> str:
+        return f"{self._p}num_checkpointed"
+
+    @staticmethod
+    def crash(slot: int) -> str:
+        return f"crash/{slot}"
+
+    @staticmethod
+    def fence(slot: int) -> str:
+        return f"fence/{slot}"
+
+    @staticmethod
+    def fault_fired(rank: int, step: int, phase: str) -> str:
+        return f"fault_fired/{rank}/{step}/{phase}"
+
     @staticmethod
     def spare_ready(slot: int) -> str:
         return f"spare_ready/{slot}"

@@ -31,7 +31,7 @@ def _median(xs):
 
 def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
     rows = merge_metrics(run_dir)
-    finals = getattr(coord, "finals", {})
+    finals = coord.finals
     digest = None
     if finals and len(finals) == coord.dims.world_size:
         h = hashlib.sha256()
@@ -40,9 +40,8 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
         digest = h.hexdigest()
     gen0 = [r for r in rows if r["generation"] == 0 and r["step"] > 1]  # step 1 includes warm-up
     state_bytes = next((f["state_bytes"] for f in finals.values()), None)
+    n_params = next((f["model_params"] for f in finals.values()), None)
     p = cfg["parallel"]
-    from deadpool.model import build_model
-    n_params = sum(t.numel() for t in build_model(cfg["model"], cfg["seed"]).parameters())
     summary = {
         "outcome": coord.outcome,
         "message": coord.message,

@@ -109,7 +109,8 @@ class Slot:
     step: int = -1
     header: bytes = b""
     crc: int = 0
-    copied: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)  # copy done: live may change
+    copied: threading.Event = field(default_factory=threading.Event)    # copy and checksum done
     replicating: bool = False
     cuda_event: object = None
 
@@ -162,8 +163,8 @@ class SnapshotEngine:
         self.last_replicate_s = 0.0
         self.blocked_s = 0.0
 
-    def is_snapshot_step(self, step: int) -> bool:
-        return step % self.interval == 0
+    def _slot_for(self, step: int) -> "Slot":
+        return self.slots[(step // self.interval) % len(self.slots)]
 
     # -- main thread: take a snapshot -------------------------------------------------------------
     def snapshot(self, step: int, header: dict, abort_check=None) -> None:
@@ -172,7 +173,7 @@ class SnapshotEngine:
         ``abort_check`` is called while waiting for a free slot; it must raise if the generation
         was aborted (a replication peer may be gone, so the slot would never free up).
         """
-        slot = self.slots[(step // self.interval) % len(self.slots)]
+        slot = self._slot_for(step)
         t0 = last_check = time.perf_counter()
         while True:
             with self._lock:
@@ -189,6 +190,7 @@ class SnapshotEngine:
             if not busy:
                 time.sleep(0.0005)
         self.blocked_s += time.perf_counter() - t0
+        slot.released.clear()
         slot.copied.clear()
         slot.step = step
         slot.header = pickle.dumps(header)
@@ -232,7 +234,7 @@ class SnapshotEngine:
         if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
             torch.cuda.current_stream().wait_event(slot.cuda_event)  # GPU-side wait, CPU goes on
         else:
-            slot.copied.wait()
+            slot.released.wait()
         self.blocked_s += time.perf_counter() - t0
 
     def _copy_loop(self) -> None:
@@ -246,6 +248,7 @@ class SnapshotEngine:
                 # one call, so this low-priority thread takes the GIL once, not once per tensor
                 # (a preempted low-priority GIL holder would stall the training thread)
                 torch._foreach_copy_(self.layout.views(slot.flat), self.tensors)
+            slot.released.set()  # the live state may change now; the checksum reads the copy
             slot.crc = checksum(slot.flat)
             self.last_copy_s = time.perf_counter() - t0
             slot.copied.set()
@@ -293,8 +296,7 @@ class SnapshotEngine:
 
     def _load(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
-            for v, t in zip(self.layout.views(flat), self.tensors):
-                t.copy_(v, non_blocking=False)
+            torch._foreach_copy_(self.tensors, self.layout.views(flat))
 
     def replica(self, owner: int, step: int) -> Replica:
         with self._lock:
@@ -314,7 +316,7 @@ class SnapshotEngine:
     def recv_state(self, comm, src_rank: int, step: int) -> dict:
         """Receive a full state from ``src_rank``, verify it, load it live and keep it as a local
         snapshot of ``step``. Returns the header."""
-        slot = self.slots[(step // self.interval) % len(self.slots)]
+        slot = self._slot_for(step)
         pg = comm.group("repl")
         got_step, header, crc = _recv_state(pg, comm.group_rank("repl", src_rank), slot.flat,
                                             self.chunk_bytes, wait=_blocking)
@@ -322,6 +324,7 @@ class SnapshotEngine:
             raise RuntimeError(f"state transfer from rank {src_rank} failed verification "
                                f"(step {got_step} vs {step})")
         slot.step, slot.header, slot.crc = step, header, crc
+        slot.released.set()
         slot.copied.set()
         self._load(slot.flat)
         return pickle.loads(header)

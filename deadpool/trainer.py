@@ -40,16 +40,15 @@ class Trainer:
             state_tensors(self.model, self.opt), interval=ft["snapshot_interval_steps"],
             num_local_slots=ft["num_local_slots"], chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
             device=self.device, fault_hook=injector.fire,
-            background_nice=int(ft.get("snapshot_nice", 0)), verify=ft.get("replica_verify", "lazy"))
+            background_nice=int(ft["snapshot_nice"]), verify=ft["replica_verify"])
         self.snapshots_on = bool(ft["snapshot"])
         # measurement aid (experiments/bench_runtime.py): snapshot only in alternate blocks of this
         # many steps, so on/off step times are compared inside one run; 0 = every interval
-        self.ab_block = int(ft.get("snapshot_ab_block_steps", 0) or 0)
+        self.ab_block = int(ft["snapshot_ab_block_steps"])
         self.step = 0
         self.generation = 0
         self.rank: int | None = None
         self.metrics = open(metrics_path, "a", buffering=1)
-        self.step_times: list[float] = []
         self.progress = progress or (lambda line: None)
 
     # -- state ------------------------------------------------------------------------------------
@@ -95,16 +94,14 @@ class Trainer:
             loss = self.model(x.to(self.device), y.to(self.device))
             loss.backward()
             self.injector.fire(self.step, "mid_step")
-            flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params])  # fresh buffer per step
             comm.allreduce_mean(flat)
             off = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad.copy_(flat[off:off + n].view_as(p))
-                off += n
+            for p in self.params:  # the averaged gradients are views of the reduced buffer
+                p.grad = flat[off:off + p.numel()].view_as(p)
+                off += p.numel()
             self.engine.wait_copy()
             self.opt.step()
-            self.opt.zero_grad(set_to_none=True)  # abandoned all-reduce buffers are never reused
             self.step += 1
             took = self.snapshots_on and self.step % interval == 0 and (
                 not self.ab_block or (self.step // self.ab_block) % 2 == 0)
@@ -113,7 +110,6 @@ class Trainer:
             if persist and self.step % persist == 0:
                 self.persist(self.step)
             dt = time.perf_counter() - t0
-            self.step_times.append(dt)
             self.log(loss.item(), dt, self.engine.blocked_s - blocked0, took)
             if first and on_first_step is not None:
                 on_first_step()
@@ -125,7 +121,7 @@ class Trainer:
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
                "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot, "t": time.time()}
         self.metrics.write(json.dumps(rec) + "\n")
-        every = int(self.cfg.get("log_every_steps", 0) or 0)
+        every = int(self.cfg["log_every_steps"])
         if self.rank == 0 and every and (self.step % every == 0 or self.step == self.cfg["num_steps"]):
             line = (f"[rank 0] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
                     f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms")

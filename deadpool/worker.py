@@ -50,11 +50,12 @@ class Heartbeat(threading.Thread):
     def __init__(self, host, port, slot: int, interval_s: float):
         super().__init__(name="heartbeat", daemon=True)
         self.store = connect(host, port)
+        self.slot = slot
         self.key = Keys.heartbeat(slot)
         self.interval_s = interval_s
 
     def run(self):
-        fence = f"fence/{self.key.split('/')[-1]}"
+        fence = Keys.fence(self.slot)
         while True:
             self.store.set(self.key, repr(time.time()))
             # a process the coordinator declared dead must not come back (e.g. after SIGCONT)
@@ -119,7 +120,7 @@ class Worker:
         comm = None
         try:
             comm = Communicator.build(topo, self.store, self.backend, self.ft["collective_poll_s"],
-                                      self.ft["pg_timeout_s"], repl_nice=int(self.ft.get("snapshot_nice", 0)))
+                                      self.ft["pg_timeout_s"], repl_nice=int(self.ft["snapshot_nice"]))
             timing["rebuilt"] = now()
             self.restore(plan, rank, comm, timing)
             timing["ready"] = now()
@@ -147,7 +148,7 @@ class Worker:
         tr = self.trainer
         S = plan.resume_step
         if plan.generation == 0:
-            resume = self.ft.get("resume_from")
+            resume = self.ft["resume_from"]
             if resume:
                 step_dir = checkpoint.latest_step_dir(resume)
                 header = checkpoint.load_rank_state(step_dir, rank, tr.state_dict())
@@ -185,7 +186,7 @@ class Worker:
                 rep = tr.engine.replica(owner, S)
                 checkpoint.save_rank_state(root, S, owner, tr.engine.layout.state_dict(rep.flat),
                                            pickle.loads(rep.header))
-        self.store.add(f"g{plan.generation}/num_checkpointed", 1)
+        self.store.add(Keys(plan.generation).checkpointed_count(), 1)
 
     def write_final(self, rank: int) -> None:
         tr = self.trainer
@@ -193,12 +194,10 @@ class Worker:
         out.mkdir(exist_ok=True)
         torch.save({k: v.detach().cpu().clone() for k, v in tr.state_dict().items()},
                    out / f"rank{rank}.pt")
-        times = sorted(tr.step_times)
         self.store.set(Keys.final(rank), json.dumps({
             "digest": tr.digest(), "step": tr.step, "slot": self.slot,
-            "step_time_s_median": times[len(times) // 2] if times else None,
             "state_bytes": tr.engine.layout.nbytes,
-            "blocked_s_total": tr.engine.blocked_s}))
+            "model_params": sum(p.numel() for p in tr.params)}))
 
 
 def main(argv=None) -> None:
@@ -226,7 +225,7 @@ def main(argv=None) -> None:
         code = 1
         try:
             store = connect(cfg["_store"]["host"], int(cfg["_store"]["port"]), 5)
-            store.set(f"crash/{args.slot}", f"{type(e).__name__}: {e}"[:500])
+            store.set(Keys.crash(args.slot), f"{type(e).__name__}: {e}"[:500])
         except Exception:
             pass
     sys.stdout.flush()

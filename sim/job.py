@@ -41,6 +41,7 @@ class Job:
         self.background_need = 0  # pool size at which a computing job wants to be interrupted
         self.mem_floor = 0.0  # progress of the state restored by the last recovery
         self.vacant: set[int] = set()  # slots that lost their node and need one
+        self.detect_pending = False  # an unexpected failure has not been detected yet
         npg = layout.nodes_per_group
         self.group_active = [True] * layout.num_groups
         self.active_groups = layout.num_groups
@@ -110,6 +111,12 @@ class Job:
             self._phase = None
 
     # -- helpers for recover() --------------------------------------------------------------
+    def detection(self, seconds: float):
+        """Spend the detection time of a pending unexpected failure, once (badput: detection)."""
+        if self.detect_pending:
+            yield from self.phase("detection", seconds)
+            self.detect_pending = False
+
     def phase(self, bucket: str, seconds: float):
         """Spend ``seconds`` in badput ``bucket``; an interrupt books the elapsed part."""
         if seconds <= 0:

@@ -79,10 +79,14 @@ class Checkpoints:
             self.taken += m
         return w1, stalled
 
-    def rollback(self, now: float) -> float:
-        """A failure: in-flight persists are cancelled; returns the progress to restart from."""
+    def cancel_inflight(self, now: float) -> None:
+        """A failure: persists finished by ``now`` count, those still being written are lost."""
         self.settle(now)
         self.inflight = []
+
+    def rollback(self, now: float) -> float:
+        """A failure: in-flight persists are cancelled; returns the progress to restart from."""
+        self.cancel_inflight(now)
         self.next_mark = self.durable + self.interval
         return self.durable
 

@@ -35,7 +35,6 @@ class CheckpointRestart(Job):
         super().__init__(env, cluster, layout, ledger)
         self.p = p
         self.ckpt = Checkpoints(p.interval_s, p.disk.stall_s, p.disk.persist_lag_s)
-        self.detect_pending = False
         self.drain_pending = False
 
     @staticmethod
@@ -59,9 +58,7 @@ class CheckpointRestart(Job):
         self.recovering = True
 
     def recover(self):
-        if self.detect_pending:
-            yield from self.phase("detection", self.p.detect_s)
-            self.detect_pending = False
+        yield from self.detection(self.p.detect_s)
         if self.drain_pending:
             yield from self.phase("ckpt_stall", self.p.disk.write_s)
             self.ckpt.mark_durable(self.W)

@@ -53,7 +53,6 @@ class DeadPool(Job):
         if p.hot.snapshot_overhead_frac > 0:
             self.factors["snapshot"] = 1.0 / (1.0 + p.hot.snapshot_overhead_frac)
         self.pending: set[int] = set()  # slots whose state now lives only on the buddy
-        self.detect_pending = False
         self.fallback = False
         self.num_slots = layout.num_nodes
 
@@ -79,7 +78,7 @@ class DeadPool(Job):
         self.vacant.add(slot)
         if cause.planned:
             return  # drained: its state was handed over before it left
-        self._cancel_persists()
+        self.ckpt.cancel_inflight(self.env.now)
         if self.neighbours(slot) & self.pending and not self.fallback:
             self.fallback = True
             self.ledger.count("fallbacks")
@@ -91,14 +90,8 @@ class DeadPool(Job):
         self.pending.add(slot)
         self.detect_pending = True
 
-    def _cancel_persists(self) -> None:
-        self.ckpt.settle(self.env.now)
-        self.ckpt.inflight = []
-
     def recover(self):
-        if self.detect_pending:
-            yield from self.phase("detection", self.p.hot.detect_s)
-            self.detect_pending = False
+        yield from self.detection(self.p.hot.detect_s)
         if self.fallback:
             yield from self.fill_vacant()
             yield from self.phase("restart", self.p.disk.restart_s)

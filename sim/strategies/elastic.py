@@ -38,7 +38,6 @@ class Elastic(Job):
         super().__init__(env, cluster, layout, ledger)
         self.p = p
         self.factors["degraded"] = 1.0
-        self.detect_pending = False
         self.shrink_pending = False
 
     @staticmethod
@@ -67,9 +66,7 @@ class Elastic(Job):
         self.shrink_pending = True
 
     def recover(self):
-        if self.detect_pending:
-            yield from self.phase("detection", self.p.detect_s)
-            self.detect_pending = False
+        yield from self.detection(self.p.detect_s)
         if self.shrink_pending:
             yield from self.phase("reconfiguration", self.p.shrink_s)
             self.shrink_pending = False

@@ -40,7 +40,6 @@ class Replication(Job):
         self.factors["redundant"] = 1.0 / (1.0 + p.redundant_compute_frac)
         self.factors["degraded"] = 1.0
         self.num_slots = layout.num_nodes
-        self.detect_pending = False
         self.failover_pending = False
         self.fallback = False
 
@@ -71,8 +70,7 @@ class Replication(Job):
         if cause.planned:
             self.failover_pending = True
             return
-        self.ckpt.settle(self.env.now)
-        self.ckpt.inflight = []
+        self.ckpt.cancel_inflight(self.env.now)
         if buddy_missing and not self.fallback:
             self.fallback = True
             self.ledger.count("fallbacks")
@@ -83,9 +81,7 @@ class Replication(Job):
         self.detect_pending = True
 
     def recover(self):
-        if self.detect_pending:
-            yield from self.phase("detection", self.p.detect_s)
-            self.detect_pending = False
+        yield from self.detection(self.p.detect_s)
         if self.fallback:
             yield from self.fill_vacant()
             yield from self.phase("restart", self.p.disk.restart_s)

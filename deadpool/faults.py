@@ -1,13 +1,38 @@
-"""Fault injection from config: kill, hang or crash a rank at a given step and phase.
+"""Fault injection from config: kill, stop, crash, hang or corrupt a process at a chosen moment.
 
-Faults are keyed by (rank, step, phase) and fire once per job, recorded in the store first (the
-coordinator reads the time of the fault to measure detection and recovery). A fault is tied to
-the *launch slot* that held the rank when it fired, so the spare that replaces a killed rank does
-not kill itself again when it replays the same step.
+A fault names its target by ``rank`` (whichever process holds that rank when the moment comes) or
+by ``slot`` (a launch slot: a warm spare, or the process that takes over a rank), a ``step`` and
+a ``phase``. It fires the first time its target reaches ``phase`` at a step >= ``step``, once per
+job: the first firing is recorded in the store (the coordinator reads its time to measure
+detection and recovery), so the spare that replays the step does not fire it again.
+
+Phases of training (the step number is the step being computed)::
+
+    step_start / forward   before the forward pass
+    backward               after the forward pass, before backward
+    mid_step               after backward, before the gradient all-reduce
+    allreduce              inside the gradient all-reduce (peers are waiting in it)
+    optimizer              after the all-reduce, before the optimizer step
+    snapshot_copy          in the snapshot copier thread
+    replication            in the replication thread, after the first chunk is sent
+
+Phases of a recovery (the step number is the resume step)::
+
+    status        after the abort, before this rank reports what it can resume from
+    rebuild       inside the group rebuild (after the world group, before the others)
+    transfer      inside the state transfer (sender: first chunk posted; receiver: first chunk in)
+    rollback      before rolling back to a local snapshot
+    repl_restart  after replication restarted, before the first step
+    idle          a warm spare waiting for a plan (step: the job's newest step)
+
+Kinds::
 
     kill       SIGKILL the process (a crashed node)
     stop       SIGSTOP the process (a hung node: sockets stay open, heartbeats stop)
-    exception  raise in the training step (the rank reports it and leaves)
+    exception  raise in the thread that reached the phase (the step, or a helper thread)
+    hang       that thread sleeps forever while the process and its heartbeat live on
+               (a stuck kernel or collective: only the progress watchdog can see it)
+    corrupt    flip bytes in the replicas this process holds (caught by the CRC when used)
 """
 
 from __future__ import annotations
@@ -21,66 +46,100 @@ from dataclasses import dataclass
 
 from deadpool.protocol import Keys
 
+TRAIN_PHASES = ("step_start", "forward", "backward", "mid_step", "allreduce", "optimizer",
+                "snapshot_copy", "replication")
+RECOVERY_PHASES = ("status", "rebuild", "transfer", "rollback", "repl_restart", "idle")
+PHASES = TRAIN_PHASES + RECOVERY_PHASES
+
 
 class Fault(str, enum.Enum):
     KILL = "kill"
     STOP = "stop"
     EXCEPTION = "exception"
-
-
-PHASES = ("step_start", "mid_step", "replication")
+    HANG = "hang"
+    CORRUPT = "corrupt"
 
 
 class InjectedFault(RuntimeError):
-    """Raised by an ``exception`` fault inside the training step."""
+    """Raised by an ``exception`` fault."""
 
 
 @dataclass(frozen=True)
 class FaultEvent:
-    rank: int
+    rank: int | None
     step: int
     phase: str
     kind: Fault
+    slot: int | None = None
 
     @classmethod
     def from_cfg(cls, d) -> "FaultEvent":
         phase = str(d["phase"])
         if phase not in PHASES:
             raise ValueError(f"fault phase {phase!r} is not one of {PHASES}")
-        return cls(int(d["rank"]), int(d["step"]), phase, Fault(str(d["kind"])))
+        rank, slot = d.get("rank"), d.get("slot")
+        if (rank is None) == (slot is None):
+            raise ValueError(f"fault {dict(d)} must name exactly one of rank or slot")
+        return cls(None if rank is None else int(rank), int(d["step"]), phase, Fault(str(d["kind"])),
+                   None if slot is None else int(slot))
+
+    @property
+    def key(self) -> str:
+        who = f"r{self.rank}" if self.rank is not None else f"s{self.slot}"
+        return Keys.fault_fired(who, self.step, self.phase)
 
 
 class FaultInjector:
-    """Fires the configured faults for one process. ``fire`` is called at each (step, phase)."""
+    """Fires the configured faults for one process. ``fire`` is called at each (step, phase).
 
-    def __init__(self, events, slot: int, store=None):
+    ``on_corrupt`` is called for a ``corrupt`` fault (the snapshot engine flips replica bytes).
+    """
+
+    def __init__(self, events, slot: int, store=None, on_corrupt=None):
         self.events = [e if isinstance(e, FaultEvent) else FaultEvent.from_cfg(e) for e in events]
         self.slot = slot
         self.store = store
         self.rank: int | None = None
         self.fired: set[FaultEvent] = set()
+        self.on_corrupt = on_corrupt
 
-    def set_rank(self, rank: int) -> None:
+    def set_rank(self, rank: int | None) -> None:
         self.rank = rank
 
     def fire(self, step: int, phase: str) -> None:
+        if not self.events:
+            return
         for ev in self.events:
-            if ev.rank == self.rank and ev.step == step and ev.phase == phase and ev not in self.fired:
-                # only the process that first held the rank at this step carries the fault
-                key = Keys.fault_fired(ev.rank, ev.step, ev.phase)
-                if self.store is not None and self.store.add(key, 1) != 1:
-                    continue
+            if ev.phase != phase or step < ev.step or ev in self.fired:
+                continue
+            if ev.slot is not None and ev.slot != self.slot:
+                continue
+            if ev.rank is not None and ev.rank != self.rank:
+                continue
+            # only the first process to reach the moment carries the fault
+            if self.store is not None and self.store.add(ev.key, 1) != 1:
                 self.fired.add(ev)
-                self._act(ev)
+                continue
+            self.fired.add(ev)
+            self._act(ev, step)
 
-    def _act(self, ev: FaultEvent) -> None:
+    def _act(self, ev: FaultEvent, step: int) -> None:
         if self.store is not None:
-            rec = {"t": time.time(), "rank": ev.rank, "step": ev.step, "phase": ev.phase,
+            rec = {"t": time.time(), "rank": self.rank, "step": step, "phase": ev.phase,
                    "kind": ev.kind.value, "slot": self.slot}
             self.store.set(Keys.fault(self.slot), json.dumps(rec))
+        print(f"[fault] {ev.kind.value} at {ev.phase} of step {step} (rank {self.rank}, slot "
+              f"{self.slot})", flush=True)
         if ev.kind is Fault.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
         elif ev.kind is Fault.STOP:
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif ev.kind is Fault.HANG:
+            while True:  # this thread is stuck; the others (heartbeat included) go on
+                time.sleep(3600)
+        elif ev.kind is Fault.CORRUPT:
+            if self.on_corrupt is not None:
+                self.on_corrupt()
         else:
-            raise InjectedFault(f"injected exception on rank {ev.rank} at step {ev.step} ({ev.phase})")
+            raise InjectedFault(f"injected exception at {ev.phase} of step {step} (rank "
+                                f"{self.rank}, slot {self.slot})")

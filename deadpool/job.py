@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
-
+from deadpool import auth
 from deadpool.coordinator import Coordinator, JobFailed
+from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
+from deadpool.planner import SOURCE_KINDS
 from deadpool.report import write_outputs
 
 
@@ -40,10 +40,21 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.heartbeat_hard_timeout_s must be >= ft.heartbeat_timeout_s")
     if ft["on_no_spare"] not in ("checkpoint_and_stop",):
         raise ValueError("ft.on_no_spare must be 'checkpoint_and_stop' (elastic shrink is not built yet)")
+    if ft["progress_timeout_s"] <= ft["heartbeat_timeout_s"]:
+        raise ValueError("ft.progress_timeout_s must exceed ft.heartbeat_timeout_s")
+    if ft["coordinator_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:
+        raise ValueError("ft.coordinator_timeout_s must exceed 2 x ft.heartbeat_interval_s")
+    bad = [k for k in ft["state_sources"] if k not in SOURCE_KINDS]
+    if bad or not ft["state_sources"]:
+        raise ValueError(f"ft.state_sources must list some of {list(SOURCE_KINDS)}, got {ft['state_sources']}")
     world = p["dp"] * p["tp"] * p["pp"]
+    slots = world + int(ft["num_spares"])
     for ev in cfg["faults"]["events"]:
-        if not 0 <= int(ev["rank"]) < world:
+        FaultEvent.from_cfg(ev)  # phase, kind, rank-or-slot
+        if ev.get("rank") is not None and not 0 <= int(ev["rank"]) < world:
             raise ValueError(f"fault {ev} names rank {ev['rank']}, but ranks are 0..{world - 1}")
+        if ev.get("slot") is not None and not 0 <= int(ev["slot"]) < slots:
+            raise ValueError(f"fault {ev} names slot {ev['slot']}, but slots are 0..{slots - 1}")
         if not 0 <= int(ev["step"]) < int(cfg["num_steps"]):
             raise ValueError(f"fault {ev} is at step {ev['step']}, outside 0..{cfg['num_steps'] - 1}")
     if cfg["device"].startswith("cuda"):
@@ -56,24 +67,27 @@ def run_job(cfg: dict, log=print) -> dict:
     validate(cfg)
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore(cfg["launcher"]["host"], int(cfg["launcher"]["port"]), is_master=True,
-                          timeout=timedelta(seconds=60), wait_for_workers=False, use_libuv=True)
-    cfg = dict(cfg, _store={"host": cfg["launcher"]["host"], "port": store.port})
+    # the secret goes to the processes through their environment (local) or a 0600 file (SLURM),
+    # never into job.json or a log; the coordinator only sees the job's namespace (deadpool/auth.py)
+    secret = auth.new_secret() if cfg["launcher"]["name"] == "local" else auth.load_secret()
+    master = auth.serve_store(cfg["launcher"]["host"], int(cfg["launcher"]["port"]))
+    store = auth.namespaced(master, secret)
+    cfg = dict(cfg, _store={"host": cfg["launcher"]["host"], "port": master.port})
     job_json = run_dir / "job.json"
     job_json.write_text(json.dumps(cfg, indent=1))
     n_workers = cfg["parallel"]["dp"] * cfg["parallel"]["tp"] * cfg["parallel"]["pp"]
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
     t0 = time.time()
     if cfg["launcher"]["name"] == "local":
-        launcher = LocalLauncher(run_dir, job_json)
+        launcher = LocalLauncher(run_dir, job_json, secret)
         launcher.start(slots)
         log(f"[deadpool] {n_workers} workers + {cfg['ft']['num_spares']} warm spare(s) started; "
-            f"store on port {store.port}; run dir {run_dir}")
+            f"store on port {master.port}; run dir {run_dir}")
     else:  # srun / torchrun start the processes: `python -m deadpool.worker --job ... --slot $SLURM_PROCID`
-        launcher = ExternalLauncher(store)
-        log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{store.port}; waiting for "
+        launcher = ExternalLauncher(store, secret)
+        log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{master.port}; waiting for "
             f"{len(slots)} processes (job file {job_json})")
-    coord = Coordinator(cfg, store, launcher, log=log)
+    coord = Coordinator(cfg, store, launcher, log=log, secret=secret)
     try:
         coord.run()
     except JobFailed as e:

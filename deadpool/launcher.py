@@ -5,6 +5,9 @@ machine, so process exit is observable (``poll``) and a hung process can be fenc
 On SLURM / torchrun the processes are started by ``srun``; ``ExternalLauncher`` then has no
 handles: failures are seen through heartbeats and collective errors only, and fencing is a store
 key that a remote process's heartbeat thread honours (see experiments/slurm/).
+
+Both hand the job's secret (deadpool/auth.py) to nobody but the job: ``LocalLauncher`` puts it in
+each child's environment only, ``ExternalLauncher`` seals the fences it writes with it.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from deadpool import auth
 from deadpool.protocol import Keys
 
 
 class LocalLauncher:
-    def __init__(self, run_dir: Path, job_json: Path):
+    def __init__(self, run_dir: Path, job_json: Path, secret: str | None = None):
         self.run_dir = Path(run_dir)
         self.job_json = Path(job_json)
+        self.secret = secret
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}
 
@@ -30,6 +35,9 @@ class LocalLauncher:
         env = dict(os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env["PYTHONUNBUFFERED"] = "1"
+        if self.secret is not None:  # the children's environment only: never argv, job.json or a log
+            env[auth.SECRET_ENV] = self.secret
+            env.pop(auth.SECRET_FILE_ENV, None)
         for slot in slots:
             log = self.run_dir / "logs" / f"slot{slot}.log"
             self.logs[slot] = log
@@ -79,8 +87,9 @@ class LocalLauncher:
 class ExternalLauncher:
     """Processes started elsewhere (srun, torchrun): no exit codes, fencing through the store."""
 
-    def __init__(self, store):
-        self.store = store
+    def __init__(self, store, secret: str | None = None):
+        self.store = store  # the job's namespaced store (auth.namespaced)
+        self.secret = secret
 
     def start(self, slots: list[int]) -> None:
         pass
@@ -92,7 +101,8 @@ class ExternalLauncher:
         return False  # remote: only the hard heartbeat timeout (or a peer's error) can tell
 
     def kill(self, slot: int) -> None:
-        self.store.set(Keys.fence(slot), "1")
+        key = Keys.fence(slot)  # sealed for this key: a copy under another slot's key is refused
+        self.store.set(key, "1" if self.secret is None else auth.seal(self.secret, "1", context=key))
 
     def wait_all(self, timeout_s: float) -> None:
         pass

@@ -1,23 +1,30 @@
 """The hot-swap planner: from survivors' reports, decide the resume step and who restores what.
 
-A pure function, so it is tested without processes. Inputs are the ``RankStatus`` of each
-survivor and the set of dead ranks; the output says, for every rank, where its state at the resume
-step comes from:
+A pure function, so it is tested without processes. Inputs are the ``RankStatus`` of every
+process that answered (survivors, and spares that took a rank in an interrupted recovery), the
+job's ranks, which ranks hold the same state (data-parallel peers of one model shard) and which
+holds whose replica. For every rank the output names where its state at the resume step comes
+from, in this order of preference::
 
-    live     the survivor is already at the resume step
-    local    the survivor rolls back to its own snapshot of the resume step
-    replica  the (new) rank receives the snapshot its old buddy holds
+    live     the rank's own process is already at the resume step
+    local    its own process rolls back to its own snapshot of the resume step
+    peer     a live process holding the same state (a data-parallel peer) sends its copy
+    replica  the process holding the rank's replica (its buddy, or any other holder) sends it
 
-The resume step is the newest step that every rank can reach: a step in every survivor's local
-ring (or live), and held as a verified replica for every dead rank. Recomputation is therefore at
-most the steps since the newest complete replica.
+(``ft.state_sources`` may swap peer and replica.) The resume step is the newest step for which
+every rank has a source. A rank with none at any step is lost from memory; the coordinator then
+falls back to the newest complete disk checkpoint (source ``disk``, every rank). Copies a receiver
+found corrupt (CRC mismatch) are passed in ``bad`` as ``(holder, owner, step)`` and never chosen
+again. Recomputation is therefore at most the steps since the newest step every rank can reach.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deadpool.protocol import RankStatus
+
+SOURCE_KINDS = ("peer", "replica")
 
 
 @dataclass
@@ -26,37 +33,71 @@ class RecoveryDecision:
     sources: dict[int, dict]
     steps_recomputed: int
     reason: str = ""
+    lost: list[int] = field(default_factory=list)  # ranks with no copy at any step
 
 
-def plan_resume(statuses: dict[int, RankStatus], dead: set[int], buddy_of) -> RecoveryDecision:
-    """``buddy_of(rank)`` names the rank that should hold ``rank``'s replica (preferred holder)."""
-    candidates: list[set[int]] = []
-    for r, st in statuses.items():
-        steps = set(st.local_steps)
+def _has_own(st: RankStatus | None, step: int) -> bool:
+    return st is not None and (st.live_step == step or step in st.local_steps)
+
+
+def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, buddy_of,
+                order: tuple[str, ...] = SOURCE_KINDS,
+                bad: set[tuple[int, int, int]] = frozenset()) -> RecoveryDecision:
+    """``equivalents(r)``: ranks whose state equals ``r``'s at every step (same model shard, no
+    sharded optimizer state); ``buddy_of(r)``: the preferred holder of ``r``'s replica."""
+    for kind in order:
+        if kind not in SOURCE_KINDS:
+            raise ValueError(f"ft.state_sources: {kind!r} is not one of {SOURCE_KINDS}")
+    steps: set[int] = set()
+    for st in statuses.values():
+        steps.update(st.local_steps)
         if st.live_step is not None:
             steps.add(st.live_step)
-        candidates.append(steps)
-    holders: dict[int, dict[int, list[int]]] = {}
-    for d in dead:
-        held: dict[int, list[int]] = {}
-        for r, st in statuses.items():
-            for step in st.replicas.get(d, []):
-                held.setdefault(step, []).append(r)
-        holders[d] = held
-        candidates.append(set(held))
-    common = set.intersection(*candidates) if candidates else set()
-    live_max = max((st.live_step or 0) for st in statuses.values()) if statuses else 0
-    if not common:
-        lost = [d for d in dead if not holders[d]]
-        why = (f"no verified replica of rank(s) {lost} survives" if lost else
-               "survivors' snapshots and the dead ranks' replicas share no step")
-        return RecoveryDecision(None, {}, 0, why)
-    S = max(common)
-    sources: dict[int, dict] = {}
-    for r, st in statuses.items():
-        sources[r] = {"kind": "live" if st.live_step == S else "local", "holder": r}
-    for d in dead:
-        hs = holders[d][S]
-        pref = buddy_of(d)
-        sources[d] = {"kind": "replica", "holder": pref if pref in hs else min(hs)}
-    return RecoveryDecision(S, sources, live_max - S)
+        for held in st.replicas.values():
+            steps.update(held)
+    live_max = max((st.live_step for st in statuses.values() if st.live_step is not None),
+                   default=0)
+    covered: set[int] = set()
+    for S in sorted(steps, reverse=True):
+        load: dict[int, int] = {}  # holder -> transfers it serves (spread peer sends)
+        sources: dict[int, dict] = {}
+        for r in world:
+            src = _source(r, S, statuses, equivalents, buddy_of, order, bad, load)
+            if src is None:
+                break
+            sources[r] = src
+            covered.add(r)
+        else:
+            return RecoveryDecision(S, sources, max(0, live_max - S))
+    # keep scanning to know which ranks have a copy at *some* step (for the message)
+    for r in world:
+        if r not in covered and any(_source(r, S, statuses, equivalents, buddy_of, order, bad, {})
+                                    for S in steps):
+            covered.add(r)
+    lost = [r for r in world if r not in covered]
+    why = (f"no consistent copy of rank(s) {lost} survives in memory" if lost else
+           "the ranks' snapshots and replicas share no step")
+    return RecoveryDecision(None, {}, 0, why, lost)
+
+
+def _source(r, S, statuses, equivalents, buddy_of, order, bad, load) -> dict | None:
+    st = statuses.get(r)
+    if st is not None and st.live_step == S:
+        return {"kind": "live", "holder": r}
+    if _has_own(st, S) and (r, r, S) not in bad:
+        return {"kind": "local", "holder": r}
+    for kind in order:
+        if kind == "peer":
+            holders = [q for q in equivalents(r) if q != r and _has_own(statuses.get(q), S)
+                       and (q, q, S) not in bad]
+            # prefer a peer already at S (no rollback needed to serve), then the least loaded
+            holders.sort(key=lambda q: (load.get(q, 0), statuses[q].live_step != S, q))
+        else:
+            holders = [q for q, st_q in statuses.items() if q != r
+                       and S in st_q.replicas.get(r, []) and (q, r, S) not in bad]
+            pref = buddy_of(r)
+            holders.sort(key=lambda q: (q != pref, load.get(q, 0), q))
+        if holders:
+            load[holders[0]] = load.get(holders[0], 0) + 1
+            return {"kind": kind, "holder": holders[0]}
+    return None

@@ -11,6 +11,8 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+from deadpool import auth
+
 
 class Keys:
     def __init__(self, generation: int):
@@ -43,6 +45,10 @@ class Keys:
     def failed(self, rank: int) -> str:
         return f"{self._p}failed/{rank}"
 
+    def bad_source(self, rank: int) -> str:
+        """A receiver's report that a state it was sent failed its CRC (JSON: holder, owner, step)."""
+        return f"{self._p}bad_source/{rank}"
+
     @staticmethod
     def plan(generation: int) -> str:
         return f"plan/{generation}"
@@ -67,8 +73,8 @@ class Keys:
         return f"fence/{slot}"
 
     @staticmethod
-    def fault_fired(rank: int, step: int, phase: str) -> str:
-        return f"fault_fired/{rank}/{step}/{phase}"
+    def fault_fired(who: str, step: int, phase: str) -> str:
+        return f"fault_fired/{who}/{step}/{phase}"
 
     @staticmethod
     def spare_ready(slot: int) -> str:
@@ -79,6 +85,8 @@ class Keys:
         return f"final/{rank}"
 
     JOB_DONE = "job/done"
+    JOB_STEP = "job/step"  # newest step any rank reported (read by idle spares' fault injection)
+    COORD_HB = "coord/hb"  # the coordinator's heartbeat: a counter workers watch advance
     PROGRESS = "job/progress"  # rank 0's latest progress line
     JOB_STOP = "job/stop"
 
@@ -91,7 +99,7 @@ class Plan:
     action: str                       # "train" | "checkpoint_and_stop" | "stop"
     assignments: dict[int, int]       # rank -> launch slot
     resume_step: int
-    # rank -> {"kind": "live" | "local" | "replica", "holder": rank holding the replica}
+    # rank -> {"kind": "live" | "local" | "peer" | "replica" | "disk", "holder": rank that sends}
     sources: dict[int, dict] = field(default_factory=dict)
     reason: str = ""
     t_written: float = 0.0
@@ -122,9 +130,9 @@ class RankStatus:
 
     rank: int
     slot: int
-    live_step: int | None                 # last completed optimizer step in live memory
+    live_step: int | None                 # step of the live state; None: holds no rank's state
     local_steps: list[int]                # complete local snapshots
-    replicas: dict[int, list[int]]        # owner rank -> verified replica steps held
+    replicas: dict[int, list[int]]        # owner rank -> replica steps held (not known corrupt)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -136,6 +144,24 @@ class RankStatus:
         d = json.loads(s)
         d["replicas"] = {int(k): v for k, v in d["replicas"].items()}
         return cls(**d)
+
+
+class Seal:
+    """Authenticates control messages (plans, aborts, fences, join announcements) with the job's
+    secret, bound to the store key they are written under (deadpool/auth.py). With no secret
+    (unit tests on a private store) messages pass unsealed."""
+
+    def __init__(self, secret: str | None):
+        self.secret = secret
+
+    def wrap(self, key: str, text: str) -> str:
+        return text if self.secret is None else auth.seal(self.secret, text, context=key)
+
+    def unwrap(self, key: str, value: str | bytes) -> str:
+        """The message's text; raises ``auth.AuthError`` if it was not sealed by this job."""
+        if self.secret is None:
+            return value.decode() if isinstance(value, (bytes, bytearray)) else value
+        return auth.unseal(self.secret, value, context=key)
 
 
 def now() -> float:

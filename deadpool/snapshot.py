@@ -15,9 +15,12 @@ complete and its CRC32 matches the sender's. Each rank therefore holds:
     replicas:    the last two complete snapshots of its ward (what a spare is rebuilt from)
 
 A replica is checked against the sender's CRC32 either on receipt (``verify="eager"``) or when it
-is about to be used (``verify="lazy"``, the default: when a survivor reports what it can resume
-from, it verifies the replicas it holds and reports only those that match). Lazy verification
-takes one checksum pass per step off the steady state; a replica never counts unverified.
+is used (``verify="lazy"``, the default): every state sent to a spare is checked by the receiver
+against the CRC32 the snapshot was taken with, and a mismatch is reported so that the planner
+picks another source. Lazy verification takes one checksum pass per step off the steady state,
+and keeps a survivor's status report O(1) (no checksum of GB-scale replicas before answering).
+
+Headers (step, data position, RNG state) travel as JSON; nothing received is ever unpickled.
 
 All ranks replicate the same steps in the same order (every ``interval``-th step), so the ring of
 sends and receives always pairs up. A step is *protected* once every rank has finished
@@ -30,8 +33,8 @@ for a slot it may overwrite (backpressure, counted in ``blocked_s``) rather than
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 import queue
 import threading
 import time
@@ -40,7 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-HEADER_BYTES = 1 << 16  # pickled metadata (step, RNG states, data position) must fit
+from deadpool.comm import PassThrough
+
+HEADER_BYTES = 1 << 16  # JSON metadata (step, RNG states, data position) must fit
 _ALIGN = 64
 
 
@@ -122,7 +127,26 @@ class Replica:
     flat: torch.Tensor
     header: bytes
     crc: int
-    verified: bool = False
+    verified: bool | None = None  # None: not checked yet (lazy); False: known corrupt
+
+
+class CorruptState(PassThrough):
+    """A state received (or about to be restored) does not match the CRC32 it was taken with."""
+
+    def __init__(self, msg: str, holder: int, owner: int, step: int):
+        super().__init__(msg)
+        self.holder, self.owner, self.step = holder, owner, step
+
+
+def encode_header(header: dict) -> bytes:
+    b = json.dumps(header).encode()
+    if len(b) > HEADER_BYTES:
+        raise ValueError(f"snapshot header is {len(b)} bytes, more than {HEADER_BYTES}")
+    return b
+
+
+def decode_header(b: bytes) -> dict:
+    return json.loads(b.decode())
 
 
 class SnapshotEngine:
@@ -162,19 +186,28 @@ class SnapshotEngine:
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
         self.blocked_s = 0.0
+        self.copy_error: BaseException | None = None  # the copier thread failed: fatal for the rank
+        # periodic disk checkpoints (checkpoint.AsyncPersister), fed from the copier thread
+        self.persister = None
+        self.persist_every = 0
+        self.persist_world = 1
+        self._persist_flat: torch.Tensor | None = None
 
     def _slot_for(self, step: int) -> "Slot":
         return self.slots[(step // self.interval) % len(self.slots)]
 
     # -- main thread: take a snapshot -------------------------------------------------------------
-    def snapshot(self, step: int, header: dict, abort_check=None) -> None:
+    def snapshot(self, step: int, header: dict, abort_check=None, on_block=None) -> None:
         """Start an asynchronous snapshot of the live state tagged ``step``. Main thread only.
 
         ``abort_check`` is called while waiting for a free slot; it must raise if the generation
         was aborted (a replication peer may be gone, so the slot would never free up).
+        ``on_block`` is called once if the call has to wait (backpressure).
         """
+        self._raise_copy_error()
         slot = self._slot_for(step)
         t0 = last_check = time.perf_counter()
+        blocked = False
         while True:
             with self._lock:
                 if slot.replicating:
@@ -184,6 +217,9 @@ class SnapshotEngine:
                     busy = False
             if not busy and (self._repl is None or self._may_overwrite(slot)):
                 break
+            if not blocked and on_block is not None:
+                on_block()
+            blocked = True
             if abort_check is not None and time.perf_counter() - last_check > 0.01:
                 abort_check()
                 last_check = time.perf_counter()
@@ -193,9 +229,7 @@ class SnapshotEngine:
         slot.released.clear()
         slot.copied.clear()
         slot.step = step
-        slot.header = pickle.dumps(header)
-        if len(slot.header) > HEADER_BYTES:
-            raise ValueError("snapshot header too large")
+        slot.header = encode_header(header)
         if self._side_stream is not None:  # pragma: no cover - needs CUDA
             main = torch.cuda.current_stream()
             self._side_stream.wait_stream(main)
@@ -218,6 +252,10 @@ class SnapshotEngine:
             return True
         return False
 
+    def protected_floor(self) -> int:
+        """The newest step this rank knows every rank has replicated (-1: none yet)."""
+        return self._protected
+
     def _may_overwrite(self, slot: "Slot") -> bool:
         """A slot may be reused once a newer step than the one it holds is protected."""
         if slot.step < 0:
@@ -236,27 +274,62 @@ class SnapshotEngine:
         else:
             slot.released.wait()
         self.blocked_s += time.perf_counter() - t0
+        self._raise_copy_error()
+
+    def _raise_copy_error(self) -> None:
+        if self.copy_error is not None:
+            raise RuntimeError(f"snapshot copier failed: {self.copy_error}") from self.copy_error
 
     def _copy_loop(self) -> None:
         lower_thread_priority(self.background_nice)
         while True:
             slot: Slot = self._copy_q.get()
             t0 = time.perf_counter()
-            if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
-                slot.cuda_event.synchronize()
-            else:
-                # one call, so this low-priority thread takes the GIL once, not once per tensor
-                # (a preempted low-priority GIL holder would stall the training thread)
-                torch._foreach_copy_(self.layout.views(slot.flat), self.tensors)
+            try:
+                self.fault_hook(slot.step, "snapshot_copy")
+                if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
+                    slot.cuda_event.synchronize()
+                else:
+                    # one call, so this low-priority thread takes the GIL once, not once per
+                    # tensor (a preempted low-priority GIL holder would stall the training thread)
+                    torch._foreach_copy_(self.layout.views(slot.flat), self.tensors)
+            except BaseException as e:  # the rank cannot snapshot any more: tell the trainer
+                self.copy_error = e
+                slot.step = -1
+                slot.released.set()
+                slot.copied.set()
+                continue
             slot.released.set()  # the live state may change now; the checksum reads the copy
             slot.crc = checksum(slot.flat)
             self.last_copy_s = time.perf_counter() - t0
             slot.copied.set()
+            if self.persist_every and slot.step > 0 and slot.step % self.persist_every == 0:
+                self._persist(slot)
             repl = self._repl
             if repl is not None and not repl.stopped:
                 with self._lock:
                     slot.replicating = True
                 repl.queue.put(slot)
+
+    def _persist(self, slot: Slot) -> None:
+        """Hand a copy of this snapshot to the asynchronous disk writer (copier thread).
+
+        The copy into a buffer the writer owns until it is done happens here, off the training
+        thread; the writer then needs no staging copy of its own. If the previous write is still
+        running this checkpoint is skipped (counted), never waited for."""
+        p = self.persister
+        if p is None or p.in_flight:
+            if p is not None:
+                p.skipped += 1
+            return
+        if self._persist_flat is None:
+            self._persist_flat = torch.empty_like(slot.flat)
+        self._persist_flat.copy_(slot.flat)
+        try:
+            p.submit(slot.step, self.layout.state_dict(self._persist_flat),
+                     decode_header(slot.header), self.persist_world)
+        except Exception as e:  # a failed earlier write must not stop snapshots
+            print(f"[deadpool] periodic checkpoint of step {slot.step} not written: {e}", flush=True)
 
     # -- what this rank can resume from ------------------------------------------------------------
     def local_steps(self) -> list[int]:
@@ -264,14 +337,22 @@ class SnapshotEngine:
         return sorted(s.step for s in self.slots if s.step >= 0 and s.copied.is_set())
 
     def replica_steps(self) -> dict[int, list[int]]:
-        """Steps of the replicas held, per owner: only those whose CRC32 matches the sender's."""
+        """Steps of the complete replicas held, per owner, except those known corrupt.
+
+        Never checksums (a status report must be quick at GB scale): whoever receives a replica
+        checks it against the CRC32 it was taken with, and reports a mismatch.
+        """
         with self._lock:
-            reps = [r for rs in self.replicas.values() for r in rs]
-        for r in reps:
-            if not r.verified:
-                r.verified = checksum(r.flat) == r.crc
+            return {o: sorted(r.step for r in rs if r.verified is not False)
+                    for o, rs in self.replicas.items()}
+
+    def corrupt_replicas(self) -> None:
+        """Fault injection: flip one byte of the newest replica held of each ward (a memory
+        error; its CRC32 no longer matches)."""
         with self._lock:
-            return {o: sorted(r.step for r in rs if r.verified) for o, rs in self.replicas.items()}
+            for rs in self.replicas.values():
+                if rs:
+                    rs[-1].flat[rs[-1].flat.numel() // 2] ^= 0xFF
 
     def drain(self) -> None:
         """Wait until every queued local copy has finished (not replication)."""
@@ -286,13 +367,14 @@ class SnapshotEngine:
                 return s
         raise KeyError(f"no local snapshot of step {step}")
 
-    def restore_local(self, step: int) -> dict:
+    def restore_local(self, step: int, rank: int = -1) -> dict:
         """Roll the live state back to this rank's own snapshot of ``step``; returns its header."""
         slot = self.local_slot(step)
         if checksum(slot.flat) != slot.crc:
-            raise RuntimeError(f"local snapshot of step {step} is corrupt (CRC mismatch)")
+            raise CorruptState(f"local snapshot of step {step} is corrupt (CRC mismatch)",
+                               rank, rank, step)
         self._load(slot.flat)
-        return pickle.loads(slot.header)
+        return decode_header(slot.header)
 
     def _load(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
@@ -305,29 +387,67 @@ class SnapshotEngine:
                     return r
         raise KeyError(f"no replica of rank {owner} at step {step}")
 
-    # -- state transfer to a spare (main thread, before replication starts) ----------------------
-    def send_replica(self, comm, owner: int, step: int, dst_rank: int) -> int:
-        rep = self.replica(owner, step)
-        pg = comm.group("repl")
-        _send_state(pg, comm.group_rank("repl", dst_rank), rep.step, rep.flat, rep.header, rep.crc,
-                    self.chunk_bytes, wait=_blocking)
-        return rep.flat.numel()
+    # -- state transfer to a rank that needs it (before replication starts) ---------------------
+    def outgoing(self, kind: str, owner: int, step: int, live_step: int | None, header_fn):
+        """The buffer to send for a plan source: ``(flat, header, crc)``. Main thread only.
 
-    def recv_state(self, comm, src_rank: int, step: int) -> dict:
-        """Receive a full state from ``src_rank``, verify it, load it live and keep it as a local
-        snapshot of ``step``. Returns the header."""
-        slot = self._slot_for(step)
+        ``kind="replica"``: the replica of ``owner`` at ``step``; otherwise this rank's own state
+        at ``step`` (its local snapshot; taken now from the live state if it is at ``step``).
+        """
+        if kind == "replica":
+            rep = self.replica(owner, step)
+            return rep.flat, rep.header, rep.crc
+        if step not in self.local_steps():
+            if live_step != step:
+                raise KeyError(f"no state of step {step} to send (live state is at {live_step})")
+            self.snapshot(step, header_fn())
+            self.drain()
+        slot = self.local_slot(step)
+        return slot.flat, slot.header, slot.crc
+
+    def transfer(self, comm, sends: list[tuple[int, int, tuple]], recv: tuple[int, int] | None,
+                 step: int):
+        """Send states and receive at most one; runs in an abortable helper thread.
+
+        ``sends``: ``(dst_rank, owner, (flat, header, crc))``; ``recv``: ``(src_rank, owner)``.
+        Every send is posted before the receive (a rank may do both: no cycle can deadlock).
+        The receive lands in a fresh buffer (an abandoned transfer may still write into it) and
+        is checked against the sender's CRC32 (``CorruptState`` on mismatch). Returns
+        ``(buffer, header, crc)`` or None.
+        """
         pg = comm.group("repl")
-        got_step, header, crc = _recv_state(pg, comm.group_rank("repl", src_rank), slot.flat,
-                                            self.chunk_bytes, wait=_blocking)
-        if got_step != step or checksum(slot.flat) != crc:
-            raise RuntimeError(f"state transfer from rank {src_rank} failed verification "
-                               f"(step {got_step} vs {step})")
-        slot.step, slot.header, slot.crc = step, header, crc
-        slot.released.set()
-        slot.copied.set()
-        self._load(slot.flat)
-        return pickle.loads(header)
+        works = []
+        for dst, owner, (flat, header, crc) in sends:
+            works += _post_sends(pg, comm.group_rank("repl", dst), step, flat, header, crc,
+                                 self.chunk_bytes,
+                                 after_first_chunk=lambda: self.fault_hook(step, "transfer"))
+        got = None
+        if recv is not None:
+            src, owner = recv
+            buf = torch.empty(self.layout.nbytes, dtype=torch.uint8,
+                              pin_memory=self.slots[0].flat.is_pinned())
+            got_step, header, crc = _recv_state(
+                pg, comm.group_rank("repl", src), buf, self.chunk_bytes, wait=_blocking,
+                after_first_chunk=lambda: self.fault_hook(step, "transfer"))
+            if got_step != step or checksum(buf) != crc:
+                raise CorruptState(f"state of rank {owner} at step {step} from rank {src} failed "
+                                   f"verification (got step {got_step}, CRC mismatch)",
+                                   src, owner, step)
+            got = (buf, header, crc)
+        for w in works:
+            w.wait()
+        return got
+
+    def install(self, step: int, buf: torch.Tensor, header: bytes, crc: int) -> dict:
+        """Load a received state live and keep it as the local snapshot of ``step``."""
+        self.drain()
+        slot = self._slot_for(step)
+        with self._lock:
+            slot.flat, slot.step, slot.header, slot.crc = buf, step, header, crc
+            slot.released.set()
+            slot.copied.set()
+        self._load(buf)
+        return decode_header(header)
 
     # -- replication thread lifecycle ------------------------------------------------------------
     def start_replication(self, comm, store_factory, first_step: int | None) -> None:
@@ -444,7 +564,7 @@ class _Replicator(threading.Thread):
                 self.engine._release(slot)
                 return
             self.engine._release(slot)
-            verified = False
+            verified = None
             if self.engine.verify == "eager":
                 if checksum(buf) != crc:
                     continue  # a torn or corrupt replica never counts
@@ -491,12 +611,8 @@ def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: int, chunk_by
     return works
 
 
-def _send_state(pg, dst, step, flat, header, crc, chunk_bytes, wait) -> None:
-    for w in _post_sends(pg, dst, step, flat, header, crc, chunk_bytes):
-        wait(w)
-
-
-def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait) -> tuple[int, bytes, int]:
+def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait,
+                after_first_chunk=None) -> tuple[int, bytes, int]:
     meta = torch.zeros(4, dtype=torch.int64)
     hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     wait(pg.recv([meta], src, 0))
@@ -506,4 +622,6 @@ def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait) -> tup
     wait(pg.recv([hdr], src, 1))
     for i, c in enumerate(_chunks(flat, chunk_bytes)):
         wait(pg.recv([c], src, 2 + i))
+        if i == 0 and after_first_chunk is not None:
+            after_first_chunk()
     return step, bytes(hdr[:hlen].numpy()), crc & 0xFFFFFFFF

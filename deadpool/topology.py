@@ -53,6 +53,15 @@ class ParallelDims:
             groups.setdefault(tuple(c[a] for a in others), []).append(r)
         return list(groups.values())
 
+    def state_peers(self, rank: int) -> list[int]:
+        """Ranks whose whole training state equals ``rank``'s at every step: its data-parallel
+        peers (same pp and tp coordinates; parameters and optimizer state are replicated across
+        the data-parallel group, gradients all-reduced bit-identically). A sharded optimizer
+        would make this empty for optimizer state."""
+        c = self.coords(rank)
+        return [r for r in range(self.world_size)
+                if self.coords(r)["pp"] == c["pp"] and self.coords(r)["tp"] == c["tp"]]
+
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 

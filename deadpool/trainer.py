@@ -9,6 +9,7 @@ generation's communicator is passed to ``train``. The loop reads top to bottom::
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import time
@@ -22,11 +23,12 @@ from deadpool.data import SyntheticCorpus
 from deadpool.faults import FaultInjector
 from deadpool.model import build_model, build_optimizer
 from deadpool.snapshot import SnapshotEngine, state_tensors
+from deadpool.watchdog import Progress
 
 
 class Trainer:
     def __init__(self, cfg: dict, slot: int, injector: FaultInjector, metrics_path: Path,
-                 progress=None):
+                 progress=None, position: Progress | None = None):
         self.cfg = cfg
         self.slot = slot
         self.injector = injector
@@ -42,6 +44,14 @@ class Trainer:
             device=self.device, fault_hook=injector.fire,
             background_nice=int(ft["snapshot_nice"]), verify=ft["replica_verify"])
         self.snapshots_on = bool(ft["snapshot"])
+        self.persist_every = int(ft["persist_interval_steps"] or 0)
+        p = cfg["parallel"]
+        if self.persist_every:
+            self.engine.persister = checkpoint.AsyncPersister(ft["checkpoint_dir"],
+                                                             nice=int(ft["snapshot_nice"]))
+            self.engine.persist_world = p["dp"] * p["tp"] * p["pp"]
+            if self.snapshots_on and self.persist_every % int(ft["snapshot_interval_steps"]) == 0:
+                self.engine.persist_every = self.persist_every  # written from snapshots
         # measurement aid (experiments/bench_runtime.py): snapshot only in alternate blocks of this
         # many steps, so on/off step times are compared inside one run; 0 = every interval
         self.ab_block = int(ft["snapshot_ab_block_steps"])
@@ -50,16 +60,21 @@ class Trainer:
         self.rank: int | None = None
         self.metrics = open(metrics_path, "a", buffering=1)
         self.progress = progress or (lambda line: None)
+        # where the training thread is (read by the heartbeat thread for the progress watchdog)
+        self.position = position or Progress()
 
     # -- state ------------------------------------------------------------------------------------
     def header(self) -> dict:
-        return {"step": self.step, "data_position": self.step, "rng_cpu": torch.get_rng_state(),
-                "generation": self.generation}
+        """JSON-serialisable metadata stored with every snapshot and checkpoint."""
+        rng = torch.get_rng_state().numpy().tobytes()
+        return {"step": self.step, "data_position": self.step, "generation": self.generation,
+                "rng_cpu": base64.b64encode(rng).decode()}
 
     def apply_header(self, header: dict) -> None:
         self.step = int(header["step"])
         if header.get("rng_cpu") is not None:
-            torch.set_rng_state(header["rng_cpu"])
+            rng = bytearray(base64.b64decode(header["rng_cpu"]))
+            torch.set_rng_state(torch.frombuffer(rng, dtype=torch.uint8).clone())
 
     def snapshot_now(self) -> None:
         """Take (and finish copying) a local snapshot of the current step, e.g. after a restore."""
@@ -81,32 +96,45 @@ class Trainer:
         cfg = self.cfg
         dp_rank = comm.topo.coords["dp"]
         interval = self.engine.interval
-        persist = int(cfg["ft"]["persist_interval_steps"] or 0)
+        if self.engine.persister is not None:
+            self.engine.persister.rank = self.rank
+        # without per-step snapshots to write from, the training thread persists itself
+        persist = self.persist_every if not self.engine.persist_every else 0
         first = True
+        at, fire = self.position.set, self.injector.fire
         while self.step < cfg["num_steps"]:
             t0 = time.perf_counter()
             blocked0 = self.engine.blocked_s
+            s = self.step
             comm.raise_if_aborted()
-            self.injector.fire(self.step, "step_start")
+            at(s, "forward")
+            fire(s, "step_start")
+            fire(s, "forward")
             # gradients of an aborted step must not leak into its replay
             self.opt.zero_grad(set_to_none=True)
-            x, y = self.corpus.batch(self.step, dp_rank, cfg["batch_size"], cfg["seq_len"])
+            x, y = self.corpus.batch(s, dp_rank, cfg["batch_size"], cfg["seq_len"])
             loss = self.model(x.to(self.device), y.to(self.device))
+            at(s, "backward")
+            fire(s, "backward")
             loss.backward()
-            self.injector.fire(self.step, "mid_step")
+            fire(s, "mid_step")
             flat = torch.cat([p.grad.reshape(-1) for p in self.params])  # fresh buffer per step
-            comm.allreduce_mean(flat)
+            at(s, "allreduce")
+            comm.allreduce_mean(flat, on_posted=lambda: fire(s, "allreduce"))
             off = 0
             for p in self.params:  # the averaged gradients are views of the reduced buffer
                 p.grad = flat[off:off + p.numel()].view_as(p)
                 off += p.numel()
+            at(s, "optimizer")
+            fire(s, "optimizer")
             self.engine.wait_copy()
             self.opt.step()
             self.step += 1
             took = self.snapshots_on and self.step % interval == 0 and (
                 not self.ab_block or (self.step // self.ab_block) % 2 == 0)
             if took:
-                self.engine.snapshot(self.step, self.header(), abort_check=comm.raise_if_aborted)
+                self.engine.snapshot(self.step, self.header(), abort_check=comm.raise_if_aborted,
+                                     on_block=lambda: at(self.step, "snapshot_backpressure"))
             if persist and self.step % persist == 0:
                 self.persist(self.step)
             dt = time.perf_counter() - t0
@@ -129,9 +157,9 @@ class Trainer:
             self.progress(line)
 
     def persist(self, step: int) -> None:
-        """Write this rank's live state to disk (synchronous; DCP's async_save is the next step)."""
-        root = self.cfg["ft"]["checkpoint_dir"]
-        checkpoint.save_rank_state(root, step, self.rank, self.state_dict(), self.header())
-        if self.rank == 0:  # readers check every rank's files (checkpoint.is_complete)
-            p = self.cfg["parallel"]
-            checkpoint.write_meta(root, step, p["dp"] * p["tp"] * p["pp"], "periodic")
+        """Write this rank's live state to disk now (snapshots off: nothing else to write from)."""
+        p = self.cfg["parallel"]
+        checkpoint.save_rank_state(self.cfg["ft"]["checkpoint_dir"], step, self.rank,
+                                   self.state_dict(), self.header())
+        checkpoint.write_meta(self.cfg["ft"]["checkpoint_dir"], step, p["dp"] * p["tp"] * p["pp"],
+                              "periodic")

@@ -20,117 +20,213 @@ import faulthandler
 import signal
 import json
 import os
-import pickle
 import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from deadpool import checkpoint
-from deadpool.comm import Aborted, CollectiveError, Communicator
+from deadpool import auth, checkpoint
+from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost
 from deadpool.faults import FaultInjector
-from deadpool.protocol import Keys, Plan, RankStatus, now
+from deadpool.protocol import Keys, Plan, RankStatus, Seal, now
+from deadpool.snapshot import CorruptState, checksum, decode_header
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer
+from deadpool.watchdog import Progress
 
 
-def connect(host: str, port: int, timeout_s: float = 60.0):
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                         use_libuv=True)
+def connect(host: str, port: int, secret: str, timeout_s: float = 60.0):
+    """A client of the coordinator's store, inside the job's namespace (deadpool/auth.py)."""
+    return auth.open_store(host, port, secret, timeout_s)
 
 
 class Heartbeat(threading.Thread):
-    """Writes ``hb/<slot>`` every interval. Stops only with the process (or its SIGSTOP)."""
+    """Writes ``hb/<slot>`` (beat count + the training thread's progress, see watchdog.py) every
+    interval, honours fences, and watches the coordinator's own heartbeat.
 
-    def __init__(self, host, port, slot: int, interval_s: float):
+    Store errors never stop it: it reconnects on the next beat. If the coordinator's heartbeat
+    has not advanced (or the store has been unreachable) for ``coordinator_timeout_s`` on this
+    process's own clock, it sets ``coordinator_lost``; the training thread then saves what it
+    holds and exits (see ``Worker.save_and_exit``).
+    """
+
+    def __init__(self, open_store, slot: int, interval_s: float, coordinator_timeout_s: float,
+                 position: Progress, seal: Seal):
         super().__init__(name="heartbeat", daemon=True)
-        self.store = connect(host, port)
+        self.open_store = open_store
         self.slot = slot
         self.key = Keys.heartbeat(slot)
         self.interval_s = interval_s
+        self.coordinator_timeout_s = coordinator_timeout_s
+        self.position = position
+        self.seal = seal
+        self.coordinator_lost = threading.Event()
+        self.seen_coordinator = False
+        self.store = open_store()
+        self.beat()  # the coordinator reads every process's heartbeat from the start
+
+    def beat(self, n: int = 0) -> None:
+        self.store.set(self.key, f"{n} {self.position.encode()}")
 
     def run(self):
         fence = Keys.fence(self.slot)
+        n, last_coord, t_coord = 0, None, time.monotonic()
         while True:
-            self.store.set(self.key, repr(time.time()))
-            # a process the coordinator declared dead must not come back (e.g. after SIGCONT)
-            if self.store.check([fence]):
-                os.kill(os.getpid(), signal.SIGKILL)
+            n += 1
+            try:
+                if self.store is None:
+                    self.store = self.open_store()
+                self.beat(n)
+                # a process the coordinator declared dead must not come back (e.g. after SIGCONT)
+                if self.store.check([fence]) and self._sealed(fence):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                coord = self.store.get(Keys.COORD_HB) if self.store.check([Keys.COORD_HB]) else None
+                if coord != last_coord:
+                    last_coord, t_coord = coord, time.monotonic()
+                    self.seen_coordinator = True
+            except Exception:  # a store hiccup, or the coordinator is gone: retry next beat
+                self.store = None
+            if time.monotonic() - t_coord > self.coordinator_timeout_s:
+                self.coordinator_lost.set()
             time.sleep(self.interval_s)
+
+    def _sealed(self, key: str) -> bool:
+        try:
+            self.seal.unwrap(key, self.store.get(key))
+            return True
+        except auth.AuthError:
+            return False
 
 
 class Worker:
-    def __init__(self, cfg: dict, slot: int):
+    def __init__(self, cfg: dict, slot: int, secret: str):
         self.cfg = cfg
         self.slot = slot
         self.ft = cfg["ft"]
         self.host, self.port = cfg["_store"]["host"], int(cfg["_store"]["port"])
-        self.store = connect(self.host, self.port)
-        Heartbeat(self.host, self.port, slot, self.ft["heartbeat_interval_s"]).start()
+        self.secret = secret
+        self.seal = Seal(secret)
+        self.store = self.open_store()
+        self.position = Progress()
+        self.heartbeat = Heartbeat(lambda: self.open_store(timeout_s=2.0), slot,
+                                   self.ft["heartbeat_interval_s"],
+                                   float(self.ft["coordinator_timeout_s"]), self.position, self.seal)
+        self.heartbeat.start()
+        self.lost = self.heartbeat.coordinator_lost
         p = cfg["parallel"]
         self.dims = ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])
         run_dir = Path(cfg["run_dir"])
         (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         self.injector = FaultInjector(cfg["faults"]["events"], slot, self.store)
         self.trainer = Trainer(cfg, slot, self.injector, run_dir / "metrics" / f"slot{slot}.jsonl",
-                               progress=lambda line: self.store.set(Keys.PROGRESS, line))
+                               progress=lambda line: self.store.set(Keys.PROGRESS, line),
+                               position=self.position)
+        self.injector.on_corrupt = self.trainer.engine.corrupt_replicas
         self.run_dir = run_dir
         self.backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
-        self.store.set(Keys.spare_ready(slot), repr(time.time()))
+        self.has_state = False  # holds a rank's state (live step meaningful)
+        self._idle_build_store = None
+        self.position.set(-1, "idle")
+        key = Keys.spare_ready(slot)  # join: only a process holding the job's secret can
+        self.store.set(key, self.seal.wrap(key, repr(time.time())))
+
+    def open_store(self, timeout_s: float = 60.0):
+        return connect(self.host, self.port, self.secret, timeout_s)
+
+    def _build_store(self):
+        """A store client for a group rebuild: a rendezvous blocks its client, so it is not the
+        main thread's; the last successful build's client is reused (no leak per generation)."""
+        store, self._idle_build_store = self._idle_build_store, None
+        return store or self.open_store()
 
     # -- plans ------------------------------------------------------------------------------------
     def wait_plan(self, generation: int) -> Plan | None:
         key = Keys.plan(generation)
+        waited = t0 = time.monotonic()
         while True:
+            if self.lost.is_set():
+                raise CoordinatorLost("the coordinator stopped answering")
             if self.store.check([key]):
-                return Plan.from_json(self.store.get(key))
+                return Plan.from_json(self.seal.unwrap(key, self.store.get(key)))
+            if generation == 0 and time.monotonic() - t0 > float(self.ft["startup_timeout_s"]):
+                raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"
+                                   " s: is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?")
             if self.store.check([Keys.JOB_STOP]):
                 return None
+            if self.trainer.rank is None and time.monotonic() - waited > 0.05:
+                waited = time.monotonic()  # an idle spare: idle-phase faults key on the job's step
+                if self.store.check([Keys.JOB_STEP]):
+                    self.injector.fire(int(self.store.get(Keys.JOB_STEP)), "idle")
             time.sleep(0.005)
 
-    def run(self) -> None:
-        gen = 0
-        plan = self.wait_plan(gen)
-        while plan is not None:
-            rank = plan.rank_of_slot(self.slot)
-            if plan.action == "stop":
-                return
-            if rank is not None:
-                if plan.action == "checkpoint_and_stop":
-                    self.checkpoint_and_stop(plan, rank)
-                    return
-                done = self.run_generation(plan, rank)
-                if done:
-                    return
-            gen = plan.generation + 1
+    def run(self) -> int:
+        """Follow the coordinator's plans until the job ends; returns the exit code."""
+        try:
+            gen = 0
             plan = self.wait_plan(gen)
+            while plan is not None:
+                rank = plan.rank_of_slot(self.slot)
+                if plan.action == "stop":
+                    return 0
+                if rank is not None:
+                    if plan.action == "checkpoint_and_stop":
+                        self.checkpoint_and_stop(plan, rank)
+                        return 0
+                    if self.run_generation(plan, rank):
+                        return 0
+                gen = plan.generation + 1
+                self.position.set(self.trainer.step, "wait_plan")
+                plan = self.wait_plan(gen)
+            return 0
+        except Exception as e:
+            # a store error means the coordinator is gone or going: wait for the heartbeat's verdict
+            # (its reconnect attempts each take up to 2 s: allow for them)
+            if isinstance(e, CoordinatorLost) or self.lost.wait(
+                    2 * float(self.ft["coordinator_timeout_s"]) + 5.0):
+                if not self.heartbeat.seen_coordinator:
+                    raise RuntimeError("never heard from the coordinator in the job's namespace: "
+                                       "is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?") from e
+                return self.save_and_exit()
+            raise
 
     def run_generation(self, plan: Plan, rank: int) -> bool:
-        """Returns True when the job finished; False when the generation was aborted."""
+        """Returns True when the job finished; False when the generation was aborted.
+
+        Every phase (group rebuild, state transfer, rollback, replication restart, training) can
+        be aborted by the next failure; the rank then reports what it holds and waits for the
+        next plan. Only a failure of this process itself (an exception that is not a
+        communication failure) ends it.
+        """
         tr, keys = self.trainer, Keys(plan.generation)
         timing = {"plan_seen": now()}
+        if tr.rank != rank:  # a spare taking a rank (or a process changing rank) holds nothing yet
+            self.has_state = False
         tr.rank, tr.generation = rank, plan.generation
         self.injector.set_rank(rank)
         topo = Topology(self.dims, rank, plan.generation, self.ft["buddy_policy"])
         comm = None
         try:
+            self.position.set(plan.resume_step, "rebuild")
             comm = Communicator.build(topo, self.store, self.backend, self.ft["collective_poll_s"],
-                                      self.ft["pg_timeout_s"], repl_nice=int(self.ft["snapshot_nice"]))
+                                      self.ft["pg_timeout_s"], repl_nice=int(self.ft["snapshot_nice"]),
+                                      store_factory=self._build_store, lost=self.lost,
+                                      fault_hook=self.injector.fire, step=plan.resume_step,
+                                      seal=self.seal)
+            self._idle_build_store = comm.build_store  # an abandoned build keeps its own
             timing["rebuilt"] = now()
             self.restore(plan, rank, comm, timing)
             timing["ready"] = now()
             self.store.set(keys.timing(rank), json.dumps(timing))
             if self.ft["snapshot"]:
-                tr.engine.start_replication(comm, lambda: connect(self.host, self.port),
-                                            first_step=tr.step)
+                tr.engine.start_replication(comm, self.open_store, first_step=tr.step)
+            self.injector.fire(tr.step, "repl_restart")
             tr.train(comm, on_first_step=lambda: self.store.set(keys.first_step(rank), repr(now())))
             self.store.add(keys.finished_count, 1)
             # wait for the whole job: a late failure elsewhere may still roll this rank back
+            self.position.set(tr.step, "wait_done")
             while not self.store.check([Keys.JOB_DONE]):
                 comm.raise_if_aborted()
                 time.sleep(0.005)
@@ -140,34 +236,67 @@ class Worker:
             tr.engine.stop_replication()
             if comm is not None:
                 comm.park()
-            st = RankStatus(rank, self.slot, tr.step, tr.engine.local_steps(), tr.engine.replica_steps())
+            self.position.set(tr.step, "status")
+            self.injector.fire(plan.resume_step, "status")
+            live = tr.step if self.has_state else None
+            st = RankStatus(rank, self.slot, live, tr.engine.local_steps() if self.has_state else [],
+                            tr.engine.replica_steps())
             self.store.set(keys.status(rank), st.to_json())
             return False
 
     def restore(self, plan: Plan, rank: int, comm: Communicator, timing: dict) -> None:
+        """Bring this rank to ``plan.resume_step`` from the source the plan names."""
         tr = self.trainer
         S = plan.resume_step
         if plan.generation == 0:
             resume = self.ft["resume_from"]
             if resume:
                 step_dir = checkpoint.latest_step_dir(resume)
-                header = checkpoint.load_rank_state(step_dir, rank, tr.state_dict())
-                tr.apply_header(header)
+                tr.apply_header(checkpoint.load_rank_state(step_dir, rank, tr.state_dict()))
+            self.has_state = True
             tr.snapshot_now()
             timing["transferred"] = timing["rolled_back"] = now()
             return
-        # survivors holding a dead rank's replica send it; the spare receives its state
-        for owner, src in plan.sources.items():
-            if src["kind"] == "replica" and src["holder"] == rank:
-                tr.engine.send_replica(comm, owner, S, dst_rank=owner)
-        src = plan.sources[rank]
-        if src["kind"] == "replica":
-            tr.apply_header(tr.engine.recv_state(comm, src["holder"], S))
-            timing["bytes_received"] = tr.engine.layout.nbytes
+        # what this rank must send (its own state to a peer, or a replica it holds) ...
+        sends = []
+        for dst, src in sorted(plan.sources.items()):
+            if src["holder"] == rank and src["kind"] in ("peer", "replica"):
+                sends.append((dst, dst, tr.engine.outgoing(src["kind"], dst, S,
+                                                         tr.step if self.has_state else None,
+                                                         tr.header)))
+        # ... and what it must receive
+        mine = plan.sources[rank]
+        recv = (mine["holder"], rank) if mine["kind"] in ("peer", "replica") else None
+        if sends or recv:
+            self.position.set(S, "transfer")
+            try:
+                got = comm.run_abortable(lambda: tr.engine.transfer(comm, sends, recv, S),
+                                         "state transfer")
+            except CorruptState as e:  # tell the planner which copy is bad, then regroup
+                self.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
+                    {"holder": e.holder, "owner": e.owner, "step": e.step}))
+                comm.report_error(str(e))
+                raise CollectiveError(str(e)) from None
+            if got is not None:
+                tr.apply_header(tr.engine.install(S, *got))
+                self.has_state = True
+                timing["bytes_received"] = tr.engine.layout.nbytes
         timing["transferred"] = now()
-        if src["kind"] == "local":
-            tr.apply_header(tr.engine.restore_local(S))
-        elif src["kind"] == "live" and tr.step != S:
+        self.position.set(S, "rollback")
+        self.injector.fire(S, "rollback")
+        if mine["kind"] == "local":
+            try:
+                tr.apply_header(tr.engine.restore_local(S, rank))
+            except CorruptState as e:
+                self.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
+                    {"holder": e.holder, "owner": e.owner, "step": e.step}))
+                comm.report_error(str(e))
+                raise CollectiveError(str(e)) from None
+        elif mine["kind"] == "disk":
+            step_dir = checkpoint.latest_step_dir(mine["dir"])
+            tr.apply_header(checkpoint.load_rank_state(step_dir, rank, tr.state_dict()))
+            self.has_state = True
+        elif mine["kind"] == "live" and tr.step != S:
             raise RuntimeError(f"plan says live state at step {S} but rank is at {tr.step}")
         timing["rolled_back"] = now()
         tr.engine.truncate_after(S)  # snapshots of the abandoned timeline must never be resumed
@@ -175,21 +304,63 @@ class Worker:
             tr.snapshot_now()  # replication restarts from the resume step's snapshot
 
     def checkpoint_and_stop(self, plan: Plan, rank: int) -> None:
-        """No spare is left: write the state at the resume step to disk (DCP) and leave."""
+        """No spare is left: write the state at the resume step to disk (DCP) and leave.
+
+        Each rank writes its own state; the holder named by the plan writes a dead rank's (from
+        its replica, or its own state when it is a data-parallel peer)."""
         tr, S, root = self.trainer, plan.resume_step, self.ft["checkpoint_dir"]
+        self.position.set(S, "checkpoint")
         src = plan.sources[rank]
         if src["kind"] == "local":
-            tr.apply_header(tr.engine.restore_local(S))
+            tr.apply_header(tr.engine.restore_local(S, rank))
         checkpoint.save_rank_state(root, S, rank, tr.state_dict(), tr.header())
         for owner, s in plan.sources.items():
-            if s["kind"] == "replica" and s["holder"] == rank:
-                rep = tr.engine.replica(owner, S)
-                checkpoint.save_rank_state(root, S, owner, tr.engine.layout.state_dict(rep.flat),
-                                           pickle.loads(rep.header))
+            if s["holder"] == rank and s["kind"] in ("peer", "replica"):
+                flat, header, _ = tr.engine.outgoing(s["kind"], owner, S, tr.step, tr.header)
+                checkpoint.save_rank_state(root, S, owner, tr.engine.layout.state_dict(flat),
+                                           decode_header(header))
         self.store.add(Keys(plan.generation).checkpointed_count(), 1)
+
+    def save_and_exit(self) -> int:
+        """The coordinator is gone. Write every consistent state this process holds, say how to
+        resume, and exit (workers never outlive their coordinator).
+
+        Written: this rank's local snapshots, and the replicas it holds, of the newest protected
+        step it knows and anything newer. Every rank keeps its snapshot of the newest protected
+        step (snapshot.py's invariant), so some step is complete on disk for every rank unless a
+        rank and its buddy were lost too; ``ft.resume_from`` picks the newest complete one.
+        """
+        tr, root = self.trainer, self.ft["checkpoint_dir"]
+        tr.engine.stop_replication()
+        if tr.rank is None or not self.has_state:
+            print(f"[deadpool] slot {self.slot}: the coordinator is gone; holding no rank's state, "
+                  "exiting", flush=True)
+            return 3
+        floor = tr.engine.protected_floor()
+        world = self.dims.world_size
+        written = []
+        for step in tr.engine.local_steps():
+            if step >= floor:
+                slot = tr.engine.local_slot(step)
+                checkpoint.save_rank_state(root, step, tr.rank, tr.engine.layout.state_dict(slot.flat),
+                                           decode_header(slot.header))
+                checkpoint.write_meta(root, step, world, "coordinator lost")
+                written.append(step)
+        for owner, steps in tr.engine.replica_steps().items():
+            for step in steps:
+                rep = tr.engine.replica(owner, step)
+                if step >= floor and checksum(rep.flat) == rep.crc:
+                    checkpoint.save_rank_state(root, step, owner, tr.engine.layout.state_dict(rep.flat),
+                                               decode_header(rep.header))
+                    checkpoint.write_meta(root, step, world, "coordinator lost")
+        print(f"[deadpool] rank {tr.rank}: the coordinator stopped answering; wrote steps {written} "
+              f"to {root}. Resume with ft.resume_from={root}", flush=True)
+        return 3
 
     def write_final(self, rank: int) -> None:
         tr = self.trainer
+        if tr.engine.persister is not None:  # the process exits without destructors
+            tr.engine.persister.close()
         out = self.run_dir / "final"
         out.mkdir(exist_ok=True)
         torch.save({k: v.detach().cpu().clone() for k, v in tr.state_dict().items()},
@@ -213,18 +384,19 @@ def main(argv=None) -> None:
             ap.error("give --slot N, or --slot-from-env under srun / torchrun")
         args.slot = int(env)
     cfg = json.loads(Path(args.job).read_text())
+    secret = auth.load_secret()  # from the environment or a 0600 file; never logged
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     torch.set_num_threads(int(cfg.get("torch_num_threads", 1)))
     if cfg["device"].startswith("cuda"):  # pragma: no cover - needs CUDA
         torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", 0))))
     code = 0
     try:
-        Worker(cfg, args.slot).run()
+        code = Worker(cfg, args.slot, secret).run()
     except Exception as e:  # a crashed rank: say why, tell the coordinator, leave
         traceback.print_exc()
         code = 1
         try:
-            store = connect(cfg["_store"]["host"], int(cfg["_store"]["port"]), 5)
+            store = connect(cfg["_store"]["host"], int(cfg["_store"]["port"]), secret, 5)
             store.set(Keys.crash(args.slot), f"{type(e).__name__}: {e}"[:500])
         except Exception:
             pass

@@ -1,5 +1,8 @@
 from deadpool.planner import plan_resume
 from deadpool.protocol import RankStatus
+from deadpool.topology import ParallelDims
+
+WORLD = [0, 1, 2, 3]
 
 
 def st(rank, live, local, replicas=None):
@@ -10,12 +13,20 @@ def ring(r, n=4):
     return (r + 1) % n
 
 
+def no_peers(r):
+    return [r]  # every rank's state unique (as with tensor/pipeline parallelism or ZeRO)
+
+
+def dp_peers(r):
+    return ParallelDims(dp=4).state_peers(r)
+
+
 def test_dead_rank_restored_from_buddy_replica_survivors_keep_live_state():
     # rank 1 died at step 12; its buddy (2) holds its replica of 12 and 11
     statuses = {0: st(0, 12, [10, 11, 12], {3: [11, 12]}),
                 2: st(2, 12, [10, 11, 12], {1: [11, 12]}),
                 3: st(3, 12, [10, 11, 12], {2: [11, 12]})}
-    d = plan_resume(statuses, {1}, ring)
+    d = plan_resume(statuses, WORLD, no_peers, ring)
     assert d.resume_step == 12
     assert d.sources[1] == {"kind": "replica", "holder": 2}
     assert all(d.sources[r]["kind"] == "live" for r in (0, 2, 3))
@@ -23,10 +34,10 @@ def test_dead_rank_restored_from_buddy_replica_survivors_keep_live_state():
 
 
 def test_incomplete_replica_forces_rollback_to_previous_step():
-    # killed during replication of step 12: the buddy only has 11 verified; survivors roll back
+    # killed during replication of step 12: the buddy only has 11; survivors roll back
     statuses = {0: st(0, 13, [11, 12, 13]), 2: st(2, 13, [11, 12, 13], {1: [10, 11]}),
                 3: st(3, 12, [10, 11, 12])}
-    d = plan_resume(statuses, {1}, ring)
+    d = plan_resume(statuses, WORLD, no_peers, ring)
     assert d.resume_step == 11
     assert d.sources[0]["kind"] == "local" and d.sources[3]["kind"] == "local"
     assert d.steps_recomputed == 2
@@ -34,12 +45,68 @@ def test_incomplete_replica_forces_rollback_to_previous_step():
 
 def test_rank_and_its_buddy_lost_together_is_unrecoverable_from_memory():
     statuses = {0: st(0, 12, [10, 11, 12], {3: [11, 12]}), 3: st(3, 12, [10, 11, 12], {2: [11, 12]})}
-    d = plan_resume(statuses, {1, 2}, ring)  # 2 held 1's replica
+    d = plan_resume(statuses, WORLD, no_peers, ring)  # 2 held 1's replica
     assert d.resume_step is None
-    assert "1" in d.reason
+    assert d.lost == [1] and "[1]" in d.reason
 
 
 def test_replica_held_by_non_buddy_is_used_when_buddy_lacks_it():
     statuses = {0: st(0, 5, [3, 4, 5], {1: [5]}), 2: st(2, 5, [3, 4, 5], {}), 3: st(3, 5, [3, 4, 5])}
-    d = plan_resume(statuses, {1}, ring)
+    d = plan_resume(statuses, WORLD, no_peers, ring)
     assert d.resume_step == 5 and d.sources[1]["holder"] == 0
+
+
+def test_data_parallel_peer_covers_a_failure_before_the_first_replica():
+    # rank 1 killed at step 0: nobody holds a replica yet, but its data-parallel peers hold step 0
+    statuses = {0: st(0, 0, [0]), 2: st(2, 0, [0]), 3: st(3, 0, [0])}
+    assert plan_resume(statuses, WORLD, no_peers, ring).resume_step is None
+    d = plan_resume(statuses, WORLD, dp_peers, ring)
+    assert d.resume_step == 0 and d.sources[1]["kind"] == "peer"
+    assert d.sources[1]["holder"] in (0, 2, 3)
+
+
+def test_source_order_is_configurable_and_peer_sends_are_spread():
+    statuses = {0: st(0, 7, [6, 7]), 3: st(3, 7, [6, 7], {2: [7]}), 1: st(1, 7, [6, 7], {0: [7]})}
+    d = plan_resume(statuses, WORLD, dp_peers, ring, order=("replica", "peer"))
+    assert d.sources[2] == {"kind": "replica", "holder": 3}
+    d = plan_resume(statuses, WORLD, dp_peers, ring, order=("peer", "replica"))
+    assert d.sources[2]["kind"] == "peer"
+    # two ranks without a process: their peer sources are different survivors
+    statuses = {0: st(0, 7, [7]), 1: st(1, 7, [7])}
+    d = plan_resume(statuses, WORLD, dp_peers, ring)
+    assert {d.sources[2]["holder"], d.sources[3]["holder"]} == {0, 1}
+
+
+def test_a_spare_whose_transfer_was_interrupted_is_planned_like_a_dead_rank():
+    # gen 1 gave rank 1 to a spare; the transfer was cut by another failure: it holds nothing
+    statuses = {0: st(0, 12, [10, 11, 12]), 1: st(1, None, []), 2: st(2, 12, [10, 11, 12], {1: [11, 12]}),
+                3: st(3, 12, [10, 11, 12], {2: [12]})}
+    d = plan_resume(statuses, WORLD, no_peers, ring)
+    assert d.resume_step == 12 and d.sources[1] == {"kind": "replica", "holder": 2}
+
+
+def test_a_copy_found_corrupt_is_never_chosen_again():
+    statuses = {0: st(0, 12, [11, 12], {1: [12]}), 2: st(2, 12, [11, 12], {1: [11, 12]}),
+                3: st(3, 12, [11, 12])}
+    d = plan_resume(statuses, WORLD, no_peers, ring, bad={(2, 1, 12)})
+    assert d.resume_step == 12 and d.sources[1] == {"kind": "replica", "holder": 0}
+    d = plan_resume(statuses, WORLD, no_peers, ring, bad={(2, 1, 12), (0, 1, 12)})
+    assert d.resume_step == 11 and d.sources[1] == {"kind": "replica", "holder": 2}
+    assert d.sources[0]["kind"] == "local"
+    # a corrupt local snapshot: that rank gets its state from a peer instead of rolling back
+    statuses = {0: st(0, 11, [10, 11]), 1: st(1, 11, [10, 11]), 2: st(2, 11, [10, 11]),
+                3: st(3, 12, [10, 11, 12])}
+    d = plan_resume(statuses, WORLD, dp_peers, ring, bad={(3, 3, 11)}, order=("replica",))
+    assert d.resume_step == 10 and d.sources[3]["kind"] == "local"
+    d = plan_resume(statuses, WORLD, dp_peers, ring, bad={(3, 3, 11), (3, 3, 12)})
+    assert d.resume_step == 11 and d.sources[3]["kind"] == "peer"
+
+
+def test_peers_behind_are_brought_forward_rather_than_the_leader_rolled_back():
+    # rank 3 finished step 12 before the abort, the others did not: with data-parallel peers
+    # the newest step any rank holds wins (nothing is recomputed)
+    statuses = {0: st(0, 11, [10, 11]), 1: st(1, 11, [10, 11]), 2: st(2, 11, [10, 11]),
+                3: st(3, 12, [11, 12])}
+    d = plan_resume(statuses, WORLD, dp_peers, ring)
+    assert d.resume_step == 12 and d.steps_recomputed == 0
+    assert all(d.sources[r] == {"kind": "peer", "holder": 3} for r in (0, 1, 2))

@@ -100,7 +100,7 @@ def test_ring_replication_delivers_verified_replicas_to_buddies():
         own = engines[ward].local_slot(1)
         assert torch.equal(rep.flat, own.flat)
         assert rep.crc == checksum(own.flat)
-    # a replica corrupted in memory is never reported as a resume candidate
+    # a replica known corrupt is never reported as a resume candidate
     rep = engines[0].replica(n - 1, 1)
     rep.flat[100] ^= 0xFF
     rep.verified = False
@@ -111,25 +111,34 @@ def test_ring_replication_delivers_verified_replicas_to_buddies():
         e.stop_replication()
 
 
-def test_state_transfer_rejects_a_corrupt_payload():
+def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_one():
+    from deadpool.snapshot import CorruptState, encode_header
     master = master_store()
     out = {}
 
     def rank_fn(r):
         store = client(master.port)
         comm = Communicator.build(Topology(ParallelDims(dp=2), r, 0), store)
-        model, opt = make_state(seed=0)
+        model, opt = make_state(seed=r)  # distinct states: a wrong route would show
         eng = SnapshotEngine(state_tensors(model, opt))
         if r == 0:
-            from deadpool.snapshot import _send_state
-            flat = torch.zeros(eng.layout.nbytes, dtype=torch.uint8)
-            _send_state(comm.group("repl"), 1, 5, flat, b"x", crc=12345, chunk_bytes=1 << 20,
-                        wait=lambda w: w.wait())
+            eng.snapshot(5, {"step": 5})
+            eng.drain()
+            good = eng.outgoing("peer", 0, 5, 5, lambda: {"step": 5})
+            eng.transfer(comm, [(1, 0, good)], None, 5)
+            bad = (good[0].clone(), good[1], good[2] ^ 1)  # a CRC that does not match
+            eng.transfer(comm, [(1, 0, bad)], None, 5)
+            out["sent"] = good[0].clone()
         else:
-            with pytest.raises(RuntimeError, match="verification"):
-                eng.recv_state(comm, 0, 5)
-            out["ok"] = True
+            header = eng.install(5, *eng.transfer(comm, [], (0, 0), 5))
+            out["got"] = eng.local_slot(5).flat.clone()
+            out["header"] = header
+            with pytest.raises(CorruptState) as e:
+                eng.transfer(comm, [], (0, 0), 5)
+            out["bad"] = (e.value.holder, e.value.owner, e.value.step)
         return comm
 
     run_threads(rank_fn, 2)
-    assert out["ok"]
+    assert torch.equal(out["sent"], out["got"]) and out["header"] == {"step": 5}
+    assert out["bad"] == (0, 0, 5)
+    assert encode_header({"step": 5}) == b'{"step": 5}'

@@ -47,7 +47,9 @@ def slots_by_rank(run_dir: Path) -> dict[int, set[int]]:
 ])
 def test_warm_spare_replaces_failed_rank_and_state_matches_failure_free(
         reference, tmp_path, faults, rank, detected_by):
-    summary = run_job(compose_train(BASE + [f"faults={faults}"], tmp_path), log=quiet)
+    # replicas only for the torn-replica case (a data-parallel peer would otherwise serve step 11)
+    extra = ["ft.state_sources=[replica]"] if faults == "kill_replication" else []
+    summary = run_job(compose_train(BASE + [f"faults={faults}"] + extra, tmp_path), log=quiet)
     assert summary["outcome"] == "completed", summary["message"]
     (rec,) = summary["recoveries"]
     assert rec["failed_rank"] == rank

@@ -1,0 +1,119 @@
+"""Liveness and progress: a heartbeat proves a process exists, progress proves it trains.
+
+Each process runs a heartbeat thread that writes ``hb/<slot>`` every ``heartbeat_interval_s``::
+
+    "<beat> <progress> <step> <phase>"
+
+``beat`` counts heartbeats; ``progress`` counts phase changes of the training thread (forward,
+backward, all-reduce, optimizer, each recovery phase...). The coordinator never compares clocks
+across hosts: it records, on its own monotonic clock, when it last saw each counter change.
+
+    beat unchanged for heartbeat_timeout_s (soft)  -> suspect; lost if the launcher sees the
+                                                      process stopped
+    beat unchanged for heartbeat_hard_timeout_s    -> lost
+    progress unchanged for progress_timeout_s      -> the training thread is hung (a stuck kernel
+      while the heartbeat lives                       or collective, a deadlock), unless it is
+                                                      waiting on peers (PEER_WAIT phases) or has
+                                                      nothing to do (IDLE phases)
+
+A rank stuck in a peer-wait phase is not to blame while some peer is stuck elsewhere; if no rank
+progresses and every stalled one is waiting on peers, the generation itself is stuck (a collective that never
+completes): the coordinator aborts it, and whoever cannot answer is fenced.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+# waiting for other ranks: a stall here is caused elsewhere
+PEER_WAIT = frozenset({"allreduce", "rebuild", "transfer", "snapshot_backpressure", "barrier"})
+# nothing to do: never a stall
+IDLE = frozenset({"idle", "wait_plan", "wait_done", "checkpoint", "start"})
+
+
+class Progress:
+    """The training thread's position, written by it and read by the heartbeat thread.
+
+    ``set`` must be called at every phase boundary of the training thread; it is two attribute
+    writes (no lock: the heartbeat reads a possibly one-beat-old but consistent-enough value).
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.step = -1
+        self.phase = "start"
+
+    def set(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+        self.count += 1
+
+    def encode(self) -> str:
+        return f"{self.count} {self.step} {self.phase}"
+
+
+class Liveness:
+    """Coordinator side: when each slot's heartbeat and progress counters last changed."""
+
+    def __init__(self, soft_s: float, hard_s: float, progress_s: float, clock=time.monotonic):
+        self.soft_s, self.hard_s, self.progress_s = soft_s, hard_s, progress_s
+        self.clock = clock
+        self._beat: dict[int, tuple[int, float]] = {}       # slot -> (beat, t seen changing)
+        self._prog: dict[int, tuple[int, float]] = {}       # slot -> (progress, t seen changing)
+        self.step: dict[int, int] = {}
+        self.phase: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def observe(self, slot: int, value: str | bytes | None) -> None:
+        if value is None:
+            return
+        if isinstance(value, bytes):
+            value = value.decode()
+        try:
+            beat_s, prog_s, step_s, phase = value.split(" ", 3)
+            beat, prog, step = int(beat_s), int(prog_s), int(step_s)
+        except ValueError:
+            return  # not ours (or torn): ignore
+        now = self.clock()
+        with self.lock:
+            if self._beat.get(slot, (None,))[0] != beat:
+                self._beat[slot] = (beat, now)
+            if self._prog.get(slot, (None,))[0] != prog:
+                self._prog[slot] = (prog, now)
+            self.step[slot], self.phase[slot] = step, phase
+
+    def reset_progress(self, slot: int) -> None:
+        """Start the progress clock anew (a process was just given work)."""
+        with self.lock:
+            p = self._prog.get(slot)
+            if p is not None:
+                self._prog[slot] = (p[0], self.clock())
+
+    def beat_age(self, slot: int) -> float | None:
+        b = self._beat.get(slot)
+        return None if b is None else self.clock() - b[1]
+
+    def progress_age(self, slot: int) -> float | None:
+        p = self._prog.get(slot)
+        return None if p is None else self.clock() - p[1]
+
+    def beat_lost(self, slot: int, is_stopped) -> bool:
+        age = self.beat_age(slot)
+        if age is None or age <= self.soft_s:
+            return False
+        return age > self.hard_s or is_stopped(slot)
+
+    def stalled(self, slot: int) -> bool:
+        """Progress has not changed for ``progress_s`` in a phase that must make progress."""
+        if self.phase.get(slot, "start") in IDLE:
+            return False
+        age = self.progress_age(slot)
+        return age is not None and age > self.progress_s
+
+    def hung(self, slots: list[int]) -> tuple[list[int], bool]:
+        """(slots whose training thread is hung, whether the whole group is stuck in peer waits)."""
+        stalled = [s for s in slots if self.stalled(s)]
+        own = [s for s in stalled if self.phase.get(s) not in PEER_WAIT]
+        busy = [s for s in slots if self.phase.get(s, "start") not in IDLE]
+        # stuck only when nobody progresses: a peer waiting on a slow-but-moving rank is fine
+        return own, bool(stalled) and not own and len(stalled) == len(busy)

@@ -1,0 +1,187 @@
+"""Recovery that survives what happens during recovery, with real processes.
+
+Each scenario kills, stops, hangs or corrupts a process at a chosen phase (of training, or of a
+recovery already under way) and requires the job to finish bitwise equal (``torch.equal`` on
+every tensor of every rank) to a failure-free run of the same seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deadpool.job import run_job
+from deadpool.report import compare_final_states
+from tests.conftest import compose_train
+
+BASE = ["model=tiny", "parallel=dp4", "num_steps=20", "ft.replication_chunk_mb=0.5",
+        "log_every_steps=0", "ft.progress_timeout_s=3", "ft.status_timeout_s=4"]
+quiet = lambda *a, **k: None  # noqa: E731
+REPO = Path(__file__).resolve().parents[2]
+
+
+def events(*evs: str) -> str:
+    return "faults.events=[" + ",".join("{" + e + "}" for e in evs) + "]"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    summary = run_job(compose_train(BASE + ["faults=none", "ft.num_spares=0"], run_dir), log=quiet)
+    assert summary["outcome"] == "completed" and not summary["recoveries"]
+    return run_dir
+
+
+def run_and_compare(tmp_path, reference, overrides):
+    summary = run_job(compose_train(BASE + overrides, tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    equal, why = compare_final_states(tmp_path, reference)
+    assert equal, why
+    return summary
+
+
+def ranks_of(rec) -> list[int]:
+    r = rec["failed_rank"]
+    return r if isinstance(r, list) else [r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", [
+    "slot:4,step:12,phase:transfer,kind:kill",    # the receiving spare dies mid-transfer
+    "rank:0,step:12,phase:transfer,kind:kill",    # the sending holder (rank 1's peer) dies
+    "rank:3,step:12,phase:rebuild,kind:kill",     # a survivor dies inside the group rebuild
+    "rank:2,step:0,phase:status,kind:kill",       # a survivor dies before reporting its state
+    "slot:4,step:12,phase:rollback,kind:stop",    # the new rank hangs (SIGSTOP) after restoring
+], ids=["spare-in-transfer", "holder-in-transfer", "survivor-in-rebuild", "survivor-in-status",
+        "spare-stopped"])
+def test_a_failure_during_a_recovery_is_recovered_too(reference, tmp_path, second):
+    s = run_and_compare(tmp_path, reference, [
+        "ft.num_spares=2", events("rank:1,step:12,phase:mid_step,kind:kill", second)])
+    # two processes were lost (in one recovery or in a recovery and the one that interrupted it)
+    lost = [(r, slot) for rec in s["recoveries"] for r, slot in
+            zip(ranks_of(rec), rec["failed_slot"] if isinstance(rec["failed_slot"], list)
+                else [rec["failed_slot"]])]
+    assert len(set(lost)) == 2 and lost[0] == (1, 1)
+    assert s["recoveries"][-1]["outcome"] == "hot-swapped"
+
+
+@pytest.mark.slow
+def test_a_kill_at_step_zero_before_any_replica_is_restored_from_a_data_parallel_peer(reference, tmp_path):
+    s = run_and_compare(tmp_path, reference, [
+        "ft.num_spares=1", events("rank:1,step:0,phase:step_start,kind:kill")])
+    (rec,) = s["recoveries"]
+    assert rec["resume_step"] == 0 and rec["sources"]["1"].startswith("peer")
+
+
+@pytest.mark.slow
+def test_a_hung_training_thread_with_a_live_heartbeat_is_fenced_and_swapped(reference, tmp_path):
+    s = run_and_compare(tmp_path, reference, [
+        "ft.num_spares=1", events("rank:2,step:12,phase:backward,kind:hang")])
+    (rec,) = s["recoveries"]
+    assert rec["failed_rank"] == 2 and rec["detected_by"] == "progress"
+    assert rec["outcome"] == "hot-swapped"
+
+
+@pytest.mark.slow
+def test_a_rank_hung_inside_a_collective_is_found_by_its_silence_and_swapped(reference, tmp_path):
+    # every rank waits in the all-reduce; rank 2's training thread will never come back
+    s = run_and_compare(tmp_path, reference, [
+        "ft.num_spares=1", events("rank:2,step:12,phase:allreduce,kind:hang")])
+    lost = [r for rec in s["recoveries"] for r in ranks_of(rec)]
+    assert lost == [2]
+    assert s["recoveries"][-1]["outcome"] == "hot-swapped"
+
+
+@pytest.mark.slow
+def test_a_corrupted_replica_is_detected_and_another_source_used(reference, tmp_path):
+    # replicas only; rank 2 (rank 1's buddy) has its newest replica of rank 1 corrupted just
+    # before it reports: the spare must detect it and resume from the older replica instead
+    s = run_and_compare(tmp_path, reference, [
+        "ft.num_spares=1", "ft.state_sources=[replica]",
+        events("rank:1,step:13,phase:step_start,kind:kill", "rank:2,step:0,phase:status,kind:corrupt")])
+    bad = [b for rec in s["recoveries"] for b in rec.get("bad_sources", [])]
+    assert len(bad) == 1 and bad[0]["holder"] == 2 and bad[0]["owner"] == 1
+    first, last = s["recoveries"][0], s["recoveries"][-1]
+    assert first["sources"]["1"] == "replica from rank 2"
+    assert last["sources"]["1"] == "replica from rank 2" and last["resume_step"] < bad[0]["step"]
+
+
+def job_pids(run_dir: Path) -> list[int]:
+    """Processes whose command line names this run's job file."""
+    needle = str(run_dir / "job.json").encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.slow
+def test_coordinator_death_workers_save_and_exit_and_the_resume_is_bitwise_equal(reference, tmp_path):
+    run_dir = tmp_path / "lost"
+    cmd = [sys.executable, "-m", "deadpool.train", *BASE, "num_steps=20", "ft.num_spares=1",
+           "ft.coordinator_timeout_s=2", "log_every_steps=1", f"hydra.run.dir={run_dir}"]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:  # kill the coordinator (the launcher process) mid-training
+        if "step   10/" in line:
+            p.send_signal(signal.SIGKILL)
+            break
+    p.wait()
+    deadline = time.time() + 30
+    while job_pids(run_dir) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not job_pids(run_dir), "workers outlived their coordinator"
+    logs = "".join(f.read_text() for f in (run_dir / "logs").glob("slot*.log"))
+    assert "coordinator stopped answering" in logs and "ft.resume_from=" in logs
+    from deadpool import checkpoint
+    step_dir = checkpoint.latest_step_dir(run_dir / "checkpoints")
+    assert int(step_dir.name.split("_")[1]) >= 8
+    resumed = tmp_path / "resumed"
+    s = run_job(compose_train(BASE + ["faults=none", "ft.num_spares=0",
+                                      f"ft.resume_from={run_dir / 'checkpoints'}"], resumed), log=quiet)
+    assert s["outcome"] == "completed"
+    equal, why = compare_final_states(resumed, reference)
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(reference, tmp_path):
+    import threading
+
+    from deadpool import auth
+    # an intruder starts as soon as job.json exists, claiming the spare's slot
+    intruder: dict = {}
+
+    def intrude():
+        job = tmp_path / "job.json"
+        while not job.exists():
+            time.sleep(0.05)
+        env = dict(os.environ, **{auth.SECRET_ENV: auth.new_secret()})
+        env.pop(auth.SECRET_FILE_ENV, None)
+        cfg = json.loads(job.read_text())
+        cfg["ft"]["startup_timeout_s"] = 8
+        (tmp_path / "intruder.json").write_text(json.dumps(cfg))
+        intruder["p"] = subprocess.run(
+            [sys.executable, "-m", "deadpool.worker", "--job", str(tmp_path / "intruder.json"),
+             "--slot", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    t = threading.Thread(target=intrude)
+    t.start()
+    s = run_and_compare(tmp_path, reference, [
+        "ft.num_spares=1", events("rank:1,step:12,phase:mid_step,kind:kill")])
+    t.join()
+    (rec,) = s["recoveries"]
+    assert rec["spare_slot"] == 4 and rec["outcome"] == "hot-swapped"
+    # the real slot-4 process took the rank; the intruder never saw a plan and said why
+    assert intruder["p"].returncode != 0
+    assert "job secret" in intruder["p"].stdout + intruder["p"].stderr

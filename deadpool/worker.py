@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from deadpool import auth, checkpoint
 from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost
@@ -184,8 +185,9 @@ class Worker:
         except Exception as e:
             # a store error means the coordinator is gone or going: wait for the heartbeat's verdict
             # (its reconnect attempts each take up to 2 s: allow for them)
-            if isinstance(e, CoordinatorLost) or self.lost.wait(
-                    2 * float(self.ft["coordinator_timeout_s"]) + 5.0):
+            store_error = isinstance(e, dist.DistError)  # the store (coordinator) unreachable
+            if isinstance(e, CoordinatorLost) or (store_error and self.lost.wait(
+                    2 * float(self.ft["coordinator_timeout_s"]) + 5.0)):
                 if not self.heartbeat.seen_coordinator:
                     raise RuntimeError("never heard from the coordinator in the job's namespace: "
                                        "is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?") from e

@@ -10,6 +10,8 @@
 2. Recovery: one 4-worker job with ``--kills`` warm spares and as many SIGKILLs (mid-step, different
    ranks). Prints kill -> all ranks training again (target <= 1 s) and kill -> first step completed
    (target <= 2 s): median and range. The final state is checked against a failure-free run.
+3. Hard cases: a second kill while the first swap is transferring (first kill -> first step), and
+   a hung training thread with a live heartbeat (hang -> first step, via the progress watchdog).
 
 Writes each run's summary.json and metrics.jsonl under ``--out`` for paper_figures.
 """
@@ -147,6 +149,33 @@ def recovery(args, tmp: Path, out: Path) -> None:
     print(f"  final state vs failure-free run: {'EQUAL' if equal else 'DIFFERENT'} ({why})")
 
 
+def hard_cases(args, tmp: Path, out: Path) -> None:
+    """A failure during a recovery (the receiving spare killed while the state is transferred)
+    and a hung training thread whose heartbeat lives (found by the progress watchdog)."""
+    base = ["model=tiny", "parallel=dp4", "num_steps=24", "log_every_steps=0",
+            f"ft.progress_timeout_s={args.progress_timeout}"]
+    cases = {
+        "kill_during_recovery": ["ft.num_spares=2", "faults.events=[{rank:1,step:12,phase:mid_step,"
+                                 "kind:kill},{slot:4,step:12,phase:transfer,kind:kill}]"],
+        "hung_training_thread": ["ft.num_spares=1", "faults.events=[{rank:2,step:12,phase:backward,"
+                                 "kind:hang}]"],
+    }
+    ref = tmp / "hard_ref"
+    run_job(compose_config(base + ["faults=none", "ft.num_spares=0"], ref), log=quiet)
+    for name, over in cases.items():
+        rd = tmp / name
+        s = run_job(compose_config(base + over, rd), log=quiet)
+        keep(rd, out, name)
+        equal, _ = compare_final_states(rd, ref) if s["outcome"] == "completed" else (False, "")
+        last = s["recoveries"][-1] if s["recoveries"] else {}
+        first_fault = last.get("first_kill_to_first_step_s", last.get("kill_to_first_step_s"))
+        print(f"{name}: {s['outcome']}, {len(s['recoveries'])} recoveries "
+              f"({', '.join(str(r.get('outcome')) for r in s['recoveries'])}); "
+              f"first fault -> first step {first_fault if first_fault is None else f'{first_fault:.3f} s'}"
+              f" (detected by {last.get('detected_by')}, detect {last.get('detect_s', 0):.3f} s); "
+              f"final state {'EQUAL' if equal else 'DIFFERENT'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=2, help="interleaved on/off pairs of runs")
@@ -158,6 +187,8 @@ def main() -> None:
     ap.add_argument("--nice", type=int, default=19, help="ft.snapshot_nice of the snapshot threads")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--progress-timeout", type=float, default=2.0,
+                    help="ft.progress_timeout_s for the hung-thread case")
     ap.add_argument("--skip", choices=["overhead", "recovery"], default=None)
     ap.add_argument("--out", default="experiments/results/runtime/bench")
     args = ap.parse_args()
@@ -170,6 +201,7 @@ def main() -> None:
                 overhead(args, Path(tmp), out)
         if args.skip != "recovery":
             recovery(args, Path(tmp), out)
+            hard_cases(args, Path(tmp), out)
     print(f"\nbenchmark wall time {time.time() - t0:.0f} s; run summaries in {out}/")
 
 

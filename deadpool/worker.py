@@ -204,8 +204,10 @@ class Worker:
         """
         tr, keys = self.trainer, Keys(plan.generation)
         timing = {"plan_seen": now()}
-        if tr.rank != rank:  # a spare taking a rank (or a process changing rank) holds nothing yet
-            self.has_state = False
+        if tr.rank != rank:
+            # a process starting the job holds every rank's step-0 state (init is a pure function
+            # of the seed); a spare taking a rank later holds nothing of it yet
+            self.has_state = plan.generation == 0 and not self.ft["resume_from"]
         tr.rank, tr.generation = rank, plan.generation
         self.injector.set_rank(rank)
         topo = Topology(self.dims, rank, plan.generation, self.ft["buddy_policy"])
@@ -315,7 +317,8 @@ class Worker:
         src = plan.sources[rank]
         if src["kind"] == "local":
             tr.apply_header(tr.engine.restore_local(S, rank))
-        checkpoint.save_rank_state(root, S, rank, tr.state_dict(), tr.header())
+        if src["kind"] in ("live", "local"):  # else this process holds nothing: its holder writes it
+            checkpoint.save_rank_state(root, S, rank, tr.state_dict(), tr.header())
         for owner, s in plan.sources.items():
             if s["holder"] == rank and s["kind"] in ("peer", "replica"):
                 flat, header, _ = tr.engine.outgoing(s["kind"], owner, S, tr.step, tr.header)

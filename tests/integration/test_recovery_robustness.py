@@ -80,6 +80,16 @@ def test_a_kill_at_step_zero_before_any_replica_is_restored_from_a_data_parallel
 
 
 @pytest.mark.slow
+def test_a_kill_inside_the_very_first_group_build_starts_the_job_over_from_step_zero(reference, tmp_path):
+    # found by experiments/fault_campaign.py: nobody has restored anything yet, but every process
+    # starting the job holds each rank's step-0 state
+    s = run_and_compare(tmp_path, reference, [
+        "ft.num_spares=1", events("rank:1,step:0,phase:rebuild,kind:kill")])
+    assert s["recoveries"][-1]["resume_step"] == 0
+    assert s["recoveries"][-1]["outcome"] == "hot-swapped"
+
+
+@pytest.mark.slow
 def test_a_hung_training_thread_with_a_live_heartbeat_is_fenced_and_swapped(reference, tmp_path):
     s = run_and_compare(tmp_path, reference, [
         "ft.num_spares=1", events("rank:2,step:12,phase:backward,kind:hang")])
@@ -101,15 +111,18 @@ def test_a_rank_hung_inside_a_collective_is_found_by_its_silence_and_swapped(ref
 @pytest.mark.slow
 def test_a_corrupted_replica_is_detected_and_another_source_used(reference, tmp_path):
     # replicas only; rank 2 (rank 1's buddy) has its newest replica of rank 1 corrupted just
-    # before it reports: the spare must detect it and resume from the older replica instead
+    # before it reports. The spare must detect it and resume from another source: the older
+    # replica if the survivors still hold that step, else the newest disk checkpoint
     s = run_and_compare(tmp_path, reference, [
-        "ft.num_spares=1", "ft.state_sources=[replica]",
+        "ft.num_spares=1", "ft.state_sources=[replica]", "ft.persist_interval_steps=2",
         events("rank:1,step:13,phase:step_start,kind:kill", "rank:2,step:0,phase:status,kind:corrupt")])
     bad = [b for rec in s["recoveries"] for b in rec.get("bad_sources", [])]
     assert len(bad) == 1 and bad[0]["holder"] == 2 and bad[0]["owner"] == 1
     first, last = s["recoveries"][0], s["recoveries"][-1]
     assert first["sources"]["1"] == "replica from rank 2"
-    assert last["sources"]["1"] == "replica from rank 2" and last["resume_step"] < bad[0]["step"]
+    assert last["sources"]["1"] in ("replica from rank 2", "disk from rank 1")
+    if last["sources"]["1"].startswith("replica"):  # then an older one than the corrupt copy
+        assert last["resume_step"] < bad[0]["step"]
 
 
 def job_pids(run_dir: Path) -> list[int]:

@@ -16,7 +16,15 @@ adds three layers, all derived from one per-job secret:
    or altered message is refused with ``AuthError``. Pass the store key as ``context`` so that a
    sealed message cannot be replayed under another key (a fence for slot 3 copied to slot 5).
    Seals give integrity, not secrecy, and cannot stop a connected client from deleting keys or
-   bumping ``add`` counters: what binding (1) does not keep out can still disrupt, not steer.
+   bumping ``add`` counters.
+
+Sealed today: plans, aborts, fences and join announcements (so a process without the secret can
+neither take a rank nor steer a recovery). NOT sealed yet (partial; a client that gets past the
+binding could still disturb a job through them): heartbeats and the coordinator's heartbeat,
+``crash/``, ``status/``, ``bad_source/``, ``final/``, ``job/done``, ``job/stop``, and the ``add``
+counters (``num_finished``, ``num_checkpointed``, ``num_errors``, ``num_protected``,
+``repl_done``). The fix is to seal each value with its key as context, require heartbeat counters
+to increase, and replace each counter by per-rank sealed keys (the counter kept as a wake-up hint).
 
 Contracts: the secret must reach processes only through ``SECRET_ENV`` or a file named by
 ``SECRET_FILE_ENV`` that only its owner can read; it must never be written to job.json, a log or

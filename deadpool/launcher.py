@@ -109,3 +109,18 @@ class ExternalLauncher:
 
     def log_tail(self, slot: int, lines: int = 20) -> str:
         return ""
+
+
+def job_processes(run_dir) -> list[int]:
+    """PIDs of this machine's processes whose command line names ``run_dir``'s job file (a job's
+    workers and spares): tests and the fault campaign check that none outlives its job."""
+    needle = str(Path(run_dir) / "job.json").encode()
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids

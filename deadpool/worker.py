@@ -276,11 +276,8 @@ class Worker:
             try:
                 got = comm.run_abortable(lambda: tr.engine.transfer(comm, sends, recv, S),
                                          "state transfer")
-            except CorruptState as e:  # tell the planner which copy is bad, then regroup
-                self.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
-                    {"holder": e.holder, "owner": e.owner, "step": e.step}))
-                comm.report_error(str(e))
-                raise CollectiveError(str(e)) from None
+            except CorruptState as e:
+                self._report_corrupt(plan, rank, comm, e)
             if got is not None:
                 tr.apply_header(tr.engine.install(S, *got))
                 self.has_state = True
@@ -292,10 +289,7 @@ class Worker:
             try:
                 tr.apply_header(tr.engine.restore_local(S, rank))
             except CorruptState as e:
-                self.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
-                    {"holder": e.holder, "owner": e.owner, "step": e.step}))
-                comm.report_error(str(e))
-                raise CollectiveError(str(e)) from None
+                self._report_corrupt(plan, rank, comm, e)
         elif mine["kind"] == "disk":
             step_dir = checkpoint.latest_step_dir(mine["dir"])
             tr.apply_header(checkpoint.load_rank_state(step_dir, rank, tr.state_dict()))
@@ -306,6 +300,13 @@ class Worker:
         tr.engine.truncate_after(S)  # snapshots of the abandoned timeline must never be resumed
         if S not in tr.engine.local_steps():
             tr.snapshot_now()  # replication restarts from the resume step's snapshot
+
+    def _report_corrupt(self, plan: Plan, rank: int, comm: Communicator, e: CorruptState):
+        """Tell the planner which copy failed its CRC (never used again), then regroup."""
+        self.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
+            {"holder": e.holder, "owner": e.owner, "step": e.step}))
+        comm.report_error(str(e))
+        raise CollectiveError(str(e)) from None
 
     def checkpoint_and_stop(self, plan: Plan, rank: int) -> None:
         """No spare is left: write the state at the resume step to disk (DCP) and leave.

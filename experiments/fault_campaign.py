@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deadpool.job import run_job  # noqa: E402
+from deadpool.launcher import job_processes  # noqa: E402
 from deadpool.report import compare_final_states  # noqa: E402
 from deadpool.train import compose_config  # noqa: E402
 
@@ -61,19 +62,6 @@ def draw_fault(rng: random.Random, steps: int, spares: int) -> dict:
 def fmt(ev: dict) -> str:
     who = f"rank:{ev['rank']}" if "rank" in ev else f"slot:{ev['slot']}"
     return "{%s,step:%d,phase:%s,kind:%s}" % (who, ev["step"], ev["phase"], ev["kind"])
-
-
-def job_pids(run_dir: Path) -> list[int]:
-    needle = str(run_dir / "job.json").encode()
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if needle in (p / "cmdline").read_bytes():
-                    out.append(int(p.name))
-            except OSError:
-                pass
-    return out
 
 
 def run_bounded(cfg: dict, timeout_s: float) -> dict | None:
@@ -128,7 +116,7 @@ def main() -> None:
             elif outcome == "unrecoverable":
                 verdict, why = "documented stop", s["message"]
             time.sleep(1.0)
-            left = job_pids(rd)
+            left = job_processes(rd)
             if left:
                 verdict, why = "FAIL", f"processes left behind: {left}"
             recs = [] if hang else s["recoveries"]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from deadpool.job import run_job
+from deadpool.launcher import job_processes
 from deadpool.report import compare_final_states
 from tests.conftest import compose_train
 
@@ -126,20 +127,6 @@ def test_a_corrupted_replica_is_detected_and_another_source_used(reference, tmp_
         assert last["resume_step"] < bad[0]["step"]
 
 
-def job_pids(run_dir: Path) -> list[int]:
-    """Processes whose command line names this run's job file."""
-    needle = str(run_dir / "job.json").encode()
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if needle in (p / "cmdline").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
-
-
 @pytest.mark.slow
 def test_coordinator_death_workers_save_and_exit_and_the_resume_is_bitwise_equal(reference, tmp_path):
     run_dir = tmp_path / "lost"
@@ -153,9 +140,9 @@ def test_coordinator_death_workers_save_and_exit_and_the_resume_is_bitwise_equal
             break
     p.wait()
     deadline = time.time() + 30
-    while job_pids(run_dir) and time.time() < deadline:
+    while job_processes(run_dir) and time.time() < deadline:
         time.sleep(0.2)
-    assert not job_pids(run_dir), "workers outlived their coordinator"
+    assert not job_processes(run_dir), "workers outlived their coordinator"
     logs = "".join(f.read_text() for f in (run_dir / "logs").glob("slot*.log"))
     assert "coordinator stopped answering" in logs and "ft.resume_from=" in logs
     from deadpool import checkpoint

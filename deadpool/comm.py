@@ -5,13 +5,24 @@ group never meets keys left by a broken one. When a failure is declared the whol
 (kept referenced, never used again: gloo groups with an op in flight block on delete, and buffers of
 abandoned ops may still be written) and the next generation builds a new one.
 
-Groups:
-  world  every rank                       (barriers, small control collectives)
-  dp     this rank's data-parallel group  (gradient all-reduce)
-  repl   every rank, used by the snapshot replication thread only (one group per thread: two
-         threads driving one gloo group abort the process) and, before that thread starts, by the
-         main thread for state transfer to a spare.
-TP and PP groups slot in the same way (``ParallelDims.axis_groups``).
+Groups (this rank's; every one is small: no group spans all ranks, so nothing on the recovery
+path grows with the job):
+  dp           this rank's data-parallel group (gradient all-reduce / ZeRO reduce-scatter and
+               all-gather)
+  tp           its tensor-parallel group (all-reduces inside forward and backward)
+  pp_send_fwd  2-rank group (this stage, next stage): activations this rank sends
+  pp_recv_fwd  2-rank group (previous stage, this stage): activations it receives
+  pp_send_bwd  2-rank group (this stage, previous stage): input gradients it sends back
+  pp_recv_bwd  2-rank group (next stage, this stage): output gradients it receives
+  repl_out     2-rank group (this rank, its buddy), gloo: snapshot replication sends
+  repl_in      2-rank group (its ward, this rank), gloo: replicas received
+A group that would hold only this rank is not made. Pipeline traffic goes over 2-rank groups with
+``broadcast`` rather than ``send``/``recv`` because a point-to-point wait cannot be polled (a
+timed-out gloo recv breaks the pair), while a collective can; one group per direction keeps each
+group's op order identical on both ends, so 1F1B's crossing sends cannot deadlock. Groups are
+created in one global order (sorted by key), which makes the rendezvous deadlock-free. State
+transfer to a rank being restored uses a 2-rank group per (holder, receiver) pair of the plan,
+made at transfer time (``pair_group``).
 
 Survivors must never sit in a collective until its timeout: ``wait`` polls the generation's abort
 key between short waits and raises ``Aborted`` once it is set. What cannot be polled (a group's
@@ -71,6 +82,7 @@ class Communicator:
         self.keys = Keys(topo.generation)
         self.groups: dict[str, object] = {}
         self.group_ranks: dict[str, list[int]] = {}
+        self.group_keys: dict[str, str] = {}
         self.lost = lost or threading.Event()
         self.fault_hook = fault_hook or (lambda step, phase: None)
         self.seal = seal or Seal(None)
@@ -86,22 +98,21 @@ class Communicator:
         uses, and the main thread keeps polling the abort key on ``store`` meanwhile.
         """
         self = cls(topo, store, backend, poll_s, timeout_s, lost, fault_hook, seal)
-        dims, g = topo.dims, topo.generation
-        world = list(range(dims.world_size))
         gstore = store_factory() if store_factory is not None else store
         self.build_store = gstore  # free again once the build is done (callers may reuse it)
 
         def make():
-            self._add(gstore, "world", f"g{g}/world/", world)
             self.fault_hook(step, "rebuild")
-            for i, ranks in enumerate(dims.axis_groups("dp")):
-                if topo.rank in ranks:
-                    self._add(gstore, "dp", f"g{g}/dp{i}/", ranks)
-            # The replication channel always runs on gloo over host memory (pinned buffers on
-            # CUDA). It is created from a lower-priority thread so gloo's I/O threads for it
-            # inherit that priority: replication traffic then yields the CPU to training.
-            _in_thread(lambda: self._add(gstore, "repl", f"g{g}/repl/", world, backend="gloo"),
-                       repl_nice)
+            for name, key, ranks, repl in rank_groups(topo):
+                if repl:
+                    # The replication channel always runs on gloo over host memory (pinned
+                    # buffers on CUDA). It is created from a lower-priority thread so gloo's
+                    # I/O threads for it inherit that priority: replication traffic then yields
+                    # the CPU to training.
+                    _in_thread(lambda: self._add(gstore, name, key, ranks, backend="gloo"),
+                               repl_nice)
+                else:
+                    self._add(gstore, name, key, ranks)
 
         if store_factory is None:
             make()  # tests of the happy path: no helper thread needed
@@ -109,10 +120,23 @@ class Communicator:
             self.run_abortable(make, "group rebuild")
         return self
 
-    def _add(self, store, name: str, prefix: str, ranks: list[int], backend: str | None = None):
+    def _add(self, store, name: str, key: str, ranks: list[int], backend: str | None = None):
+        prefix = f"g{self.topo.generation}/{key}/"
         self.groups[name] = _new_group(backend or self.backend, store, prefix,
                                        ranks.index(self.topo.rank), len(ranks), self.timeout_s)
         self.group_ranks[name] = ranks
+        self.group_keys[name] = key
+
+    def pair_group(self, store, a: int, b: int):
+        """A 2-rank gloo group (``a`` sends to ``b``) for one state transfer; both ends call this
+        (inside ``run_abortable``) with the same pair."""
+        name = f"xfer/{a}-{b}"
+        if name not in self.groups:
+            self._add(store, name, name, [a, b], backend="gloo")
+        return self.groups[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.groups
 
     def group(self, name: str):
         return self.groups[name]
@@ -217,27 +241,67 @@ class Communicator:
                 self.keys.abort, f"collective error on rank {self.topo.rank}: {msg[:200]}"))
 
     def allreduce_mean(self, flat: torch.Tensor, group: str = "dp", on_posted=None) -> None:
-        pg = self.groups[group]
-        work = pg.allreduce([flat])
+        self.allreduce(flat, group, on_posted=on_posted)
+        flat.div_(len(self.group_ranks[group]))
+
+    def allreduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, on_posted=None) -> None:
+        """In-place all-reduce over ``group``, abortable."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        work = self.groups[group].allreduce([t], opts)
         if on_posted is not None:
             on_posted()
         self.wait(work)
-        flat.div_(len(self.group_ranks[group]))
 
-    def barrier(self) -> None:
-        t = torch.zeros(1)
-        self.wait(self.groups["world"].allreduce([t]))
+    def broadcast_async(self, t: torch.Tensor, group: str, src: int):
+        """Post a broadcast of ``t`` from global rank ``src`` over ``group``; returns the work
+        (wait for it with ``wait``). On a 2-rank group this is an abortable send/receive."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.group_ranks[group].index(src)
+        opts.rootTensor = 0
+        return self.groups[group].broadcast([t], opts)
 
     def park(self) -> None:
         """Called when the generation is over. Groups stay referenced (see module doc)."""
         if self.backend == "nccl":  # pragma: no cover - needs CUDA
             for name, pg in self.groups.items():
-                if name != "repl":
+                if not name.startswith(("repl", "xfer")):
                     try:
                         pg.abort()
                     except Exception:
                         pass
         _PARKED.append(self)
+
+
+def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
+    """This rank's groups as ``(name, key, ranks, is_replication)``, in creation order.
+
+    ``key`` names the group the same way on every member and in every generation (the store
+    prefix adds the generation); groups are created sorted by key (see the module doc).
+    """
+    dims, rank = topo.dims, topo.rank
+    c = dims.coords(rank)
+    out = []
+    for axis in ("dp", "tp"):
+        ranks = next(g for g in dims.axis_groups(axis) if rank in g)
+        if len(ranks) > 1:
+            rest = "-".join(f"{a}{c[a]}" for a in ("pp", "dp", "tp") if a != axis)
+            out.append((axis, f"{axis}/{rest}", ranks, False))
+    if dims.pp > 1:
+        def pair(s):  # activations stage s -> s+1 (fwd) and gradients s+1 -> s (bwd)
+            a, b = dims.rank_of(s, c["dp"], c["tp"]), dims.rank_of(s + 1, c["dp"], c["tp"])
+            return (f"ppf/{a}-{b}", [a, b]), (f"ppb/{b}-{a}", [b, a])
+        if c["pp"] < dims.pp - 1:
+            (kf, rf), (kb, rb) = pair(c["pp"])
+            out += [("pp_send_fwd", kf, rf, False), ("pp_recv_bwd", kb, rb, False)]
+        if c["pp"] > 0:
+            (kf, rf), (kb, rb) = pair(c["pp"] - 1)
+            out += [("pp_recv_fwd", kf, rf, False), ("pp_send_bwd", kb, rb, False)]
+    buddy, ward = topo.buddy(), topo.ward()
+    if buddy != rank:
+        out.append(("repl_out", f"repl/{rank}-{buddy}", [rank, buddy], True))
+        out.append(("repl_in", f"repl/{ward}-{rank}", [ward, rank], True))
+    return sorted(out, key=lambda g: g[1])
 
 
 class PassThrough(RuntimeError):

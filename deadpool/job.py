@@ -27,9 +27,7 @@ from deadpool.report import write_outputs
 def validate(cfg: dict) -> None:
     """Reject bad configs before any process starts, with a message naming the field."""
     p, ft = cfg["parallel"], cfg["ft"]
-    if p["tp"] != 1 or p["pp"] != 1:
-        raise ValueError("parallel.tp and parallel.pp must be 1 for now: tensor and pipeline "
-                         "parallelism are not implemented in the runtime yet (data parallel only)")
+    validate_layout(cfg)
     if int(cfg["num_steps"]) < 1:
         raise ValueError("num_steps must be >= 1")
     if int(ft["num_spares"]) < 0:
@@ -61,6 +59,38 @@ def validate(cfg: dict) -> None:
         import torch
         if not torch.cuda.is_available():
             raise ValueError("device=cuda but no CUDA device is visible")
+
+
+def validate_layout(cfg: dict) -> None:
+    """The model must split evenly over the layout (heads, vocabulary and FFN over tp; layers over
+    pp; the batch into micro-batches)."""
+    from deadpool.topology import ParallelDims
+
+    p, m = cfg["parallel"], cfg["model"]
+    ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])  # degrees and node shape
+    tp, pp = int(p["tp"]), int(p["pp"])
+    for key in ("n_heads", "vocab_size"):
+        if int(m[key]) % tp:
+            raise ValueError(f"model.{key}={m[key]} is not divisible by parallel.tp={tp}")
+    if int(m["n_layers"]) < pp:
+        raise ValueError(f"model.n_layers={m['n_layers']} is fewer than parallel.pp={pp} stages")
+    mb = num_microbatches(cfg)
+    if mb < 1 or int(cfg["batch_size"]) % mb:
+        raise ValueError(f"parallel.microbatches={mb} must divide batch_size={cfg['batch_size']}")
+
+
+def num_microbatches(cfg: dict) -> int:
+    """``parallel.microbatches``; ``auto``: 1 without pipelining, else 2 x pp (1F1B keeps every
+    stage busy once there are at least pp micro-batches), at most the batch size."""
+    p = cfg["parallel"]
+    mb = p.get("microbatches", "auto")
+    if mb in (None, "auto"):
+        if int(p["pp"]) == 1:
+            return 1
+        mb = min(int(cfg["batch_size"]), 2 * int(p["pp"]))
+        while int(cfg["batch_size"]) % mb:
+            mb -= 1
+    return int(mb)
 
 
 def run_job(cfg: dict, log=print) -> dict:

@@ -415,10 +415,14 @@ class SnapshotEngine:
         is checked against the sender's CRC32 (``CorruptState`` on mismatch). Returns
         ``(buffer, header, crc)`` or None.
         """
-        pg = comm.group("repl")
+        me = comm.topo.rank
+        # one 2-rank group per (holder, receiver), created in one global order (deadlock-free)
+        pairs = sorted({(me, dst) for dst, _, _ in sends} | ({(recv[0], me)} if recv else set()))
+        for a, b in pairs:
+            comm.pair_group(comm.build_store, a, b)
         works = []
         for dst, owner, (flat, header, crc) in sends:
-            works += _post_sends(pg, comm.group_rank("repl", dst), step, flat, header, crc,
+            works += _post_sends(comm.pair_group(None, me, dst), 1, step, flat, header, crc,
                                  self.chunk_bytes,
                                  after_first_chunk=lambda: self.fault_hook(step, "transfer"))
         got = None
@@ -427,7 +431,7 @@ class SnapshotEngine:
             buf = torch.empty(self.layout.nbytes, dtype=torch.uint8,
                               pin_memory=self.slots[0].flat.is_pinned())
             got_step, header, crc = _recv_state(
-                pg, comm.group_rank("repl", src), buf, self.chunk_bytes, wait=_blocking,
+                comm.pair_group(None, src, me), 0, buf, self.chunk_bytes, wait=_blocking,
                 after_first_chunk=lambda: self.fault_hook(step, "transfer"))
             if got_step != step or checksum(buf) != crc:
                 raise CorruptState(f"state of rank {owner} at step {step} from rank {src} failed "
@@ -532,9 +536,8 @@ class _Replicator(threading.Thread):
 
     def run(self) -> None:
         lower_thread_priority(self.engine.background_nice)
-        pg = self.comm.group("repl")
-        dst = self.comm.group_rank("repl", self.buddy)
-        src = self.comm.group_rank("repl", self.ward)
+        out, inp = self.comm.group("repl_out"), self.comm.group("repl_in")
+        dst, src = 1, 0  # repl_out is [me, buddy]; repl_in is [ward, me]
         store = None
         while True:
             slot = self.queue.get()
@@ -545,10 +548,10 @@ class _Replicator(threading.Thread):
                 buf = self._free_recv_buffer()
                 # a "replication" fault fires after the first chunk is posted, the rest not:
                 # the buddy is left with a torn replica of this step
-                sends = _post_sends(pg, dst, slot.step, slot.flat, slot.header, slot.crc,
+                sends = _post_sends(out, dst, slot.step, slot.flat, slot.header, slot.crc,
                                     self.engine.chunk_bytes,
                                     after_first_chunk=lambda s=slot.step: self.engine.fault_hook(s, "replication"))
-                step, header, crc = _recv_state(pg, src, buf, self.engine.chunk_bytes, wait=_blocking)
+                step, header, crc = _recv_state(inp, src, buf, self.engine.chunk_bytes, wait=_blocking)
                 for w in sends:
                     w.wait()
             except Exception as e:

@@ -25,7 +25,7 @@ class ParallelDims:
         for axis in ("dp", "tp", "pp", "ranks_per_node"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis} must be >= 1, got {getattr(self, axis)}")
-        if self.world_size % self.ranks_per_node:
+        if self.world_size > self.ranks_per_node and self.world_size % self.ranks_per_node:
             raise ValueError(
                 f"world size {self.world_size} (dp*tp*pp) is not a multiple of "
                 f"ranks_per_node={self.ranks_per_node}")
@@ -64,6 +64,10 @@ class ParallelDims:
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.world_size // self.ranks_per_node))
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,15 @@ def rank_dir(root: str | os.PathLike, step: int, rank: int) -> Path:
     return Path(root) / f"step_{step}" / f"rank_{rank}"
 
 
+def read_header(step_dir: Path, rank: int) -> dict:
+    """The JSON header of ``rank``'s state in a step directory (FileNotFoundError if absent)."""
+    return json.loads((Path(step_dir) / f"rank_{rank}" / HEADER_FILE).read_text())
+
+
+def rank_complete(step_dir: Path, rank: int) -> bool:
+    return (Path(step_dir) / f"rank_{rank}" / HEADER_FILE).exists()
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from deadpool.auth import AuthError
 from deadpool.protocol import Keys, Seal
 from deadpool.topology import Topology
+from deadpool.watchdog import PEER_WAIT
 
 
 class Aborted(RuntimeError):
@@ -87,6 +88,7 @@ class Communicator:
         self.fault_hook = fault_hook or (lambda step, phase: None)
         self.seal = seal or Seal(None)
         self._abort_reason: str | None = None
+        self.position = None  # the training thread's Progress: waits report "collective"
 
     @classmethod
     def build(cls, topo: Topology, store, backend: str = "gloo", poll_s: float = 0.02,
@@ -171,6 +173,12 @@ class Communicator:
         stop waiting at once. A poll slice and a real failure are told apart by the work's state
         (a failed work is completed), and the whole wait is bounded by ``timeout_s``.
         """
+        if self.position is not None and self.position.phase not in PEER_WAIT:
+            with self.position.waiting():
+                return self._wait(work)
+        return self._wait(work)
+
+    def _wait(self, work) -> None:
         t0 = time.monotonic()
         while True:
             if self.backend == "nccl":  # pragma: no cover - needs CUDA

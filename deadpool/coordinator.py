@@ -71,6 +71,11 @@ class Coordinator:
         self.log = log
         p = cfg["parallel"]
         self.dims = ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])
+        # what ranks hold (see snapshot.py's regions): a ZeRO-1 shard no peer has; replicas of
+        # the whole state or of the shard only; no replicas when peers hold everything
+        self.sharded = bool(p.get("zero", True)) and self.dims.dp > 1
+        self.replica_has_shared = self.ft.get("replicate", "unique") == "full" or self.dims.dp == 1
+        self.replicates = bool(self.ft["snapshot"]) and (self.sharded or self.replica_has_shared)
         n = self.dims.world_size
         self.members = Membership(ranks={r: r for r in range(n)},
                                   spares=list(range(n, n + int(self.ft["num_spares"]))))
@@ -248,7 +253,8 @@ class Coordinator:
         self._fault_t = max([self._fault_t] + [f["t"] for f in faults.values()])
         topo = Topology(self.dims, 0, g, self.ft["buddy_policy"])
         decision = plan_resume(statuses, list(range(self.dims.world_size)), self.dims.state_peers,
-                               topo.buddy, tuple(self.ft["state_sources"]), self.bad)
+                               topo.buddy, tuple(self.ft["state_sources"]), self.bad,
+                               sharded=self.sharded, replica_has_shared=self.replica_has_shared)
         t_kill = min([f["t"] for f in faults.values()] or [t_detect])
         t_kill = min(t_kill, t_detect)
         rec = {
@@ -430,7 +436,7 @@ class Coordinator:
             if not self.store.check([keys.first_step(r)]):
                 return
             firsts.append(float(self.store.get(keys.first_step(r))))
-        if not (interrupted or force) and self.ft["snapshot"] \
+        if not (interrupted or force) and self.replicates \
                 and int(self.store.add(keys.protected_count, 0)) < len(ranks):
             return
         if interrupted:
@@ -441,6 +447,8 @@ class Coordinator:
             rec["rebuild_s"] = max(t["rebuilt"] for t in timings) - tp
             rec["transfer_s"] = max(t["transferred"] - t["rebuilt"] for t in timings)
             rec["rollback_s"] = max(t["rolled_back"] - t["transferred"] for t in timings)
+            built = [t["built"] - t["plan_seen"] for t in timings if "built" in t]
+            rec["build_s"] = max(built) if built else 0.0  # a spare building its rank's stage
             rec["first_step_s"] = max(firsts) - t_ready
             rec["kill_to_training_s"] = t_ready - tk
             rec["kill_to_first_step_s"] = max(firsts) - tk

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 from deadpool.protocol import Keys
 
-TRAIN_PHASES = ("step_start", "forward", "backward", "mid_step", "allreduce", "optimizer",
-                "snapshot_copy", "replication")
+TRAIN_PHASES = ("step_start", "forward", "backward", "pp_warmup", "pp_cooldown", "mid_step",
+                "allreduce", "optimizer", "snapshot_copy", "replication")
 RECOVERY_PHASES = ("status", "rebuild", "transfer", "rollback", "repl_restart", "idle")
 PHASES = TRAIN_PHASES + RECOVERY_PHASES
 

@@ -11,7 +11,11 @@ from, in this order of preference::
     peer     a live process holding the same state (a data-parallel peer) sends its copy
     replica  the process holding the rank's replica (its buddy, or any other holder) sends it
 
-(``ft.state_sources`` may swap peer and replica.) The resume step is the newest step for which
+(``ft.state_sources`` may swap peer and replica.) With a sharded optimizer (ZeRO-1) a rank's state
+is two regions: parameters, shared with its data-parallel peers, and its optimizer shard, which
+no peer has. A peer can then only serve the parameters: the source is the shard's replica
+holder, plus ``shared_from``, a live peer that sends the parameters, unless the replicas hold the
+whole state (``ft.replicate=full``). The resume step is the newest step for which
 every rank has a source. A rank with none at any step is lost from memory; the coordinator then
 falls back to the newest complete disk checkpoint (source ``disk``, every rank). Copies a receiver
 found corrupt (CRC mismatch) are passed in ``bad`` as ``(holder, owner, step)`` and never chosen
@@ -42,9 +46,11 @@ def _has_own(st: RankStatus | None, step: int) -> bool:
 
 def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, buddy_of,
                 order: tuple[str, ...] = SOURCE_KINDS,
-                bad: set[tuple[int, int, int]] = frozenset()) -> RecoveryDecision:
-    """``equivalents(r)``: ranks whose state equals ``r``'s at every step (same model shard, no
-    sharded optimizer state); ``buddy_of(r)``: the preferred holder of ``r``'s replica."""
+                bad: set[tuple[int, int, int]] = frozenset(), sharded: bool = False,
+                replica_has_shared: bool = True) -> RecoveryDecision:
+    """``equivalents(r)``: the data-parallel peers of ``r`` (same model shard); ``buddy_of(r)``:
+    the preferred holder of ``r``'s replica; ``sharded``: each rank also holds state no peer has
+    (a ZeRO-1 optimizer shard); ``replica_has_shared``: replicas include the shared region."""
     for kind in order:
         if kind not in SOURCE_KINDS:
             raise ValueError(f"ft.state_sources: {kind!r} is not one of {SOURCE_KINDS}")
@@ -62,7 +68,8 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
         load: dict[int, int] = {}  # holder -> transfers it serves (spread peer sends)
         sources: dict[int, dict] = {}
         for r in world:
-            src = _source(r, S, statuses, equivalents, buddy_of, order, bad, load)
+            src = _source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
+                          replica_has_shared)
             if src is None:
                 break
             sources[r] = src
@@ -71,8 +78,8 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
             return RecoveryDecision(S, sources, max(0, live_max - S))
     # keep scanning to know which ranks have a copy at *some* step (for the message)
     for r in world:
-        if r not in covered and any(_source(r, S, statuses, equivalents, buddy_of, order, bad, {})
-                                    for S in steps):
+        if r not in covered and any(_source(r, S, statuses, equivalents, buddy_of, order, bad, {},
+                                            sharded, replica_has_shared) for S in steps):
             covered.add(r)
     lost = [r for r in world if r not in covered]
     why = (f"no consistent copy of rank(s) {lost} survives in memory" if lost else
@@ -80,24 +87,42 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
     return RecoveryDecision(None, {}, 0, why, lost)
 
 
-def _source(r, S, statuses, equivalents, buddy_of, order, bad, load) -> dict | None:
+def _source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded=False,
+            replica_has_shared=True) -> dict | None:
     st = statuses.get(r)
     if st is not None and st.live_step == S:
         return {"kind": "live", "holder": r}
     if _has_own(st, S) and (r, r, S) not in bad:
         return {"kind": "local", "holder": r}
+    if sharded:  # the optimizer shard exists only in r's replicas
+        h = _pick(r, S, "replica", statuses, equivalents, buddy_of, bad, load)
+        if h is None:
+            return None
+        if replica_has_shared:
+            return {"kind": "replica", "holder": h}
+        q = _pick(r, S, "peer", statuses, equivalents, buddy_of, bad, load)
+        return None if q is None else {"kind": "replica", "holder": h, "shared_from": q}
     for kind in order:
-        if kind == "peer":
-            holders = [q for q in equivalents(r) if q != r and _has_own(statuses.get(q), S)
-                       and (q, q, S) not in bad]
-            # prefer a peer already at S (no rollback needed to serve), then the least loaded
-            holders.sort(key=lambda q: (load.get(q, 0), statuses[q].live_step != S, q))
-        else:
-            holders = [q for q, st_q in statuses.items() if q != r
-                       and S in st_q.replicas.get(r, []) and (q, r, S) not in bad]
-            pref = buddy_of(r)
-            holders.sort(key=lambda q: (q != pref, load.get(q, 0), q))
-        if holders:
-            load[holders[0]] = load.get(holders[0], 0) + 1
-            return {"kind": kind, "holder": holders[0]}
+        h = _pick(r, S, kind, statuses, equivalents, buddy_of, bad, load)
+        if h is not None:
+            return {"kind": kind, "holder": h}
     return None
+
+
+def _pick(r, S, kind, statuses, equivalents, buddy_of, bad, load) -> int | None:
+    """The holder serving ``r``'s state at ``S`` from a ``peer`` (its own state: a corrupt copy
+    is recorded as ``(q, q, S)``) or a ``replica`` (recorded as ``(holder, r, S)``)."""
+    if kind == "peer":
+        holders = [q for q in equivalents(r) if q != r and _has_own(statuses.get(q), S)
+                   and (q, q, S) not in bad]
+        # prefer a peer already at S (no rollback needed to serve), then the least loaded
+        holders.sort(key=lambda q: (load.get(q, 0), statuses[q].live_step != S, q))
+    else:
+        holders = [q for q, st_q in statuses.items() if q != r
+                   and S in st_q.replicas.get(r, []) and (q, r, S) not in bad]
+        pref = buddy_of(r)
+        holders.sort(key=lambda q: (q != pref, load.get(q, 0), q))
+    if not holders:
+        return None
+    load[holders[0]] = load.get(holders[0], 0) + 1
+    return holders[0]

@@ -20,6 +20,15 @@ against the CRC32 the snapshot was taken with, and a mismatch is reported so tha
 picks another source. Lazy verification takes one checksum pass per step off the steady state,
 and keeps a survivor's status report O(1) (no checksum of GB-scale replicas before answering).
 
+**Regions.** The flat buffer holds the *shared* tensors first (identical on every rank of the
+data-parallel group: parameters, and the optimizer state when it is not sharded) and the rank's
+*unique* tensors after them (its ZeRO-1 optimizer shard). Each region has its own CRC32. With
+``replicate="unique"`` only the unique region is replicated (a live data-parallel peer holds the
+rest: ``planner.py`` then restores a rank from its buddy's replica plus a peer's parameters), so
+replication moves 1/dp of the optimizer state instead of the whole state; ``replicate="full"``
+replicates everything (needed when no data-parallel peer may survive, e.g. dp == 1). A state on
+the wire names its region: ``all``, ``shared`` or ``unique``.
+
 Headers (step, data position, RNG state) travel as JSON; nothing received is ever unpickled.
 
 All ranks replicate the same steps in the same order (every ``interval``-th step), so the ring of
@@ -86,6 +95,9 @@ class StateLayout:
     def state_dict(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {e.name: v for e, v in zip(self.entries, self.views(flat))}
 
+    def state_dict_live(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {e.name: t for e, t in zip(self.entries, tensors)}
+
 
 def lower_thread_priority(nice: int) -> None:
     """Lower the calling thread's CPU priority (Linux: nice applies per thread).
@@ -108,12 +120,20 @@ def checksum(flat: torch.Tensor) -> int:
     return zlib.crc32(flat.numpy())
 
 
+def region_crcs(flat: torch.Tensor, split: int) -> tuple[int, int]:
+    """CRC32 of the shared region ``flat[:split]`` and of the unique region ``flat[split:]``."""
+    return checksum(flat[:split]), checksum(flat[split:])
+
+
+REGIONS = ("all", "shared", "unique")
+
+
 @dataclass
 class Slot:
     flat: torch.Tensor
     step: int = -1
     header: bytes = b""
-    crc: int = 0
+    crc: tuple = (0, 0)  # CRC32 of the shared region, of the unique region
     released: threading.Event = field(default_factory=threading.Event)  # copy done: live may change
     copied: threading.Event = field(default_factory=threading.Event)    # copy and checksum done
     replicating: bool = False
@@ -124,9 +144,10 @@ class Slot:
 class Replica:
     owner: int
     step: int
-    flat: torch.Tensor
+    flat: torch.Tensor  # the replicated region only
     header: bytes
-    crc: int
+    crc: tuple
+    region: str
     verified: bool | None = None  # None: not checked yet (lazy); False: known corrupt
 
 
@@ -154,13 +175,22 @@ class SnapshotEngine:
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], *, interval: int = 1,
                  num_local_slots: int = 3, chunk_bytes: int = 4 << 20, device: str = "cpu",
-                 fault_hook=None, background_nice: int = 0, verify: str = "lazy"):
+                 fault_hook=None, background_nice: int = 0, verify: str = "lazy",
+                 num_shared: int = 0, replicate: str = "full"):
         if interval < 1:
             raise ValueError("ft.snapshot_interval_steps must be >= 1")
         if num_local_slots < 2:
             raise ValueError("ft.num_local_slots must be >= 2 (one being written, one to roll back to)")
         self.tensors = [t for _, t in tensors]
         self.layout = StateLayout(tensors)
+        if replicate not in ("unique", "full"):
+            raise ValueError(f"ft.replicate must be 'unique' or 'full', got {replicate!r}")
+        n = self.layout.nbytes
+        split = self.layout.entries[num_shared].offset if num_shared < len(tensors) else n
+        self.bounds = {"all": (0, n), "shared": (0, split), "unique": (split, n)}
+        # what the buddy receives every snapshot ("none": nobody needs a replica)
+        self.repl_region = "all" if replicate == "full" or split == 0 else (
+            "unique" if split < n else "none")
         self.interval = interval
         self.chunk_bytes = max(1 << 16, int(chunk_bytes))
         self.device = device
@@ -192,6 +222,13 @@ class SnapshotEngine:
         self.persist_every = 0
         self.persist_world = 1
         self._persist_flat: torch.Tensor | None = None
+
+    def close(self) -> None:
+        """Stop the engine's threads (its rank is rebuilt for other coordinates)."""
+        self.stop_replication()
+        self._copy_q.put(None)
+        if self.persister is not None:
+            self.persister.close()
 
     def _slot_for(self, step: int) -> "Slot":
         return self.slots[(step // self.interval) % len(self.slots)]
@@ -284,6 +321,8 @@ class SnapshotEngine:
         lower_thread_priority(self.background_nice)
         while True:
             slot: Slot = self._copy_q.get()
+            if slot is None:
+                return
             t0 = time.perf_counter()
             try:
                 self.fault_hook(slot.step, "snapshot_copy")
@@ -300,13 +339,13 @@ class SnapshotEngine:
                 slot.copied.set()
                 continue
             slot.released.set()  # the live state may change now; the checksum reads the copy
-            slot.crc = checksum(slot.flat)
+            slot.crc = region_crcs(slot.flat, self.bounds["unique"][0])
             self.last_copy_s = time.perf_counter() - t0
             slot.copied.set()
             if self.persist_every and slot.step > 0 and slot.step % self.persist_every == 0:
                 self._persist(slot)
             repl = self._repl
-            if repl is not None and not repl.stopped:
+            if repl is not None and not repl.stopped and self.repl_region != "none":
                 with self._lock:
                     slot.replicating = True
                 repl.queue.put(slot)
@@ -370,7 +409,7 @@ class SnapshotEngine:
     def restore_local(self, step: int, rank: int = -1) -> dict:
         """Roll the live state back to this rank's own snapshot of ``step``; returns its header."""
         slot = self.local_slot(step)
-        if checksum(slot.flat) != slot.crc:
+        if not self.verify_region(slot.flat, "all", slot.crc):
             raise CorruptState(f"local snapshot of step {step} is corrupt (CRC mismatch)",
                                rank, rank, step)
         self._load(slot.flat)
@@ -388,61 +427,90 @@ class SnapshotEngine:
         raise KeyError(f"no replica of rank {owner} at step {step}")
 
     # -- state transfer to a rank that needs it (before replication starts) ---------------------
-    def outgoing(self, kind: str, owner: int, step: int, live_step: int | None, header_fn):
-        """The buffer to send for a plan source: ``(flat, header, crc)``. Main thread only.
+    def region(self, flat: torch.Tensor, region: str, full: bool = True) -> torch.Tensor:
+        """The bytes of ``region`` in ``flat`` (a full state if ``full``, else a replica that
+        holds exactly ``self.repl_region``)."""
+        a, b = self.bounds[region]
+        if not full and self.repl_region != "all":
+            a, b = a - self.bounds["unique"][0], b - self.bounds["unique"][0]
+        return flat[a:b]
+
+    def verify_region(self, flat: torch.Tensor, region: str, crc: tuple) -> bool:
+        """Check a full-size buffer's ``region`` against ``crc`` (shared, unique)."""
+        split = self.bounds["unique"][0]
+        ok = True
+        if region in ("all", "shared"):
+            ok &= checksum(flat[:split]) == crc[0]
+        if region in ("all", "unique"):
+            ok &= checksum(flat[split:]) == crc[1]
+        return ok
+
+    def outgoing(self, kind: str, owner: int, step: int, live_step: int | None, header_fn,
+                 region: str = "all"):
+        """What to send for a plan source: ``(bytes of region, header, crc)``. Main thread only.
 
         ``kind="replica"``: the replica of ``owner`` at ``step``; otherwise this rank's own state
         at ``step`` (its local snapshot; taken now from the live state if it is at ``step``).
         """
         if kind == "replica":
             rep = self.replica(owner, step)
-            return rep.flat, rep.header, rep.crc
+            if rep.region != "all" and region != rep.region:
+                raise KeyError(f"the replica of rank {owner} holds the {rep.region} region, "
+                               f"not {region}")
+            return self.region(rep.flat, region, full=rep.region == "all"), rep.header, rep.crc
         if step not in self.local_steps():
             if live_step != step:
                 raise KeyError(f"no state of step {step} to send (live state is at {live_step})")
             self.snapshot(step, header_fn())
             self.drain()
         slot = self.local_slot(step)
-        return slot.flat, slot.header, slot.crc
+        return self.region(slot.flat, region), slot.header, slot.crc
 
-    def transfer(self, comm, sends: list[tuple[int, int, tuple]], recv: tuple[int, int] | None,
-                 step: int):
-        """Send states and receive at most one; runs in an abortable helper thread.
+    def transfer(self, comm, sends: list[tuple], recvs: list[tuple], step: int):
+        """Send states and receive this rank's pieces; runs in an abortable helper thread.
 
-        ``sends``: ``(dst_rank, owner, (flat, header, crc))``; ``recv``: ``(src_rank, owner)``.
-        Every send is posted before the receive (a rank may do both: no cycle can deadlock).
-        The receive lands in a fresh buffer (an abandoned transfer may still write into it) and
-        is checked against the sender's CRC32 (``CorruptState`` on mismatch). Returns
-        ``(buffer, header, crc)`` or None.
+        ``sends``: ``(dst_rank, region, (bytes, header, crc))``; ``recvs``: ``(src_rank, owner,
+        region)``, at most one per region (e.g. the unique region from a replica holder and the
+        shared region from a data-parallel peer). Every send is posted before any receive (no
+        cycle can deadlock). Pieces land in one fresh buffer (an abandoned transfer may still
+        write into it) and each is checked against the CRC32 its region was taken with
+        (``CorruptState`` on mismatch). Returns ``(buffer, header, crc)`` or None.
         """
         me = comm.topo.rank
         # one 2-rank group per (holder, receiver), created in one global order (deadlock-free)
-        pairs = sorted({(me, dst) for dst, _, _ in sends} | ({(recv[0], me)} if recv else set()))
+        pairs = sorted({(me, dst) for dst, _, _ in sends} | {(src, me) for src, _, _ in recvs})
         for a, b in pairs:
             comm.pair_group(comm.build_store, a, b)
         works = []
-        for dst, owner, (flat, header, crc) in sends:
+        for dst, region, (flat, header, crc) in sends:
             works += _post_sends(comm.pair_group(None, me, dst), 1, step, flat, header, crc,
-                                 self.chunk_bytes,
+                                 region, self.chunk_bytes,
                                  after_first_chunk=lambda: self.fault_hook(step, "transfer"))
         got = None
-        if recv is not None:
-            src, owner = recv
+        if recvs:
             buf = torch.empty(self.layout.nbytes, dtype=torch.uint8,
                               pin_memory=self.slots[0].flat.is_pinned())
-            got_step, header, crc = _recv_state(
-                comm.pair_group(None, src, me), 0, buf, self.chunk_bytes, wait=_blocking,
-                after_first_chunk=lambda: self.fault_hook(step, "transfer"))
-            if got_step != step or checksum(buf) != crc:
-                raise CorruptState(f"state of rank {owner} at step {step} from rank {src} failed "
-                                   f"verification (got step {got_step}, CRC mismatch)",
-                                   src, owner, step)
-            got = (buf, header, crc)
+            crc, header = [0, 0], b""
+            for src, owner, region in recvs:
+                got_step, hdr, c, got_region = _recv_state(
+                    comm.pair_group(None, src, me), 0, self.region(buf, region), self.chunk_bytes,
+                    wait=_blocking, after_first_chunk=lambda: self.fault_hook(step, "transfer"))
+                if got_step != step or got_region != region or not self.verify_region(buf, region, c):
+                    raise CorruptState(f"{region} state of rank {owner} at step {step} from rank "
+                                       f"{src} failed verification (got step {got_step}, region "
+                                       f"{got_region}, CRC mismatch)", src, owner, step)
+                if region in ("all", "shared"):
+                    crc[0] = c[0]
+                if region in ("all", "unique"):
+                    crc[1], header = c[1], hdr
+                elif not header:
+                    header = hdr
+            got = (buf, header, tuple(crc))
         for w in works:
             w.wait()
         return got
 
-    def install(self, step: int, buf: torch.Tensor, header: bytes, crc: int) -> dict:
+    def install(self, step: int, buf: torch.Tensor, header: bytes, crc: tuple) -> dict:
         """Load a received state live and keep it as the local snapshot of ``step``."""
         self.drain()
         slot = self._slot_for(step)
@@ -458,6 +526,8 @@ class SnapshotEngine:
         """Start this generation's replication thread; optionally replicate ``first_step`` (a local
         snapshot, e.g. the state just restored) at once so the new rank is protected quickly."""
         self.stop_replication()
+        if self.repl_region == "none":
+            return  # every rank's state is held by a live data-parallel peer
         topo = comm.topo
         self._protected = -1
         self._protect_store = (store_factory(), comm.keys, topo.dims.world_size)
@@ -502,6 +572,11 @@ class SnapshotEngine:
             for owner in list(self.replicas):
                 self.replicas[owner] = [r for r in self.replicas[owner] if r.step <= step]
 
+    def verify_replica(self, flat: torch.Tensor, crc: tuple) -> bool:
+        if self.repl_region == "all":
+            return self.verify_region(flat, "all", crc)
+        return checksum(flat) == crc[1]
+
     def _release(self, slot: Slot) -> None:
         with self._lock:
             slot.replicating = False
@@ -519,7 +594,7 @@ class _Replicator(threading.Thread):
         self.stopped = False
         self.store_factory = store_factory
         self.protected_reported = False
-        n = engine.layout.nbytes
+        n = engine.region(torch.empty(engine.layout.nbytes, dtype=torch.uint8), engine.repl_region).numel()
         # fresh receive buffers per generation: an abandoned receive may still write into the old ones
         self.recv_pool = [torch.empty(n, dtype=torch.uint8) for _ in range(3)]
         self.nbytes = n
@@ -548,10 +623,12 @@ class _Replicator(threading.Thread):
                 buf = self._free_recv_buffer()
                 # a "replication" fault fires after the first chunk is posted, the rest not:
                 # the buddy is left with a torn replica of this step
-                sends = _post_sends(out, dst, slot.step, slot.flat, slot.header, slot.crc,
-                                    self.engine.chunk_bytes,
+                region = self.engine.repl_region
+                sends = _post_sends(out, dst, slot.step, self.engine.region(slot.flat, region),
+                                    slot.header, slot.crc, region, self.engine.chunk_bytes,
                                     after_first_chunk=lambda s=slot.step: self.engine.fault_hook(s, "replication"))
-                step, header, crc = _recv_state(inp, src, buf, self.engine.chunk_bytes, wait=_blocking)
+                step, header, crc, _ = _recv_state(inp, src, buf, self.engine.chunk_bytes,
+                                                   wait=_blocking)
                 for w in sends:
                     w.wait()
             except Exception as e:
@@ -569,10 +646,11 @@ class _Replicator(threading.Thread):
             self.engine._release(slot)
             verified = None
             if self.engine.verify == "eager":
-                if checksum(buf) != crc:
+                if not self.engine.verify_replica(buf, crc):
                     continue  # a torn or corrupt replica never counts
                 verified = True
-            if not self.engine._commit_replica(Replica(self.ward, step, buf, header, crc, verified), self):
+            rep = Replica(self.ward, step, buf, header, crc, self.engine.repl_region, verified)
+            if not self.engine._commit_replica(rep, self):
                 return
             self.engine.last_replicate_s = time.perf_counter() - t0
             store = store or self.store_factory()
@@ -593,8 +671,9 @@ def _blocking(work) -> None:
     work.wait()
 
 
-def _meta(step: int, nbytes: int, crc: int, header_len: int) -> torch.Tensor:
-    return torch.tensor([step, nbytes, crc, header_len], dtype=torch.int64)
+def _meta(step: int, nbytes: int, crc: tuple, header_len: int, region: str) -> torch.Tensor:
+    return torch.tensor([step, nbytes, crc[0], crc[1], header_len, REGIONS.index(region)],
+                        dtype=torch.int64)
 
 
 def _chunks(flat: torch.Tensor, chunk_bytes: int):
@@ -602,11 +681,12 @@ def _chunks(flat: torch.Tensor, chunk_bytes: int):
         yield flat[off:off + chunk_bytes]
 
 
-def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: int, chunk_bytes: int,
-                after_first_chunk=None) -> list:
+def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: tuple, region: str,
+                chunk_bytes: int, after_first_chunk=None) -> list:
     hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     hdr[:len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    works = [pg.send([_meta(step, flat.numel(), crc, len(header))], dst, 0), pg.send([hdr], dst, 1)]
+    works = [pg.send([_meta(step, flat.numel(), crc, len(header), region)], dst, 0),
+             pg.send([hdr], dst, 1)]
     for i, c in enumerate(_chunks(flat, chunk_bytes)):
         works.append(pg.send([c], dst, 2 + i))
         if i == 0 and after_first_chunk is not None:
@@ -615,11 +695,11 @@ def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: int, chunk_by
 
 
 def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait,
-                after_first_chunk=None) -> tuple[int, bytes, int]:
-    meta = torch.zeros(4, dtype=torch.int64)
+                after_first_chunk=None) -> tuple[int, bytes, tuple, str]:
+    meta = torch.zeros(6, dtype=torch.int64)
     hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     wait(pg.recv([meta], src, 0))
-    step, nbytes, crc, hlen = (int(x) for x in meta.tolist())
+    step, nbytes, crc0, crc1, hlen, region = (int(x) for x in meta.tolist())
     if nbytes != flat.numel():
         raise RuntimeError(f"state layout mismatch: peer sends {nbytes} bytes, expected {flat.numel()}")
     wait(pg.recv([hdr], src, 1))
@@ -627,4 +707,4 @@ def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait,
         wait(pg.recv([c], src, 2 + i))
         if i == 0 and after_first_chunk is not None:
             after_first_chunk()
-    return step, bytes(hdr[:hlen].numpy()), crc & 0xFFFFFFFF
+    return step, bytes(hdr[:hlen].numpy()), (crc0 & 0xFFFFFFFF, crc1 & 0xFFFFFFFF), REGIONS[region]

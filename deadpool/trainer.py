@@ -1,10 +1,15 @@
 """The training loop of one rank: step, snapshot, maybe persist.
 
-``Trainer`` holds the model, optimizer, data and snapshot engine across generations; a
-generation's communicator is passed to ``train``. The loop reads top to bottom::
+``Trainer`` holds the rank's pipeline stage (its tensor-parallel shard of some layers), the ZeRO-1
+optimizer, the data and the snapshot engine across generations; a generation's communicator is
+passed to ``train``. They are built for the rank's (pp, dp, tp) coordinates by ``build`` (a spare
+builds when it is given a rank; the time is part of the recovery breakdown). The loop reads top to
+bottom::
 
-    while steps left:  abort? -> forward/backward -> all-reduce grads -> wait for the snapshot copy
-                       -> optimizer step -> snapshot (async) -> maybe persist -> metrics
+    while steps left:  abort? -> micro-batches through the pipeline (1F1B: forward/backward, TP
+                       all-reduces inside) -> reduce-scatter grads over dp -> wait for the snapshot
+                       copy -> AdamW on the shard + all-gather params -> snapshot (async)
+                       -> maybe persist -> metrics
 """
 
 from __future__ import annotations
@@ -21,8 +26,12 @@ from deadpool import checkpoint
 from deadpool.comm import Communicator
 from deadpool.data import SyntheticCorpus
 from deadpool.faults import FaultInjector
-from deadpool.model import build_model, build_optimizer
-from deadpool.snapshot import SnapshotEngine, state_tensors
+from deadpool.job import num_microbatches
+from deadpool.parallel.data.zero import ZeroOptimizer
+from deadpool.parallel.pipeline.schedule import run_1f1b
+from deadpool.parallel.stage import build_stage
+from deadpool.snapshot import SnapshotEngine
+from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
 
 
@@ -32,29 +41,17 @@ class Trainer:
         self.cfg = cfg
         self.slot = slot
         self.injector = injector
-        ft = cfg["ft"]
         self.device = cfg["device"]
-        self.model = build_model(cfg["model"], cfg["seed"], self.device)
-        self.opt = build_optimizer(self.model, cfg["lr"], cfg["weight_decay"])
-        self.params = [p for p in self.model.parameters()]
         self.corpus = SyntheticCorpus(cfg["model"]["vocab_size"], cfg["seed"])
-        self.engine = SnapshotEngine(
-            state_tensors(self.model, self.opt), interval=ft["snapshot_interval_steps"],
-            num_local_slots=ft["num_local_slots"], chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
-            device=self.device, fault_hook=injector.fire,
-            background_nice=int(ft["snapshot_nice"]), verify=ft["replica_verify"])
-        self.snapshots_on = bool(ft["snapshot"])
-        self.persist_every = int(ft["persist_interval_steps"] or 0)
-        p = cfg["parallel"]
-        if self.persist_every:
-            self.engine.persister = checkpoint.AsyncPersister(ft["checkpoint_dir"],
-                                                             nice=int(ft["snapshot_nice"]))
-            self.engine.persist_world = p["dp"] * p["tp"] * p["pp"]
-            if self.snapshots_on and self.persist_every % int(ft["snapshot_interval_steps"]) == 0:
-                self.engine.persist_every = self.persist_every  # written from snapshots
+        self.snapshots_on = bool(cfg["ft"]["snapshot"])
+        self.persist_every = int(cfg["ft"]["persist_interval_steps"] or 0)
+        self.microbatches = num_microbatches(cfg)
         # measurement aid (experiments/bench_runtime.py): snapshot only in alternate blocks of this
         # many steps, so on/off step times are compared inside one run; 0 = every interval
-        self.ab_block = int(ft["snapshot_ab_block_steps"])
+        self.ab_block = int(cfg["ft"]["snapshot_ab_block_steps"])
+        self.coords: dict | None = None  # what the stage and optimizer are built for
+        self.stage = self.opt = self.engine = None
+        self.params: list[torch.nn.Parameter] = []
         self.step = 0
         self.generation = 0
         self.rank: int | None = None
@@ -62,6 +59,42 @@ class Trainer:
         self.progress = progress or (lambda line: None)
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
         self.position = position or Progress()
+
+    def build(self, dims: ParallelDims, rank: int) -> float:
+        """Build the stage, optimizer and snapshot engine of ``rank``'s coordinates (a no-op if
+        already built for them). Returns the seconds it took (0 when nothing was built)."""
+        coords = dims.coords(rank)
+        if coords == self.coords:
+            return 0.0
+        t0 = time.perf_counter()
+        cfg, ft = self.cfg, self.cfg["ft"]
+        if self.engine is not None:
+            self.engine.close()
+        self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
+                                 tp_rank=coords["tp"], tp=dims.tp, device=self.device)
+        self.params = list(self.stage.parameters())
+        shard = bool(cfg["parallel"].get("zero", True)) and dims.dp > 1
+        self.opt = ZeroOptimizer(self.params, dp_size=dims.dp, dp_rank=coords["dp"], lr=cfg["lr"],
+                                 weight_decay=cfg["weight_decay"], shard=shard)
+        state = self.opt.state_tensors()
+        # shared tensors (equal across the data-parallel group) first: see snapshot.py's regions.
+        # With dp == 1 nothing is shared: every byte is unique to the rank.
+        shared = [(n, t) for n, t, sh in state if sh and dims.dp > 1]
+        unique = [(n, t) for n, t, sh in state if not (sh and dims.dp > 1)]
+        self.engine = SnapshotEngine(
+            shared + unique, interval=ft["snapshot_interval_steps"],
+            num_local_slots=ft["num_local_slots"], chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
+            device=self.device, fault_hook=self.injector.fire,
+            background_nice=int(ft["snapshot_nice"]), verify=ft["replica_verify"],
+            num_shared=len(shared), replicate=ft.get("replicate", "unique"))
+        if self.persist_every:
+            self.engine.persister = checkpoint.AsyncPersister(ft["checkpoint_dir"],
+                                                             nice=int(ft["snapshot_nice"]))
+            self.engine.persist_world = dims.world_size
+            if self.snapshots_on and self.persist_every % int(ft["snapshot_interval_steps"]) == 0:
+                self.engine.persist_every = self.persist_every  # written from snapshots
+        self.coords = coords
+        return time.perf_counter() - t0
 
     # -- state ------------------------------------------------------------------------------------
     def header(self) -> dict:
@@ -82,11 +115,16 @@ class Trainer:
         self.engine.drain()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {n: t for n, t in state_tensors(self.model, self.opt)}
+        return self.engine.layout.state_dict_live(self.engine.tensors)
+
+    def shared_names(self) -> list[str]:
+        """Names of the state tensors a data-parallel peer holds identically (parameters)."""
+        a, b = self.engine.bounds["shared"]
+        return [e.name for e in self.engine.layout.entries if e.offset < b]
 
     def digest(self) -> str:
         h = hashlib.sha256()
-        for _, t in state_tensors(self.model, self.opt):
+        for t in self.engine.tensors:
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
@@ -109,26 +147,23 @@ class Trainer:
             comm.raise_if_aborted()
             at(s, "forward")
             fire(s, "step_start")
-            fire(s, "forward")
             # gradients of an aborted step must not leak into its replay
-            self.opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad()
             x, y = self.corpus.batch(s, dp_rank, cfg["batch_size"], cfg["seq_len"])
-            loss = self.model(x.to(self.device), y.to(self.device))
-            at(s, "backward")
-            fire(s, "backward")
-            loss.backward()
+
+            def phase(name, s=s):  # every micro-batch op of the schedule
+                at(s, name)
+                fire(s, name)
+
+            loss = run_1f1b(self.stage, comm, x.to(self.device), y.to(self.device),
+                            self.microbatches, hook=phase)
             fire(s, "mid_step")
-            flat = torch.cat([p.grad.reshape(-1) for p in self.params])  # fresh buffer per step
             at(s, "allreduce")
-            comm.allreduce_mean(flat, on_posted=lambda: fire(s, "allreduce"))
-            off = 0
-            for p in self.params:  # the averaged gradients are views of the reduced buffer
-                p.grad = flat[off:off + p.numel()].view_as(p)
-                off += p.numel()
+            self.opt.reduce_grads(comm, on_posted=lambda: fire(s, "allreduce"))
             at(s, "optimizer")
             fire(s, "optimizer")
             self.engine.wait_copy()
-            self.opt.step()
+            self.opt.step(comm)
             self.step += 1
             took = self.snapshots_on and self.step % interval == 0 and (
                 not self.ab_block or (self.step // self.ab_block) % 2 == 0)
@@ -138,20 +173,25 @@ class Trainer:
             if persist and self.step % persist == 0:
                 self.persist(self.step)
             dt = time.perf_counter() - t0
-            self.log(loss.item(), dt, self.engine.blocked_s - blocked0, took)
+            self.log(comm, loss, dt, self.engine.blocked_s - blocked0, took)
             if first and on_first_step is not None:
                 on_first_step()
             first = False
 
-    def log(self, loss: float, step_time_s: float, blocked_s: float, snapshot: bool) -> None:
+    def log(self, comm, loss: float | None, step_time_s: float, blocked_s: float,
+            snapshot: bool) -> None:
+        """One metrics record per rank and step; the loss exists on the last pipeline stage (its
+        data-parallel rank's micro-batch mean). Rank (last stage, dp 0, tp 0) prints progress."""
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
-               "loss": round(loss, 6), "step_time_s": step_time_s,
+               "loss": None if loss is None else round(float(loss), 6), "step_time_s": step_time_s,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
                "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot, "t": time.time()}
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg["log_every_steps"])
-        if self.rank == 0 and every and (self.step % every == 0 or self.step == self.cfg["num_steps"]):
-            line = (f"[rank 0] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
+        dims = comm.topo.dims
+        if (self.rank == dims.rank_of(dims.pp - 1, 0, 0) and every
+                and (self.step % every == 0 or self.step == self.cfg["num_steps"])):
+            line = (f"[rank {self.rank}] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
                     f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms")
             print(line, flush=True)
             self.progress(line)

@@ -27,7 +27,8 @@ import threading
 import time
 
 # waiting for other ranks: a stall here is caused elsewhere
-PEER_WAIT = frozenset({"allreduce", "rebuild", "transfer", "snapshot_backpressure", "barrier"})
+PEER_WAIT = frozenset({"allreduce", "rebuild", "transfer", "snapshot_backpressure", "barrier",
+                       "collective"})
 # nothing to do: never a stall
 IDLE = frozenset({"idle", "wait_plan", "wait_done", "checkpoint", "start"})
 
@@ -48,8 +49,25 @@ class Progress:
         self.step, self.phase = step, phase
         self.count += 1
 
+    def waiting(self):
+        """Context for a wait on peers inside a compute phase (a TP all-reduce in forward, a
+        pipeline receive): reported as ``collective`` meanwhile, then the phase again."""
+        return _Waiting(self)
+
     def encode(self) -> str:
         return f"{self.count} {self.step} {self.phase}"
+
+
+class _Waiting:
+    def __init__(self, progress: Progress):
+        self.p = progress
+
+    def __enter__(self):
+        self.prev = self.p.phase
+        self.p.set(self.p.step, "collective")
+
+    def __exit__(self, *exc):
+        self.p.set(self.p.step, self.prev)
 
 
 class Liveness:

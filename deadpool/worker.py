@@ -33,7 +33,7 @@ from deadpool import auth, checkpoint
 from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost
 from deadpool.faults import FaultInjector
 from deadpool.protocol import Keys, Plan, RankStatus, Seal, now
-from deadpool.snapshot import CorruptState, checksum, decode_header
+from deadpool.snapshot import CorruptState, decode_header
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer
 from deadpool.watchdog import Progress
@@ -125,7 +125,7 @@ class Worker:
         self.trainer = Trainer(cfg, slot, self.injector, run_dir / "metrics" / f"slot{slot}.jsonl",
                                progress=lambda line: self.store.set(Keys.PROGRESS, line),
                                position=self.position)
-        self.injector.on_corrupt = self.trainer.engine.corrupt_replicas
+        self.injector.on_corrupt = lambda: self.trainer.engine.corrupt_replicas()
         self.run_dir = run_dir
         self.backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
         self.has_state = False  # holds a rank's state (live step meaningful)
@@ -213,15 +213,21 @@ class Worker:
         topo = Topology(self.dims, rank, plan.generation, self.ft["buddy_policy"])
         comm = None
         try:
+            self.position.set(plan.resume_step, "build")
+            built_s = tr.build(self.dims, rank)  # a spare builds its rank's stage now
+            if built_s:
+                timing["built"] = now()
             self.position.set(plan.resume_step, "rebuild")
             comm = Communicator.build(topo, self.store, self.backend, self.ft["collective_poll_s"],
                                       self.ft["pg_timeout_s"], repl_nice=int(self.ft["snapshot_nice"]),
                                       store_factory=self._build_store, lost=self.lost,
                                       fault_hook=self.injector.fire, step=plan.resume_step,
                                       seal=self.seal)
-            self._idle_build_store = comm.build_store  # an abandoned build keeps its own
+            comm.position = self.position
             timing["rebuilt"] = now()
             self.restore(plan, rank, comm, timing)
+            # the rendezvous client is free again (an abandoned build or transfer keeps its own)
+            self._idle_build_store = comm.build_store
             timing["ready"] = now()
             self.store.set(keys.timing(rank), json.dumps(timing))
             if self.ft["snapshot"]:
@@ -237,14 +243,17 @@ class Worker:
             self.write_final(rank)
             return True
         except (Aborted, CollectiveError):
-            tr.engine.stop_replication()
+            if tr.engine is not None:
+                tr.engine.stop_replication()
             if comm is not None:
                 comm.park()
             self.position.set(tr.step, "status")
             self.injector.fire(plan.resume_step, "status")
             live = tr.step if self.has_state else None
-            st = RankStatus(rank, self.slot, live, tr.engine.local_steps() if self.has_state else [],
-                            tr.engine.replica_steps())
+            eng = tr.engine
+            st = RankStatus(rank, self.slot, live,
+                            eng.local_steps() if self.has_state and eng is not None else [],
+                            eng.replica_steps() if eng is not None else {})
             self.store.set(keys.status(rank), st.to_json())
             return False
 
@@ -255,33 +264,24 @@ class Worker:
         if plan.generation == 0:
             resume = self.ft["resume_from"]
             if resume:
-                step_dir = checkpoint.latest_step_dir(resume)
-                tr.apply_header(checkpoint.load_rank_state(step_dir, rank, tr.state_dict()))
+                self.load_disk(checkpoint.latest_step_dir(resume), rank)
             self.has_state = True
             tr.snapshot_now()
             timing["transferred"] = timing["rolled_back"] = now()
             return
-        # what this rank must send (its own state to a peer, or a replica it holds) ...
-        sends = []
-        for dst, src in sorted(plan.sources.items()):
-            if src["holder"] == rank and src["kind"] in ("peer", "replica"):
-                sends.append((dst, dst, tr.engine.outgoing(src["kind"], dst, S,
-                                                         tr.step if self.has_state else None,
-                                                         tr.header)))
-        # ... and what it must receive
-        mine = plan.sources[rank]
-        recv = (mine["holder"], rank) if mine["kind"] in ("peer", "replica") else None
-        if sends or recv:
+        sends, recvs = self.transfers(plan, rank)
+        if sends or recvs:
             self.position.set(S, "transfer")
             try:
-                got = comm.run_abortable(lambda: tr.engine.transfer(comm, sends, recv, S),
+                got = comm.run_abortable(lambda: tr.engine.transfer(comm, sends, recvs, S),
                                          "state transfer")
             except CorruptState as e:
                 self._report_corrupt(plan, rank, comm, e)
             if got is not None:
                 tr.apply_header(tr.engine.install(S, *got))
                 self.has_state = True
-                timing["bytes_received"] = tr.engine.layout.nbytes
+                timing["bytes_received"] = sum(tr.engine.region(got[0], r).numel()
+                                               for _, _, r in recvs)
         timing["transferred"] = now()
         self.position.set(S, "rollback")
         self.injector.fire(S, "rollback")
@@ -291,8 +291,7 @@ class Worker:
             except CorruptState as e:
                 self._report_corrupt(plan, rank, comm, e)
         elif mine["kind"] == "disk":
-            step_dir = checkpoint.latest_step_dir(mine["dir"])
-            tr.apply_header(checkpoint.load_rank_state(step_dir, rank, tr.state_dict()))
+            self.load_disk(checkpoint.latest_step_dir(mine["dir"]), rank)
             self.has_state = True
         elif mine["kind"] == "live" and tr.step != S:
             raise RuntimeError(f"plan says live state at step {S} but rank is at {tr.step}")
@@ -300,6 +299,70 @@ class Worker:
         tr.engine.truncate_after(S)  # snapshots of the abandoned timeline must never be resumed
         if S not in tr.engine.local_steps():
             tr.snapshot_now()  # replication restarts from the resume step's snapshot
+
+    def transfers(self, plan: Plan, rank: int):
+        """This rank's part of the plan's state transfers: what it sends (its own state to a
+        peer, a replica it holds, or its parameters to a rank restored from a sharded replica)
+        and which pieces it receives, as ``engine.transfer`` takes them."""
+        tr, S, eng = self.trainer, plan.resume_step, self.trainer.engine
+        live = tr.step if self.has_state else None
+        sharded_repl = eng.repl_region  # what a replica holds: all | unique
+        sends = []
+        for dst, src in sorted(plan.sources.items()):
+            if src["kind"] not in ("peer", "replica"):
+                continue
+            whole = src["kind"] == "peer" or "shared_from" not in src
+            region = "all" if whole and (src["kind"] == "peer" or sharded_repl == "all") else "unique"
+            if src["holder"] == rank:
+                sends.append((dst, region, eng.outgoing(src["kind"], dst, S, live, tr.header, region)))
+            if src.get("shared_from") == rank:
+                sends.append((dst, "shared", eng.outgoing("peer", dst, S, live, tr.header, "shared")))
+        mine, recvs = plan.sources[rank], []
+        if mine["kind"] == "peer":
+            recvs.append((mine["holder"], mine["holder"], "all"))  # its own state: bad = (q, q, S)
+        elif mine["kind"] == "replica":
+            region = "unique" if "shared_from" in mine else "all"
+            recvs.append((mine["holder"], rank, region))
+            if "shared_from" in mine:
+                q = mine["shared_from"]
+                recvs.append((q, q, "shared"))
+        return sends, recvs
+
+    def load_disk(self, step_dir: Path, rank: int) -> None:
+        """Load ``rank``'s state from a checkpoint step directory. A rank written from a sharded
+        replica holds only its unique tensors; its parameters come from a data-parallel peer's
+        directory of the same step (``shared_from`` in its header)."""
+        tr = self.trainer
+        header = checkpoint.read_header(step_dir, rank)
+        if header.get("shared_from") is None:
+            tr.apply_header(checkpoint.load_rank_state(step_dir, rank, tr.state_dict()))
+            return
+        state, shared = tr.state_dict(), set(tr.shared_names())
+        for q in header["shared_from"]:
+            if checkpoint.rank_complete(step_dir, q) and \
+                    checkpoint.read_header(step_dir, q).get("shared_from") is None:
+                checkpoint.load_rank_state(step_dir, q, {k: v for k, v in state.items() if k in shared})
+                break
+        else:
+            raise RuntimeError(f"{step_dir}: rank {rank}'s parameters are in none of "
+                               f"{header['shared_from']}")
+        tr.apply_header(checkpoint.load_rank_state(
+            step_dir, rank, {k: v for k, v in state.items() if k not in shared}))
+
+    def write_replica(self, root, step: int, owner: int, flat, header: bytes) -> None:
+        """Write a held replica of ``owner`` to disk; a sharded replica (unique region only)
+        names the data-parallel peers whose directories hold its parameters."""
+        eng = self.trainer.engine
+        hdr = decode_header(header)
+        if eng.repl_region == "all":
+            checkpoint.save_rank_state(root, step, owner, eng.layout.state_dict(flat), hdr)
+            return
+        full = torch.zeros(eng.layout.nbytes, dtype=torch.uint8)
+        eng.region(full, "unique").copy_(flat)
+        shared = set(self.trainer.shared_names())
+        state = {k: v for k, v in eng.layout.state_dict(full).items() if k not in shared}
+        hdr["shared_from"] = [q for q in self.dims.state_peers(owner) if q != owner]
+        checkpoint.save_rank_state(root, step, owner, state, hdr)
 
     def _report_corrupt(self, plan: Plan, rank: int, comm: Communicator, e: CorruptState):
         """Tell the planner which copy failed its CRC (never used again), then regroup."""
@@ -321,10 +384,13 @@ class Worker:
         if src["kind"] in ("live", "local"):  # else this process holds nothing: its holder writes it
             checkpoint.save_rank_state(root, S, rank, tr.state_dict(), tr.header())
         for owner, s in plan.sources.items():
-            if s["holder"] == rank and s["kind"] in ("peer", "replica"):
-                flat, header, _ = tr.engine.outgoing(s["kind"], owner, S, tr.step, tr.header)
+            if s["holder"] == rank and s["kind"] == "peer":
+                flat, header, _ = tr.engine.outgoing("peer", owner, S, tr.step, tr.header)
                 checkpoint.save_rank_state(root, S, owner, tr.engine.layout.state_dict(flat),
                                            decode_header(header))
+            elif s["holder"] == rank and s["kind"] == "replica":
+                rep = tr.engine.replica(owner, S)
+                self.write_replica(root, S, owner, rep.flat, rep.header)
         self.store.add(Keys(plan.generation).checkpointed_count(), 1)
 
     def save_and_exit(self) -> int:
@@ -338,7 +404,7 @@ class Worker:
         """
         tr, root = self.trainer, self.ft["checkpoint_dir"]
         tr.engine.stop_replication()
-        if tr.rank is None or not self.has_state:
+        if tr.rank is None or not self.has_state or tr.engine is None:
             print(f"[deadpool] slot {self.slot}: the coordinator is gone; holding no rank's state, "
                   "exiting", flush=True)
             return 3
@@ -355,9 +421,8 @@ class Worker:
         for owner, steps in tr.engine.replica_steps().items():
             for step in steps:
                 rep = tr.engine.replica(owner, step)
-                if step >= floor and checksum(rep.flat) == rep.crc:
-                    checkpoint.save_rank_state(root, step, owner, tr.engine.layout.state_dict(rep.flat),
-                                               decode_header(rep.header))
+                if step >= floor and tr.engine.verify_replica(rep.flat, rep.crc):
+                    self.write_replica(root, step, owner, rep.flat, rep.header)
                     checkpoint.write_meta(root, step, world, "coordinator lost")
         print(f"[deadpool] rank {tr.rank}: the coordinator stopped answering; wrote steps {written} "
               f"to {root}. Resume with ft.resume_from={root}", flush=True)

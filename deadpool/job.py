@@ -42,6 +42,8 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.progress_timeout_s must exceed ft.heartbeat_timeout_s")
     if ft["coordinator_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:
         raise ValueError("ft.coordinator_timeout_s must exceed 2 x ft.heartbeat_interval_s")
+    if ft.get("replicate", "unique") not in ("unique", "full"):
+        raise ValueError(f"ft.replicate must be 'unique' or 'full', got {ft['replicate']!r}")
     bad = [k for k in ft["state_sources"] if k not in SOURCE_KINDS]
     if bad or not ft["state_sources"]:
         raise ValueError(f"ft.state_sources must list some of {list(SOURCE_KINDS)}, got {ft['state_sources']}")

@@ -110,3 +110,43 @@ def test_peers_behind_are_brought_forward_rather_than_the_leader_rolled_back():
     d = plan_resume(statuses, WORLD, dp_peers, ring)
     assert d.resume_step == 12 and d.steps_recomputed == 0
     assert all(d.sources[r] == {"kind": "peer", "holder": 3} for r in (0, 1, 2))
+
+
+def test_sharded_rank_takes_its_shard_from_the_replica_and_parameters_from_a_peer():
+    # dp=2 x tp=2 (ranks 0,1 | 2,3; peers 0~2, 1~3), ZeRO-1: the optimizer shard is unique.
+    # rank 0 dies at step 7; its buddy 1 holds its shard's replica; peer 2 holds its parameters
+    peers = ParallelDims(dp=2, tp=2, ranks_per_node=4).state_peers
+    statuses = {1: st(1, 7, [6, 7], {0: [6, 7]}), 2: st(2, 7, [6, 7], {1: [6, 7]}),
+                3: st(3, 7, [6, 7], {2: [6, 7]})}
+    d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
+    assert d.resume_step == 7
+    assert d.sources[0] == {"kind": "replica", "holder": 1, "shared_from": 2}
+    # replicas of the whole state need no peer
+    d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=True)
+    assert d.sources[0] == {"kind": "replica", "holder": 1}
+
+
+def test_sharded_rank_without_a_replica_is_lost_even_with_live_peers():
+    # the shard's only replica was on rank 3, which died with rank 0: peers cannot replace it
+    peers = ParallelDims(dp=2, tp=2, ranks_per_node=4).state_peers
+    statuses = {1: st(1, 7, [6, 7], {}), 2: st(2, 7, [6, 7], {1: [6, 7]})}
+    d = plan_resume(statuses, WORLD, peers, lambda r: 3, sharded=True, replica_has_shared=False)
+    assert d.resume_step is None and 0 in d.lost and 3 in d.lost
+
+
+def test_sharded_rank_whose_peers_are_gone_has_no_parameters_from_a_unique_replica():
+    # both data-parallel copies of (tp 0) died: the shard replica alone cannot restore rank 0
+    peers = ParallelDims(dp=2, tp=2, ranks_per_node=4).state_peers
+    statuses = {1: st(1, 7, [6, 7], {0: [6, 7]}), 3: st(3, 7, [6, 7], {2: [6, 7]})}
+    d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
+    assert d.resume_step is None and set(d.lost) == {0, 2}
+    d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=True)
+    assert d.resume_step == 7 and d.sources[2] == {"kind": "replica", "holder": 3}
+
+
+def test_corrupt_parameters_of_a_peer_are_not_used_again():
+    peers = ParallelDims(dp=3, ranks_per_node=3).state_peers
+    statuses = {1: st(1, 5, [5], {0: [5]}), 2: st(2, 5, [5], {1: [5]})}
+    d = plan_resume(statuses, [0, 1, 2], peers, lambda r: (r + 1) % 3, sharded=True,
+                    replica_has_shared=False, bad={(1, 1, 5)})
+    assert d.sources[0] == {"kind": "replica", "holder": 1, "shared_from": 2}

@@ -99,7 +99,7 @@ def test_ring_replication_delivers_verified_replicas_to_buddies():
         rep = engines[r].replica(ward, 1)
         own = engines[ward].local_slot(1)
         assert torch.equal(rep.flat, own.flat)
-        assert rep.crc == checksum(own.flat)
+        assert rep.crc == own.crc == (checksum(own.flat[:0]), checksum(own.flat))
     # a replica known corrupt is never reported as a resume candidate
     rep = engines[0].replica(n - 1, 1)
     rep.flat[100] ^= 0xFF
@@ -125,16 +125,16 @@ def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_
             eng.snapshot(5, {"step": 5})
             eng.drain()
             good = eng.outgoing("peer", 0, 5, 5, lambda: {"step": 5})
-            eng.transfer(comm, [(1, 0, good)], None, 5)
-            bad = (good[0].clone(), good[1], good[2] ^ 1)  # a CRC that does not match
-            eng.transfer(comm, [(1, 0, bad)], None, 5)
+            eng.transfer(comm, [(1, "all", good)], [], 5)
+            bad = (good[0].clone(), good[1], (good[2][0], good[2][1] ^ 1))  # CRC does not match
+            eng.transfer(comm, [(1, "all", bad)], [], 5)
             out["sent"] = good[0].clone()
         else:
-            header = eng.install(5, *eng.transfer(comm, [], (0, 0), 5))
+            header = eng.install(5, *eng.transfer(comm, [], [(0, 0, "all")], 5))
             out["got"] = eng.local_slot(5).flat.clone()
             out["header"] = header
             with pytest.raises(CorruptState) as e:
-                eng.transfer(comm, [], (0, 0), 5)
+                eng.transfer(comm, [], [(0, 0, "all")], 5)
             out["bad"] = (e.value.holder, e.value.owner, e.value.step)
         return comm
 
@@ -142,3 +142,70 @@ def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_
     assert torch.equal(out["sent"], out["got"]) and out["header"] == {"step": 5}
     assert out["bad"] == (0, 0, 5)
     assert encode_header({"step": 5}) == b'{"step": 5}'
+
+
+def test_unique_replication_and_a_restore_from_two_sources_by_region():
+    """ZeRO-1 layout: parameters shared by data-parallel peers, optimizer state unique. Only the
+    unique region is replicated; a rank is rebuilt from its buddy's replica (unique) plus a
+    peer's parameters (shared). Every rank's state is distinct, so a wrong route would show."""
+    n = 3
+    master = master_store()
+    engines, states = {}, {}
+
+    def make(r):
+        shared = torch.arange(1000, dtype=torch.float32)            # the same on every rank
+        unique = torch.full((257,), float(r)) + torch.arange(257.0)  # this rank's own
+        return [("params", shared), ("zero/exp_avg", unique)]
+
+    def rank_fn(r):
+        store = client(master.port)
+        comm = Communicator.build(Topology(ParallelDims(dp=n), r, 0), store)
+        tensors = make(r)
+        eng = SnapshotEngine(tensors, chunk_bytes=1 << 16, num_shared=1, replicate="unique")
+        engines[r], states[r] = eng, tensors
+        assert eng.repl_region == "unique"
+        eng.snapshot(3, {"step": 3, "who": r})
+        eng.drain()
+        eng.start_replication(comm, lambda: client(master.port), first_step=3)
+        deadline = time.time() + 30
+        while eng.replica_steps().get((r - 1) % n) != [3]:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        return comm
+
+    comms = run_threads(rank_fn, n)
+    e0 = engines[0]
+    unique_bytes = e0.bounds["unique"][1] - e0.bounds["unique"][0]
+    rep = engines[1].replica(0, 3)  # rank 1 holds rank 0's replica (ring)
+    assert rep.flat.numel() == unique_bytes < e0.layout.nbytes
+    for e in engines.values():
+        e.stop_replication()
+
+    # rank 0 "dies"; a fresh engine stands in for the spare taking rank 0 (at generation 1)
+    out = {}
+
+    def restore_fn(r):
+        store = client(master.port)
+        comm = Communicator.build(Topology(ParallelDims(dp=n), r, 1), store)
+        if r == 0:
+            blank = [(k, torch.zeros_like(t)) for k, t in make(0)]
+            eng = SnapshotEngine(blank, num_shared=1, replicate="unique")
+            got = eng.transfer(comm, [], [(1, 0, "unique"), (2, 2, "shared")], 3)
+            out["header"] = eng.install(3, *got)
+            out["state"] = [t.clone() for _, t in blank]
+        elif r == 1:  # the buddy: rank 0's optimizer shard
+            eng = engines[1]
+            engines[1].transfer(comm, [(0, "unique", eng.outgoing("replica", 0, 3, None, None,
+                                                                  "unique"))], [], 3)
+        else:  # a data-parallel peer: the parameters
+            eng = engines[2]
+            eng.transfer(comm, [(0, "shared", eng.outgoing("peer", 0, 3, 3, None, "shared"))],
+                         [], 3)
+        return comm
+
+    comms += run_threads(restore_fn, n)
+    for got, (_, want) in zip(out["state"], states[0]):
+        assert torch.equal(got, want)
+    assert out["header"]["who"] == 0  # the header travels with the unique region
+    for c in comms:
+        c.park()

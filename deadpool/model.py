@@ -7,6 +7,7 @@ the model only through ``named_parameters()`` and the optimizer's state.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,37 @@ class ModelConfig:
     n_heads: int
     ffn_mult: int
     max_seq_len: int
+    ffn_multiple_of: int = 32  # SwiGLU hidden size is rounded up to a multiple of this (LLaMA: 256)
+
+    @property
+    def ffn_hidden(self) -> int:
+        """LLaMA's SwiGLU width: 2/3 of ``ffn_mult * d_model`` (same parameter count as a plain
+        MLP of that width), rounded up to a multiple of ``ffn_multiple_of``."""
+        hidden = int(2 * self.ffn_mult * self.d_model / 3)
+        return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+
+def model_config(model_cfg) -> ModelConfig:
+    """A ``ModelConfig`` from a config mapping (keys with defaults may be absent) or itself."""
+    if isinstance(model_cfg, ModelConfig):
+        return model_cfg
+    fields = ModelConfig.__dataclass_fields__
+    return ModelConfig(**{k: int(model_cfg[k]) for k in fields if k in model_cfg})
+
+
+def init_param(name: str, shape, seed: int) -> torch.Tensor:
+    """The initial value of the full (unsharded) parameter ``name``, independent of any layout.
+
+    Each parameter has its own CPU generator seeded from ``(seed, crc32(name))``, so its value
+    depends on nothing else: a tensor/pipeline shard draws just the full parameters it holds a
+    slice of and keeps its slice, and gets exactly the bits of the single-process model. (A
+    stream cannot be skipped into, so the full tensor is drawn; it is freed right after.) Norm
+    weights are ones; every other weight (Linear, Embedding) is N(0, 0.02).
+    """
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode()))
+    return torch.empty(shape).normal_(0.0, 0.02, generator=gen)
 
 
 class RMSNorm(nn.Module):
@@ -67,8 +99,7 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        hidden = int(2 * cfg.ffn_mult * cfg.d_model / 3)
-        hidden = 32 * math.ceil(hidden / 32)
+        hidden = cfg.ffn_hidden
         self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
         self.up = nn.Linear(cfg.d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
@@ -101,12 +132,6 @@ class GPT(nn.Module):
         cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -119,11 +144,14 @@ class GPT(nn.Module):
 
 
 def build_model(model_cfg, seed: int, device: str = "cpu") -> GPT:
-    """Build the model with a seed-determined init: every rank and every spare gets the same weights."""
-    cfg = ModelConfig(**{k: int(model_cfg[k]) for k in ModelConfig.__dataclass_fields__})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    """Build the model with a seed-determined init (``init_param``): every rank and every spare
+    gets the same weights, and so does every tensor/pipeline layout (``parallel/stage.py``)."""
+    cfg = model_config(model_cfg)
+    with torch.random.fork_rng(devices=[]):  # the modules' default init must not move the global RNG
         model = GPT(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(init_param(name, p.shape, seed))
     return model.to(device)
 
 

@@ -24,6 +24,13 @@ created in one global order (sorted by key), which makes the rendezvous deadlock
 transfer to a rank being restored uses a 2-rank group per (holder, receiver) pair of the plan,
 made at transfer time (``pair_group``).
 
+On NCCL (never run on more than one GPU here; its logic is unit-tested on CPU with fake groups):
+a timed ``work.wait`` that expires aborts the communicator, so ``wait`` polls
+``work.is_completed()`` instead; and a collective whose peer died never completes while its
+kernel holds the stream, so a watcher thread (``start_watcher``) aborts every NCCL group of the
+generation as soon as the abort key is set, which frees the stream and any thread blocked in NCCL.
+Group keys are the same on every backend, so only groups with a replaced member must be rebuilt.
+
 Survivors must never sit in a collective until its timeout: ``wait`` polls the generation's abort
 key between short waits and raises ``Aborted`` once it is set. What cannot be polled (a group's
 rendezvous, point-to-point state transfer) runs in a helper thread through ``run_abortable``; the
@@ -89,6 +96,8 @@ class Communicator:
         self.seal = seal or Seal(None)
         self._abort_reason: str | None = None
         self.position = None  # the training thread's Progress: waits report "collective"
+        self._parked = threading.Event()
+        self._aborted_groups: set[str] = set()
 
     @classmethod
     def build(cls, topo: Topology, store, backend: str = "gloo", poll_s: float = 0.02,
@@ -120,7 +129,40 @@ class Communicator:
             make()  # tests of the happy path: no helper thread needed
         else:
             self.run_abortable(make, "group rebuild")
+        if backend == "nccl":  # pragma: no cover - needs CUDA
+            self.start_watcher()
         return self
+
+    def start_watcher(self) -> threading.Thread:
+        """NCCL: abort the generation's device groups as soon as its abort key is set."""
+        def watch():
+            while not self._parked.is_set():
+                try:
+                    if self.aborted():
+                        break
+                except CoordinatorLost:
+                    break
+                except Exception:  # a store hiccup: the heartbeat thread decides what it means
+                    pass
+                self._parked.wait(self.poll_s)
+            self.abort_device_groups()
+
+        t = threading.Thread(target=watch, name=f"nccl-abort-watcher-g{self.topo.generation}",
+                             daemon=True)
+        t.start()
+        return t
+
+    def abort_device_groups(self) -> None:
+        """Abort every group on the device backend (gloo host groups are left parked)."""
+        if self.backend != "nccl":
+            return
+        for name, pg in list(self.groups.items()):
+            if not name.startswith(("repl", "xfer")) and name not in self._aborted_groups:
+                self._aborted_groups.add(name)
+                try:
+                    pg.abort()
+                except Exception:
+                    pass
 
     def _add(self, store, name: str, key: str, ranks: list[int], backend: str | None = None):
         prefix = f"g{self.topo.generation}/{key}/"
@@ -181,7 +223,7 @@ class Communicator:
     def _wait(self, work) -> None:
         t0 = time.monotonic()
         while True:
-            if self.backend == "nccl":  # pragma: no cover - needs CUDA
+            if self.backend == "nccl":
                 # a timed-out wait on NCCL aborts the communicator: poll completion instead
                 if work.is_completed():
                     work.wait()
@@ -271,13 +313,8 @@ class Communicator:
 
     def park(self) -> None:
         """Called when the generation is over. Groups stay referenced (see module doc)."""
-        if self.backend == "nccl":  # pragma: no cover - needs CUDA
-            for name, pg in self.groups.items():
-                if not name.startswith(("repl", "xfer")):
-                    try:
-                        pg.abort()
-                    except Exception:
-                        pass
+        self._parked.set()
+        self.abort_device_groups()
         _PARKED.append(self)
 
 

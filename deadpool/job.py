@@ -57,10 +57,19 @@ def validate(cfg: dict) -> None:
             raise ValueError(f"fault {ev} names slot {ev['slot']}, but slots are 0..{slots - 1}")
         if not 0 <= int(ev["step"]) < int(cfg["num_steps"]):
             raise ValueError(f"fault {ev} is at step {ev['step']}, outside 0..{cfg['num_steps'] - 1}")
+    backend = cfg.get("backend", "auto")
+    if backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"backend must be auto, nccl or gloo, got {backend!r}")
     if cfg["device"].startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             raise ValueError("device=cuda but no CUDA device is visible")
+        n_gpu = torch.cuda.device_count()
+        if (backend != "gloo" and cfg["launcher"]["name"] == "local" and slots > n_gpu):
+            raise ValueError(f"NCCL needs one GPU per process: {slots} processes (ranks + spares) "
+                             f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs")
+    elif backend == "nccl":
+        raise ValueError("backend=nccl needs device=cuda")
 
 
 def validate_layout(cfg: dict) -> None:

@@ -18,8 +18,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from deadpool import auth
 from deadpool.protocol import Keys
+
+
+def local_rank(slot: int, num_devices: int | None = None) -> int:
+    """The device index of a local process: its slot, round-robin over the visible GPUs (all 0
+    without GPUs)."""
+    if num_devices is None:
+        num_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return slot % num_devices if num_devices > 0 else 0
 
 
 class LocalLauncher:
@@ -41,9 +51,13 @@ class LocalLauncher:
         for slot in slots:
             log = self.run_dir / "logs" / f"slot{slot}.log"
             self.logs[slot] = log
+            # one GPU per local rank: the worker selects cuda:LOCAL_RANK (spares too: a spare's
+            # device is fixed at launch; with fewer GPUs than processes they share round-robin)
+            local_env = dict(env, LOCAL_RANK=str(local_rank(slot)))
             self.procs[slot] = subprocess.Popen(
                 [sys.executable, "-m", "deadpool.worker", "--job", str(self.job_json), "--slot", str(slot)],
-                stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                stdout=open(log, "w"), stderr=subprocess.STDOUT, env=local_env,
+                start_new_session=True)
 
     def poll(self, slot: int) -> int | None:
         """Exit code of the process in ``slot``, or None while it runs."""

@@ -127,7 +127,7 @@ class Worker:
                                position=self.position)
         self.injector.on_corrupt = lambda: self.trainer.engine.corrupt_replicas()
         self.run_dir = run_dir
-        self.backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
+        self.backend = resolve_backend(cfg)
         self.has_state = False  # holds a rank's state (live step meaningful)
         self._idle_build_store = None
         self.position.set(-1, "idle")
@@ -440,6 +440,15 @@ class Worker:
             "digest": tr.digest(), "step": tr.step, "slot": self.slot,
             "state_bytes": tr.engine.layout.nbytes,
             "model_params": sum(p.numel() for p in tr.params)}))
+
+
+def resolve_backend(cfg: dict) -> str:
+    """``backend``: auto (NCCL on CUDA, gloo on CPU) | nccl | gloo (gloo also takes CUDA tensors:
+    several ranks sharing one GPU, which NCCL refuses)."""
+    b = cfg.get("backend", "auto")
+    if b == "auto":
+        return "nccl" if cfg["device"].startswith("cuda") else "gloo"
+    return b
 
 
 def main(argv=None) -> None:

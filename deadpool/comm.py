@@ -98,12 +98,17 @@ class Communicator:
         self.position = None  # the training thread's Progress: waits report "collective"
         self._parked = threading.Event()
         self._aborted_groups: set[str] = set()
+        self.kept: list[str] = []  # keys of groups taken over from the previous generation
 
     @classmethod
     def build(cls, topo: Topology, store, backend: str = "gloo", poll_s: float = 0.02,
               timeout_s: float = 120.0, repl_nice: int = 0, store_factory=None, lost=None,
-              fault_hook=None, step: int = 0, seal: Seal | None = None) -> "Communicator":
+              fault_hook=None, step: int = 0, seal: Seal | None = None,
+              previous: "Communicator | None" = None, keep=()) -> "Communicator":
         """Build this rank's groups of ``topo.generation``; abortable (raises ``Aborted``).
+
+        ``previous`` / ``keep``: groups of the previous generation whose keys the plan lists as
+        clean (see ``reusable_groups``) are taken over instead of rebuilt.
 
         ``store_factory`` must return a fresh store client: a rendezvous blocks the client it
         uses, and the main thread keeps polling the abort key on ``store`` meanwhile.
@@ -115,7 +120,11 @@ class Communicator:
         def make():
             self.fault_hook(step, "rebuild")
             for name, key, ranks, repl in rank_groups(topo):
-                if repl:
+                old = previous.by_key(key) if previous is not None and key in keep else None
+                if old is not None:
+                    self.groups[name], self.group_ranks[name], self.group_keys[name] = old
+                    self.kept.append(key)
+                elif repl:
                     # The replication channel always runs on gloo over host memory (pinned
                     # buffers on CUDA). It is created from a lower-priority thread so gloo's
                     # I/O threads for it inherit that priority: replication traffic then yields
@@ -166,8 +175,9 @@ class Communicator:
 
     def _add(self, store, name: str, key: str, ranks: list[int], backend: str | None = None):
         prefix = f"g{self.topo.generation}/{key}/"
-        self.groups[name] = _new_group(backend or self.backend, store, prefix,
-                                       ranks.index(self.topo.rank), len(ranks), self.timeout_s)
+        self.groups[name] = _Counted(_new_group(backend or self.backend, store, prefix,
+                                                ranks.index(self.topo.rank), len(ranks),
+                                                self.timeout_s))
         self.group_ranks[name] = ranks
         self.group_keys[name] = key
 
@@ -181,6 +191,18 @@ class Communicator:
 
     def has(self, name: str) -> bool:
         return name in self.groups
+
+    def by_key(self, key: str):
+        for name, k in self.group_keys.items():
+            if k == key:
+                return self.groups[name], self.group_ranks[name], k
+        return None
+
+    def group_counts(self) -> dict[str, list[int]]:
+        """``key -> [ops posted, ops completed]`` of the groups a later generation may keep
+        (training groups; never replication or transfer groups, whose threads are abandoned)."""
+        return {self.group_keys[n]: [g.posted, g.completed] for n, g in self.groups.items()
+                if not n.startswith(("repl", "xfer"))}
 
     def group(self, name: str):
         return self.groups[name]
@@ -316,6 +338,62 @@ class Communicator:
         self._parked.set()
         self.abort_device_groups()
         _PARKED.append(self)
+
+
+def reusable_groups(counts: dict[int, dict[str, list[int]]], members: dict[str, list[int]],
+                    replaced: set[int]) -> list[str]:
+    """Group keys the next generation may keep: no member is replaced, and every member reports
+    the group with all its posted ops completed and the same number posted. After an abort the
+    members of a healthy group may have left it at different ops (one posted an all-reduce the
+    others never reached); such a group is out of step and must be rebuilt."""
+    keep = []
+    for key, ranks in sorted(members.items()):
+        if key.startswith(("repl", "xfer")) or replaced & set(ranks):
+            continue
+        seen = [counts.get(r, {}).get(key) for r in ranks]
+        if all(c is not None and c[0] == c[1] == seen[0][0] for c in seen):
+            keep.append(key)
+    return keep
+
+
+class _Counted:
+    """A process group that counts the ops posted on it and the ones seen complete, so that a
+    recovery can tell a group all members left cleanly (reusable) from one left mid-op."""
+
+    _POSTING = frozenset({"allreduce", "broadcast", "reduce_scatter", "allgather", "send", "recv",
+                          "_reduce_scatter_base", "_allgather_base", "reduce_scatter_tensor_coalesced",
+                          "allgather_into_tensor_coalesced", "allreduce_coalesced", "barrier",
+                          "reduce", "gather", "scatter", "alltoall", "alltoall_base"})
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.posted = self.completed = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.pg, name)
+        if name not in self._POSTING:
+            return attr
+
+        def post(*args, **kwargs):
+            work = attr(*args, **kwargs)
+            self.posted += 1
+            return _CountedWork(work, self)
+        return post
+
+
+class _CountedWork:
+    def __init__(self, work, group: _Counted):
+        self.work, self.group, self.done = work, group, False
+
+    def wait(self, *args):
+        out = self.work.wait(*args)
+        if not self.done:
+            self.done = True
+            self.group.completed += 1
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:

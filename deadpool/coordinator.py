@@ -36,10 +36,12 @@ import time
 from dataclasses import dataclass
 
 from deadpool import checkpoint
+from deadpool.comm import rank_groups, reusable_groups
 from deadpool.planner import plan_resume
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.auth import AuthError
 from deadpool.protocol import Keys, Plan, RankStatus, Seal
+from deadpool.settings import resolve_backend
 from deadpool.topology import ParallelDims, Topology
 from deadpool.watchdog import Liveness
 
@@ -304,8 +306,10 @@ class Coordinator:
                 return
             self._checkpoint_and_stop(g + 1, decision, rec, "no warm spare left", t_detect)
             return
+        keep = self._reusable_groups(statuses, need, g + 1)
+        rec["groups_kept"] = len(keep)
         plan = Plan(g + 1, "train", assignments, decision.resume_step, decision.sources,
-                    reason=f"ranks {sorted(need)} given to slots {spares_used}")
+                    reason=f"ranks {sorted(need)} given to slots {spares_used}", keep_groups=keep)
         self._write_plan(plan)
         self.members.ranks = assignments
         self.members.generation = g + 1
@@ -418,6 +422,19 @@ class Coordinator:
                         f"ft.resume_from={self.ft['checkpoint_dir']}"
                         + (" and more ft.num_spares" if "spare" in plan.reason else ""))
         self.log(f"[coordinator] {self.message}")
+
+    def _reusable_groups(self, statuses, replaced, generation: int) -> list[str]:
+        """``ft.rebuild=affected``: groups survivors may keep (``comm.reusable_groups``); on NCCL
+        every group is rebuilt (the abort watcher has aborted them to free the streams)."""
+        if self.ft.get("rebuild", "affected") != "affected" or resolve_backend(self.cfg) != "gloo":
+            return []
+        members = {}
+        for r in range(self.dims.world_size):
+            topo = Topology(self.dims, r, generation, self.ft["buddy_policy"])
+            for _, key, ranks, _ in rank_groups(topo):
+                members[key] = ranks
+        counts = {r: st.groups for r, st in statuses.items()}
+        return reusable_groups(counts, members, set(replaced))
 
     def _finish_pending(self, interrupted: bool = False, force: bool = False) -> None:
         """Fill the open recovery record from the ranks' timing keys once they are all there."""

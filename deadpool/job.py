@@ -22,6 +22,7 @@ from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
 from deadpool.planner import SOURCE_KINDS
 from deadpool.report import write_outputs
+from deadpool.settings import num_microbatches, resolve_backend  # noqa: F401 (re-exported)
 
 
 def validate(cfg: dict) -> None:
@@ -44,6 +45,8 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.coordinator_timeout_s must exceed 2 x ft.heartbeat_interval_s")
     if ft.get("replicate", "unique") not in ("unique", "full"):
         raise ValueError(f"ft.replicate must be 'unique' or 'full', got {ft['replicate']!r}")
+    if ft.get("rebuild", "affected") not in ("affected", "all"):
+        raise ValueError(f"ft.rebuild must be 'affected' or 'all', got {ft['rebuild']!r}")
     bad = [k for k in ft["state_sources"] if k not in SOURCE_KINDS]
     if bad or not ft["state_sources"]:
         raise ValueError(f"ft.state_sources must list some of {list(SOURCE_KINDS)}, got {ft['state_sources']}")
@@ -88,20 +91,6 @@ def validate_layout(cfg: dict) -> None:
     mb = num_microbatches(cfg)
     if mb < 1 or int(cfg["batch_size"]) % mb:
         raise ValueError(f"parallel.microbatches={mb} must divide batch_size={cfg['batch_size']}")
-
-
-def num_microbatches(cfg: dict) -> int:
-    """``parallel.microbatches``; ``auto``: 1 without pipelining, else 2 x pp (1F1B keeps every
-    stage busy once there are at least pp micro-batches), at most the batch size."""
-    p = cfg["parallel"]
-    mb = p.get("microbatches", "auto")
-    if mb in (None, "auto"):
-        if int(p["pp"]) == 1:
-            return 1
-        mb = min(int(cfg["batch_size"]), 2 * int(p["pp"]))
-        while int(cfg["batch_size"]) % mb:
-            mb -= 1
-    return int(mb)
 
 
 def run_job(cfg: dict, log=print) -> dict:

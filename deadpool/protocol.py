@@ -103,6 +103,7 @@ class Plan:
     sources: dict[int, dict] = field(default_factory=dict)
     reason: str = ""
     t_written: float = 0.0
+    keep_groups: list[str] = field(default_factory=list)  # group keys survivors keep (clean)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -133,6 +134,7 @@ class RankStatus:
     live_step: int | None                 # step of the live state; None: holds no rank's state
     local_steps: list[int]                # complete local snapshots
     replicas: dict[int, list[int]]        # owner rank -> replica steps held (not known corrupt)
+    groups: dict[str, list[int]] = field(default_factory=dict)  # group key -> [posted, completed]
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -26,7 +26,7 @@ from deadpool import checkpoint
 from deadpool.comm import Communicator
 from deadpool.data import SyntheticCorpus
 from deadpool.faults import FaultInjector
-from deadpool.job import num_microbatches
+from deadpool.settings import num_microbatches
 from deadpool.parallel.data.zero import ZeroOptimizer
 from deadpool.parallel.pipeline.schedule import run_1f1b
 from deadpool.parallel.stage import build_stage

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from deadpool import auth, checkpoint
 from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost
 from deadpool.faults import FaultInjector
+from deadpool.settings import resolve_backend
 from deadpool.protocol import Keys, Plan, RankStatus, Seal, now
 from deadpool.snapshot import CorruptState, decode_header
 from deadpool.topology import ParallelDims, Topology
@@ -130,6 +131,7 @@ class Worker:
         self.backend = resolve_backend(cfg)
         self.has_state = False  # holds a rank's state (live step meaningful)
         self._idle_build_store = None
+        self.prev_comm: Communicator | None = None  # the last aborted generation's (groups kept)
         self.position.set(-1, "idle")
         key = Keys.spare_ready(slot)  # join: only a process holding the job's secret can
         self.store.set(key, self.seal.wrap(key, repr(time.time())))
@@ -222,7 +224,9 @@ class Worker:
                                       self.ft["pg_timeout_s"], repl_nice=int(self.ft["snapshot_nice"]),
                                       store_factory=self._build_store, lost=self.lost,
                                       fault_hook=self.injector.fire, step=plan.resume_step,
-                                      seal=self.seal)
+                                      seal=self.seal, previous=self.prev_comm,
+                                      keep=set(plan.keep_groups))
+            timing["groups_kept"] = len(comm.kept)
             comm.position = self.position
             timing["rebuilt"] = now()
             self.restore(plan, rank, comm, timing)
@@ -247,13 +251,15 @@ class Worker:
                 tr.engine.stop_replication()
             if comm is not None:
                 comm.park()
+            self.prev_comm = comm
             self.position.set(tr.step, "status")
             self.injector.fire(plan.resume_step, "status")
             live = tr.step if self.has_state else None
             eng = tr.engine
             st = RankStatus(rank, self.slot, live,
                             eng.local_steps() if self.has_state and eng is not None else [],
-                            eng.replica_steps() if eng is not None else {})
+                            eng.replica_steps() if eng is not None else {},
+                            comm.group_counts() if comm is not None else {})
             self.store.set(keys.status(rank), st.to_json())
             return False
 
@@ -440,15 +446,6 @@ class Worker:
             "digest": tr.digest(), "step": tr.step, "slot": self.slot,
             "state_bytes": tr.engine.layout.nbytes,
             "model_params": sum(p.numel() for p in tr.params)}))
-
-
-def resolve_backend(cfg: dict) -> str:
-    """``backend``: auto (NCCL on CUDA, gloo on CPU) | nccl | gloo (gloo also takes CUDA tensors:
-    several ranks sharing one GPU, which NCCL refuses)."""
-    b = cfg.get("backend", "auto")
-    if b == "auto":
-        return "nccl" if cfg["device"].startswith("cuda") else "gloo"
-    return b
 
 
 def main(argv=None) -> None:

@@ -60,3 +60,38 @@ def test_generations_use_disjoint_store_namespaces():
 
     for t in run_threads(rank_fn, 2):
         assert torch.equal(t, torch.full((3,), 1.5))
+
+
+def test_only_clean_groups_without_a_replaced_member_are_kept():
+    from deadpool.comm import reusable_groups
+    members = {"tp/a": [0, 1], "tp/b": [2, 3], "dp/c": [0, 2], "dp/d": [1, 3], "repl/0-1": [0, 1]}
+    counts = {0: {"tp/a": [5, 5], "dp/c": [2, 2]},
+              1: {"tp/a": [5, 5], "dp/d": [2, 2]},
+              2: {"tp/b": [6, 5], "dp/c": [2, 2]},   # left tp/b with an op in flight
+              3: {"tp/b": [5, 5], "dp/d": [2, 2]}}
+    assert reusable_groups(counts, members, replaced=set()) == ["dp/c", "dp/d", "tp/a"]
+    assert reusable_groups(counts, members, replaced={3}) == ["dp/c", "tp/a"]
+    counts[1]["tp/a"] = [4, 4]  # both clean but out of step: one never posted the 5th op
+    assert "tp/a" not in reusable_groups(counts, members, replaced=set())
+
+
+def test_a_kept_group_is_taken_over_and_still_works():
+    master = master_store()
+
+    def rank_fn(r):
+        store = client(master.port)
+        dims = ParallelDims(dp=2, tp=2, ranks_per_node=4)
+        a = Communicator.build(Topology(dims, r, 0), store)
+        t = torch.ones(2)
+        a.allreduce(t, "tp")
+        counts = a.group_counts()
+        keep = {k for k in counts if k.startswith("tp/")}
+        b = Communicator.build(Topology(dims, r, 1), store, previous=a, keep=keep)
+        assert b.groups["tp"] is a.groups["tp"] and b.groups["dp"] is not a.groups["dp"]
+        b.allreduce(t, "tp")
+        b.allreduce(t, "dp")
+        return t, counts
+
+    for t, counts in run_threads(rank_fn, 4):
+        assert torch.equal(t, torch.full((2,), 8.0))
+        assert all(c == [1, 1] for k, c in counts.items() if k.startswith("tp/"))

@@ -1,0 +1,121 @@
+"""The 1F1B pipeline schedule (one forward, one backward) for one data-parallel rank's batch.
+
+Stage ``s`` of ``pp`` first runs ``pp - s - 1`` warm-up forwards (so that the last stage can start
+its first backward as soon as its first forward is done), then alternates one forward and one
+backward (steady phase), then drains the remaining backwards (cool-down). At most ``pp - s``
+micro-batches' activations are alive on stage ``s`` at once, instead of all of them (GPipe).
+
+Communication. Activations go forward over "pp_send_fwd"/"pp_recv_fwd", input gradients back over
+"pp_send_bwd"/"pp_recv_bwd": 2-rank groups, with ``broadcast`` from the sender as the
+point-to-point op, because a collective's wait can be polled in short slices (``comm.wait``
+raises ``Aborted`` once the generation is aborted) where a gloo recv cannot. One group per
+direction keeps every group's op order identical on its two ends. Sends are posted
+asynchronously and only waited on later (reaped when done, all waited before returning), so
+neighbours' crossing sends (stage s sends an activation while s+1 sends a gradient) cannot
+deadlock: the only blocking ops are receives, each into a fresh buffer.
+
+Gradients accumulate into the parameters' existing ``.grad`` (autograd adds in place; a ZeRO
+optimizer may have made them views of one flat buffer), scaled by ``1/m`` so that they are the
+gradient of the mean loss over the whole local batch (micro-batches are equal in size).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+def _peer(comm, group: str) -> int:
+    me = comm.topo.rank
+    return next(r for r in comm.group_ranks[group] if r != me)
+
+
+class _Sends:
+    """Posted sends (work, tensor): the tensor is kept alive until its send is complete."""
+
+    def __init__(self, comm):
+        self.comm, self.pending = comm, []
+
+    def post(self, t: torch.Tensor, group: str) -> None:
+        t = t.detach().contiguous()
+        self.pending.append((self.comm.broadcast_async(t, group, self.comm.topo.rank), t))
+        # reap finished sends (wait() on a completed work returns at once or raises its error)
+        still = []
+        for work, buf in self.pending:
+            if work.is_completed():
+                self.comm.wait(work)
+            else:
+                still.append((work, buf))
+        self.pending = still
+
+    def wait_all(self) -> None:
+        for work, _ in self.pending:
+            self.comm.wait(work)
+        self.pending = []
+
+
+def _recv(comm, group: str, shape, like: torch.Tensor) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+    comm.wait(comm.broadcast_async(buf, group, _peer(comm, group)))
+    return buf
+
+
+def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
+             hook=None) -> float | None:
+    """Forward and backward of this rank's local batch ``(b, t)`` through the pipeline.
+
+    Returns the mean loss over micro-batches on the last stage, ``None`` elsewhere. ``hook(phase)``
+    runs before every micro-batch op: "pp_warmup" (warm-up forward), "forward" (other forwards),
+    "backward" (steady-state backwards; all of them when pp == 1), "pp_cooldown" (cool-down).
+    Raises ``Aborted`` (from any wait) if the generation is aborted meanwhile.
+    """
+    m = num_microbatches
+    b, t = tokens.shape
+    if m < 1 or b % m:
+        raise ValueError(f"{m} micro-batches do not divide the local batch of {b}")
+    hook = hook or (lambda phase: None)
+    tok_mb, tgt_mb = tokens.split(b // m), targets.split(b // m)
+    act_shape = stage.activation_shape(b // m, t)
+    like = next(stage.parameters())
+    warmup = min(stage.pp - stage.pp_rank - 1, m)
+    sends = _Sends(comm)
+    live = deque()  # (input, output) of micro-batches whose backward is still to come
+    losses = []
+
+    def forward(i: int) -> None:
+        if stage.is_first:
+            inp = tok_mb[i]
+        else:
+            inp = _recv(comm, "pp_recv_fwd", act_shape, like).requires_grad_()
+        out = stage(inp, comm, tgt_mb[i] if stage.is_last else None)
+        if stage.is_last:
+            losses.append(out.detach())
+            out = out / m
+        else:
+            sends.post(out, "pp_send_fwd")
+        live.append((inp, out))
+
+    def backward() -> None:
+        inp, out = live.popleft()
+        if stage.is_last:
+            out.backward()
+        else:
+            out.backward(_recv(comm, "pp_recv_bwd", act_shape, like))
+        if not stage.is_first:
+            sends.post(inp.grad, "pp_send_bwd")
+        # inp, out and the graph are freed here (the send keeps its own reference to inp.grad)
+
+    for i in range(warmup):
+        hook("pp_warmup")
+        forward(i)
+    for i in range(warmup, m):
+        hook("forward")
+        forward(i)
+        hook("backward")
+        backward()
+    for _ in range(warmup):
+        hook("pp_cooldown")
+        backward()
+    sends.wait_all()
+    return float(torch.stack(losses).mean()) if stage.is_last else None

@@ -1,0 +1,100 @@
+"""One rank's piece of the decoder under tp x pp: a contiguous run of layers, tensor-parallel.
+
+Stage ``pp_rank`` of ``pp`` holds layers ``layer_range(n_layers, pp, pp_rank)`` (as even as
+possible, earlier stages take the extra layer: the last stage also carries the head and the loss,
+the first only an embedding lookup). The first stage adds the vocabulary-parallel embedding; the
+last the final norm, the vocabulary-parallel head and the vocabulary-parallel cross-entropy.
+
+Parameter names are the single-process model's (``deadpool.model.GPT``): blocks live in a
+``ModuleDict`` keyed by their *global* index, so stage 1 of a 4-layer, 2-stage model holds
+``blocks.2.*`` and ``blocks.3.*``. Each parameter is ``layers.shard(name, full, tp_rank, tp)`` of
+the full one, and ``build_stage`` builds it bit-for-bit from ``model.init_param`` without building
+the whole model. Checkpoints, snapshots and tests can therefore map any layout onto any other
+through (name, tp slice).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from deadpool.model import GPT, RMSNorm, init_param, model_config, rotary_tables
+from deadpool.parallel.tensor.layers import (ColumnParallelLinear, ParallelBlock,
+                                             VocabParallelEmbedding, shard)
+from deadpool.parallel.tensor.ops import copy_to_tp, vocab_parallel_cross_entropy
+
+
+def layer_range(n_layers: int, pp: int, pp_rank: int) -> range:
+    """Global indices of the layers of stage ``pp_rank``; earlier stages get the remainder."""
+    base, extra = divmod(n_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
+class StageModel(nn.Module):
+    def __init__(self, cfg, *, pp_rank: int, pp: int, tp_rank: int, tp: int):
+        super().__init__()
+        self.cfg = cfg
+        self.pp_rank, self.pp, self.tp_rank, self.tp = pp_rank, pp, tp_rank, tp
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
+        self.layers = layer_range(cfg.n_layers, pp, pp_rank)
+        if self.is_first:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_rank, tp)
+        self.blocks = nn.ModuleDict({str(i): ParallelBlock(cfg, tp) for i in self.layers})
+        if self.is_last:
+            self.norm = RMSNorm(cfg.d_model)
+            self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp)
+            self.vocab_start = tp_rank * (cfg.vocab_size // tp)
+        cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def activation_shape(self, micro_batch_size: int, seq_len: int) -> tuple[int, int, int]:
+        """Shape of the activation passed between stages (what a non-first stage receives)."""
+        return (micro_batch_size, seq_len, self.cfg.d_model)
+
+    def forward(self, inp: torch.Tensor, comm, targets: torch.Tensor | None = None):
+        """``inp``: token ids ``(b, t)`` on the first stage, else the activation ``(b, t, d)``.
+
+        Returns the activation ``(b, t, d)``; on the last stage the mean cross-entropy over its
+        ``b * t`` tokens (or, without ``targets``, this rank's logits slice ``(b, t, vocab/tp)``).
+        """
+        t = inp.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        x = self.embed(inp, comm) if self.is_first else inp
+        for block in self.blocks.values():
+            x = block(x, cos, sin, comm)
+        if not self.is_last:
+            return x
+        logits = self.head(copy_to_tp(self.norm(x), comm))
+        if targets is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.reshape(-1),
+                                              self.vocab_start, comm)
+        return losses.mean()
+
+
+def check_layout(cfg, pp: int, tp: int) -> None:
+    """Raise ``ValueError`` unless the model splits evenly over tp and has a layer per stage."""
+    for what, n in (("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size),
+                    ("ffn hidden size", cfg.ffn_hidden)):
+        if n % tp:
+            raise ValueError(f"model {what}={n} is not divisible by tp={tp}")
+    if cfg.n_layers < pp:
+        raise ValueError(f"model n_layers={cfg.n_layers} is fewer than pp={pp} stages")
+
+
+def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
+                device="cpu") -> StageModel:
+    """This rank's stage, with parameters equal (bitwise) to the matching slices of
+    ``deadpool.model.build_model(model_cfg, seed)``. Draws only the full parameters it holds a
+    slice of (one at a time, on the CPU: the values do not depend on the device)."""
+    cfg = model_config(model_cfg)
+    check_layout(cfg, pp, tp)
+    with torch.device("meta"):
+        full_shapes = {n: p.shape for n, p in GPT(cfg).named_parameters()}
+    stage = StageModel(cfg, pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            p.copy_(shard(name, init_param(name, full_shapes[name], seed), tp_rank, tp))
+    return stage.to(device)

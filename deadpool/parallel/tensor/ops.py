@@ -1,0 +1,108 @@
+"""Autograd functions for the tensor-parallel (TP) group's communication.
+
+Megatron's two conjugate operators mark where activations enter and leave a TP region:
+
+  copy_to_tp      identity forward, all-reduce backward: the input of column-parallel layers.
+                  Every rank computes with the full (replicated) activation but only its slice of
+                  the output, so the input gradient is a partial sum over the ranks.
+  reduce_from_tp  all-reduce forward, identity backward: the output of a row-parallel layer (each
+                  rank holds a partial sum) becomes the full activation, replicated on all ranks.
+
+With these two per block (attention and MLP) a transformer layer costs two all-reduces forward
+and two backward. ``vocab_parallel_cross_entropy`` computes the loss from logits split over the
+vocabulary without ever gathering them (vocabulary x tokens is the largest activation).
+
+The communicator is an argument of every call (recovery replaces it); a Function keeps it in
+``ctx`` only for its own backward. Without a "tp" group (tp == 1, or ``comm is None``) every op
+is the identity, so the same layers run unsharded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def tp_size(comm) -> int:
+    return len(comm.group_ranks["tp"]) if comm is not None and comm.has("tp") else 1
+
+
+def _allreduce(t: torch.Tensor, comm, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if tp_size(comm) > 1:
+        comm.allreduce(t, "tp", op=op)
+    return t
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _allreduce(grad.contiguous().clone(), ctx.comm), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _allreduce(x.contiguous().clone(), comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, comm) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient over "tp" backward."""
+    return _CopyToTP.apply(x, comm) if tp_size(comm) > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, comm) -> torch.Tensor:
+    """All-reduce (sum) over "tp" forward, identity backward."""
+    return _ReduceFromTP.apply(x, comm) if tp_size(comm) > 1 else x
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, comm):
+        # logits: (n, v_local), this rank's vocabulary slice [vocab_start, vocab_start + v_local)
+        logits = logits.float()
+        v_local = logits.shape[-1]
+        # 1. global max for a stable softmax
+        max_logit = _allreduce(logits.max(dim=-1).values, comm, dist.ReduceOp.MAX)
+        shifted = logits - max_logit.unsqueeze(-1)
+        # 2. targets owned by this rank; others contribute 0 to the target logit
+        local = targets - vocab_start
+        owned = (local >= 0) & (local < v_local)
+        local = local.clamp(0, v_local - 1)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * owned
+        exp = shifted.exp()
+        # 3. sum of exponentials and the target logit in one all-reduce
+        stats = _allreduce(torch.stack((exp.sum(dim=-1), target_logit)), comm)
+        sum_exp, target_logit = stats[0], stats[1]
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax over the local slice, kept for backward
+        ctx.save_for_backward(exp, local, owned)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d loss_i / d logit_ij = softmax_ij - [j == target_i], on this rank's columns only
+        softmax, local, owned = ctx.saved_tensors
+        g = softmax
+        g.scatter_add_(-1, local.unsqueeze(-1), -owned.to(g.dtype).unsqueeze(-1))
+        g.mul_(grad.unsqueeze(-1))
+        return g, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                 comm) -> torch.Tensor:
+    """Per-token cross-entropy ``(n,)`` from logits ``(n, v_local)`` split over the vocabulary.
+
+    Three reductions over "tp" (max; then sum-exp and target logit together in one all-reduce)
+    instead of gathering ``(n, vocab)`` logits. The backward needs no communication: the
+    gradient of the local slice is ``softmax - one_hot(target)`` restricted to that slice. The
+    saved softmax is reused in place as the gradient (backward runs once). No ignore index.
+    """
+    return _VocabParallelCE.apply(logits, targets, vocab_start, comm)

@@ -306,6 +306,10 @@ class Coordinator:
                 return
             self._checkpoint_and_stop(g + 1, decision, rec, "no warm spare left", t_detect)
             return
+        swap = self.cfg["faults"].get("swap_routes")
+        if swap and all(int(r) in decision.sources for r in swap):  # fault injection (see conf)
+            a, b = (int(r) for r in swap)
+            decision.sources[a], decision.sources[b] = decision.sources[b], decision.sources[a]
         keep = self._reusable_groups(statuses, need, g + 1)
         rec["groups_kept"] = len(keep)
         plan = Plan(g + 1, "train", assignments, decision.resume_step, decision.sources,

@@ -80,6 +80,15 @@ class Entry:
 class StateLayout:
     """Where each state tensor lives in the flat byte buffer."""
 
+    @classmethod
+    def from_desc(cls, desc: dict) -> "StateLayout":
+        """The layout a snapshot header describes (``SnapshotEngine.layout_desc``)."""
+        self = cls([])
+        self.entries = [Entry(n, o, b, getattr(torch, d), tuple(sh)) for n, o, b, d, sh in
+                        desc["entries"]]
+        self.nbytes = self.entries[-1].offset + self.entries[-1].nbytes if self.entries else 0
+        return self
+
     def __init__(self, tensors: list[tuple[str, torch.Tensor]]):
         self.entries: list[Entry] = []
         off = 0
@@ -188,6 +197,11 @@ class SnapshotEngine:
         n = self.layout.nbytes
         split = self.layout.entries[num_shared].offset if num_shared < len(tensors) else n
         self.bounds = {"all": (0, n), "shared": (0, split), "unique": (split, n)}
+        # travels in every snapshot header: a holder of a replica whose owner has another stage
+        # can still name its tensors (e.g. to write it to disk)
+        self.layout_desc = {"split": split, "entries": [
+            [e.name, e.offset, e.nbytes, str(e.dtype).removeprefix("torch."), list(e.shape)]
+            for e in self.layout.entries]}
         # what the buddy receives every snapshot ("none": nobody needs a replica)
         self.repl_region = "all" if replicate == "full" or split == 0 else (
             "unique" if split < n else "none")
@@ -266,7 +280,7 @@ class SnapshotEngine:
         slot.released.clear()
         slot.copied.clear()
         slot.step = step
-        slot.header = encode_header(header)
+        slot.header = encode_header(dict(header, layout=self.layout_desc))
         if self._side_stream is not None:  # pragma: no cover - needs CUDA
             main = torch.cuda.current_stream()
             self._side_stream.wait_stream(main)
@@ -594,18 +608,17 @@ class _Replicator(threading.Thread):
         self.stopped = False
         self.store_factory = store_factory
         self.protected_reported = False
-        n = engine.region(torch.empty(engine.layout.nbytes, dtype=torch.uint8), engine.repl_region).numel()
-        # fresh receive buffers per generation: an abandoned receive may still write into the old ones
-        self.recv_pool = [torch.empty(n, dtype=torch.uint8) for _ in range(3)]
-        self.nbytes = n
+        # fresh receive buffers per generation (an abandoned receive may still write into the
+        # old ones), sized by what the ward sends: its stage may differ from this rank's
+        self.recv_pool: list[torch.Tensor] = []
 
-    def _free_recv_buffer(self) -> torch.Tensor:
+    def _free_recv_buffer(self, nbytes: int) -> torch.Tensor:
         held = {id(r.flat) for reps in self.engine.replicas.values() for r in reps}
         for b in self.recv_pool:
-            if id(b) not in held:
+            if id(b) not in held and b.numel() == nbytes:
                 return b
-        # more replicas newer than the protected step than buffers: replication is running ahead
-        b = torch.empty(self.nbytes, dtype=torch.uint8)
+        # at most 3 in steady state (more only while replication runs ahead of protection)
+        b = torch.empty(nbytes, dtype=torch.uint8)
         self.recv_pool.append(b)
         return b
 
@@ -620,15 +633,20 @@ class _Replicator(threading.Thread):
                 return
             t0 = time.perf_counter()
             try:
-                buf = self._free_recv_buffer()
+                got = {}
+
+                def buffer(nbytes):
+                    got["buf"] = self._free_recv_buffer(nbytes)
+                    return got["buf"]
                 # a "replication" fault fires after the first chunk is posted, the rest not:
                 # the buddy is left with a torn replica of this step
                 region = self.engine.repl_region
                 sends = _post_sends(out, dst, slot.step, self.engine.region(slot.flat, region),
                                     slot.header, slot.crc, region, self.engine.chunk_bytes,
                                     after_first_chunk=lambda s=slot.step: self.engine.fault_hook(s, "replication"))
-                step, header, crc, _ = _recv_state(inp, src, buf, self.engine.chunk_bytes,
+                step, header, crc, _ = _recv_state(inp, src, buffer, self.engine.chunk_bytes,
                                                    wait=_blocking)
+                buf = got["buf"]
                 for w in sends:
                     w.wait()
             except Exception as e:
@@ -694,12 +712,16 @@ def _post_sends(pg, dst: int, step: int, flat, header: bytes, crc: tuple, region
     return works
 
 
-def _recv_state(pg, src: int, flat: torch.Tensor, chunk_bytes: int, wait,
+def _recv_state(pg, src: int, flat, chunk_bytes: int, wait,
                 after_first_chunk=None) -> tuple[int, bytes, tuple, str]:
+    """Receive one state into ``flat`` (a tensor of the expected size, or a function giving a
+    buffer for the announced size)."""
     meta = torch.zeros(6, dtype=torch.int64)
     hdr = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     wait(pg.recv([meta], src, 0))
     step, nbytes, crc0, crc1, hlen, region = (int(x) for x in meta.tolist())
+    if callable(flat):
+        flat = flat(nbytes)
     if nbytes != flat.numel():
         raise RuntimeError(f"state layout mismatch: peer sends {nbytes} bytes, expected {flat.numel()}")
     wait(pg.recv([hdr], src, 1))

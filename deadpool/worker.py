@@ -34,7 +34,7 @@ from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLos
 from deadpool.faults import FaultInjector
 from deadpool.settings import resolve_backend
 from deadpool.protocol import Keys, Plan, RankStatus, Seal, now
-from deadpool.snapshot import CorruptState, decode_header
+from deadpool.snapshot import CorruptState, StateLayout, decode_header
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer
 from deadpool.watchdog import Progress
@@ -356,17 +356,19 @@ class Worker:
             step_dir, rank, {k: v for k, v in state.items() if k not in shared}))
 
     def write_replica(self, root, step: int, owner: int, flat, header: bytes) -> None:
-        """Write a held replica of ``owner`` to disk; a sharded replica (unique region only)
-        names the data-parallel peers whose directories hold its parameters."""
+        """Write a held replica of ``owner`` (whose stage may differ from this rank's: its layout
+        travels in the header) to disk; a sharded replica (unique region only) names the
+        data-parallel peers whose directories hold its parameters."""
         eng = self.trainer.engine
         hdr = decode_header(header)
+        layout = StateLayout.from_desc(hdr["layout"])
         if eng.repl_region == "all":
-            checkpoint.save_rank_state(root, step, owner, eng.layout.state_dict(flat), hdr)
+            checkpoint.save_rank_state(root, step, owner, layout.state_dict(flat), hdr)
             return
-        full = torch.zeros(eng.layout.nbytes, dtype=torch.uint8)
-        eng.region(full, "unique").copy_(flat)
-        shared = set(self.trainer.shared_names())
-        state = {k: v for k, v in eng.layout.state_dict(full).items() if k not in shared}
+        split = hdr["layout"]["split"]
+        full = torch.zeros(max(layout.nbytes, split + flat.numel()), dtype=torch.uint8)
+        full[split:split + flat.numel()].copy_(flat)
+        state = {e.name: v for e, v in zip(layout.entries, layout.views(full)) if e.offset >= split}
         hdr["shared_from"] = [q for q in self.dims.state_peers(owner) if q != owner]
         checkpoint.save_rank_state(root, step, owner, state, hdr)
 

@@ -20,6 +20,7 @@ from deadpool import auth
 from deadpool.coordinator import Coordinator, JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
+from deadpool.memory import check_fits
 from deadpool.planner import SOURCE_KINDS
 from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches, resolve_backend  # noqa: F401 (re-exported)
@@ -73,6 +74,7 @@ def validate(cfg: dict) -> None:
                              f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs")
     elif backend == "nccl":
         raise ValueError("backend=nccl needs device=cuda")
+    check_fits(cfg)
 
 
 def validate_layout(cfg: dict) -> None:

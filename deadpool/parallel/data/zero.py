@@ -1,0 +1,194 @@
+"""ZeRO-1: AdamW state sharded across the data-parallel group.
+
+Layout. All parameters of the rank (its pipeline stage's tensor-parallel shard) live in one flat
+fp32 buffer ``flat_params``, zero-padded to a multiple of ``dp_size`` so it splits into
+``dp_size`` equal shards; each ``nn.Parameter`` becomes a view of its slice, and its ``.grad`` a
+view of the same slice of one flat ``flat_grads`` buffer. Both buffers are allocated once, so
+autograd accumulates micro-batch gradients straight into ``flat_grads`` and the collectives run
+on one contiguous tensor with no packing. Data-parallel rank ``r`` owns shard ``r``: it keeps
+AdamW's ``exp_avg``/``exp_avg_sq`` only for that slice (1/dp of the optimizer memory).
+
+A step:
+  1. ``reduce_grads``: reduce-scatter ``flat_grads`` (sum, then divide by dp: gloo has no AVG)
+     in place into this rank's own slice of it (on gloo: an all-reduce, see Collectives).
+  2. ``step``: a plain ``torch.optim.AdamW(foreach=False)`` over a single flat parameter, the
+     owned shard of ``flat_params``, whose ``.grad`` is the reduced gradient shard. Reusing
+     torch's optimizer gives exactly its math (per element, AdamW does not care how elements
+     are grouped into tensors); then all-gather the updated shards in place into
+     ``flat_params``, so every rank again holds identical full parameters.
+With ``shard=False`` (plain data parallelism) every rank all-reduces the full gradient and keeps
+the full AdamW state; nothing is gathered. Padding elements have zero grads, so AdamW leaves
+them at zero.
+
+Collectives. On NCCL both ops are the ``*_base`` ("into one tensor") forms, used in place (the
+reduce-scatter's output is the caller's own chunk of its input; the all-gather's input is its own
+chunk of the output), so no staging buffers are needed. On gloo (torch 2.13) both exist, but the
+reduce-scatter (``_reduce_scatter_base`` and ``reduce_scatter`` alike) is emulated inside torch
+by all-reduces, and its work's ``wait(timeout)`` ignores the timeout: it blocks until the inner
+all-reduce ends, i.e. until the group's own timeout when a peer hangs. It cannot be polled, so
+on gloo this module posts the all-reduce itself (pollable) and keeps its shard: the same bytes as
+gloo's emulation (an all-reduce moves twice what a real reduce-scatter does), so a ZeRO step on
+gloo moves 1.5x the bytes of a plain data-parallel step instead of 1x. ``_allgather_base`` is a
+real gloo all-gather and polls fine. Every posted op is waited with ``comm.wait`` so a declared
+failure releases the survivors within one poll interval.
+
+After an abort the op is abandoned, not cancelled (see ``deadpool.comm``). On NCCL, parking the
+communicator aborts it. On gloo an abandoned op can in principle still complete later (only if
+every peer of the group posts it) and write its output (``flat_grads``' owned shard, or
+``flat_params``); recovery must not rely on those buffers until the old generation's ops are
+done or its peers are known to be gone.
+
+The communicator is an argument of every call: recovery replaces it, and nothing here keeps a
+process group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ZeroOptimizer", "state_nbytes"]
+
+_STEP_BYTES = 4  # AdamW's step counter: a float32 scalar
+# Backends whose reduce-scatter work can be waited in polled slices (see the module docstring).
+REDUCE_SCATTER_BACKENDS = {"nccl"}
+
+
+def _padded(numel: int, dp_size: int) -> int:
+    return -(-numel // dp_size) * dp_size
+
+
+def state_nbytes(numel: int, dp_size: int, shard: bool, itemsize: int = 4) -> dict[str, int]:
+    """Bytes of a rank's training state for ``numel`` parameters, without building anything
+    (memory estimator, benchmark). ``shared``: identical on every data-parallel peer (parameters,
+    plus the AdamW state when not sharded); ``unique``: this rank's own (its AdamW shard), i.e.
+    what no peer can supply and must be replicated elsewhere per snapshot. Padding included.
+    Matches ``ZeroOptimizer.state_nbytes()`` for fp32 parameters."""
+    padded = _padded(numel, dp_size)
+    params = padded * itemsize
+    if shard:
+        return {"shared": params, "unique": 2 * (padded // dp_size) * itemsize + _STEP_BYTES}
+    return {"shared": params + 2 * padded * itemsize + _STEP_BYTES, "unique": 0}
+
+
+class ZeroOptimizer:
+    """ZeRO-1 AdamW over one flat parameter buffer (see the module docstring).
+
+    Attributes: ``numel`` (real parameter elements), ``padded_numel`` (``flat_params.numel()``,
+    a multiple of ``dp_size``), ``shard_numel`` (``padded_numel // dp_size``), ``shard_range``
+    (this rank's ``[lo, hi)`` in the flat buffers), ``flat_params``, ``flat_grads``.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], *, dp_size: int, dp_rank: int, lr: float,
+                 weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8, shard: bool = True):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        self.params = list({id(p): p for p in params}.values())  # tied weights once
+        if not self.params:
+            raise ValueError("ZeroOptimizer needs at least one parameter")
+        device = self.params[0].device
+        for p in self.params:
+            if p.dtype != torch.float32 or p.device != device:
+                raise ValueError("all parameters must be float32 on one device "
+                                 f"(got {p.dtype} on {p.device})")
+        self.dp_size, self.dp_rank, self.shard = dp_size, dp_rank, shard
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded_numel = _padded(self.numel, dp_size)
+        self.shard_numel = self.padded_numel // dp_size
+        lo = dp_rank * self.shard_numel
+        self.shard_range = (lo, lo + self.shard_numel)
+
+        self.flat_params = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        self.flat_grads = torch.zeros_like(self.flat_params)
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.flat_params[off:off + n].copy_(p.reshape(-1))
+                if p.grad is not None:
+                    self.flat_grads[off:off + n].copy_(p.grad.reshape(-1))
+                p.data = self.flat_params[off:off + n].view_as(p)
+                p.grad = self.flat_grads[off:off + n].view_as(p)
+                off += n
+
+        # The tensor AdamW updates: the owned shard (views, so updates land in flat_params), or
+        # everything when not sharded. A Parameter made from a view shares its storage.
+        sl = slice(*self.shard_range) if shard else slice(None)
+        self._param_shard = self.flat_params[sl]
+        self._grad_shard = self.flat_grads[sl]
+        self._master = torch.nn.Parameter(self._param_shard)
+        self._master.grad = self._grad_shard
+        self._adam = torch.optim.AdamW([self._master], lr=lr, betas=betas, eps=eps,
+                                       weight_decay=weight_decay, foreach=False)
+        # Allocate AdamW's state now (torch does it lazily at the first step): the snapshot
+        # engine keeps references to these tensors, which torch then updates in place.
+        self._state = self._adam.state[self._master]
+        self._state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        self._state["exp_avg"] = torch.zeros_like(self._param_shard)
+        self._state["exp_avg_sq"] = torch.zeros_like(self._param_shard)
+
+    # -- the data-parallel group ---------------------------------------------------------------
+    def _dp_group(self, comm):
+        """The communicator's dp group, checked against this optimizer's layout (None if dp=1)."""
+        if not comm.has("dp"):
+            if self.dp_size > 1:
+                raise RuntimeError(f"dp_size={self.dp_size} but the communicator has no dp group")
+            return None
+        ranks = comm.group_ranks["dp"]
+        if len(ranks) != self.dp_size or ranks.index(comm.topo.rank) != self.dp_rank:
+            raise RuntimeError(f"dp group {ranks} does not match dp_size={self.dp_size}, "
+                               f"dp_rank={self.dp_rank} of rank {comm.topo.rank}")
+        return comm.groups["dp"]
+
+    # -- a step ----------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero ``flat_grads`` in place; ``p.grad`` stay views of it (never set them to None,
+        e.g. with ``module.zero_grad()``: autograd would then allocate fresh tensors)."""
+        self.flat_grads.zero_()
+
+    def reduce_grads(self, comm, on_posted=None) -> None:
+        """Average gradients over the dp group: reduce-scatter into this rank's shard of
+        ``flat_grads`` (the rest then holds stale values: do not read it) or, with
+        ``shard=False``, all-reduce all of it. ``on_posted()`` runs right after the op is
+        posted, and also when there is nothing to post (dp=1), so a fault-injection point at
+        this phase exists in every layout. Abortable."""
+        pg = self._dp_group(comm)
+        if pg is None:
+            if on_posted is not None:
+                on_posted()
+            return
+        if self.shard and comm.backend in REDUCE_SCATTER_BACKENDS:
+            work = pg._reduce_scatter_base(self._grad_shard, self.flat_grads)
+        else:  # plain data parallel, or the gloo fallback (all-reduce, keep the shard)
+            work = pg.allreduce([self.flat_grads])  # default op: SUM
+        if on_posted is not None:
+            on_posted()
+        comm.wait(work)
+        self._grad_shard.div_(self.dp_size)
+
+    def step(self, comm) -> None:
+        """AdamW on the owned shard, then all-gather the shards into ``flat_params`` (abortable;
+        nothing to gather when not sharded)."""
+        self._adam.step()
+        pg = self._dp_group(comm)
+        if self.shard and pg is not None:
+            comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:
+        """``(name, tensor, shared)`` in a fixed order: the flat parameters (shared: identical on
+        every dp peer), then AdamW's ``exp_avg``, ``exp_avg_sq`` (the owned shard, or the whole
+        buffer when not sharded) and ``step``; shared only when not sharded. The same tensor
+        objects for the optimizer's lifetime, updated in place. Gradients are not state: they
+        are rebuilt every step."""
+        st = self._state
+        return [("params", self.flat_params, True),
+                ("exp_avg", st["exp_avg"], not self.shard),
+                ("exp_avg_sq", st["exp_avg_sq"], not self.shard),
+                ("step", st["step"], not self.shard)]
+
+    def state_nbytes(self) -> dict[str, int]:
+        """``{"shared": bytes, "unique": bytes}`` of ``state_tensors()`` (see ``state_nbytes``)."""
+        out = {"shared": 0, "unique": 0}
+        for _, t, shared in self.state_tensors():
+            out["shared" if shared else "unique"] += t.numel() * t.element_size()
+        return out

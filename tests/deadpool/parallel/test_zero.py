@@ -1,0 +1,193 @@
+"""ZeRO-1 optimizer: exact AdamW equivalence, state layout, rollback, abort, gradient accumulation.
+
+Gradients are small multiples of 1/16, so their sum over ranks is exact in any order: the
+sharded result must then be bit-identical to one process running torch's AdamW on the mean."""
+
+import time
+
+import pytest
+import torch
+
+from deadpool.comm import Aborted, Communicator
+from deadpool.parallel.data import ZeroOptimizer, state_nbytes, zero
+from deadpool.protocol import Keys
+from deadpool.topology import ParallelDims, Topology
+from tests.deadpool.helpers import client, master_store, run_threads
+
+SHAPES = [(3, 5), (7,), (2, 3, 2), (1,)]  # 35 elements: padded to 36 for dp 2 and 3
+HP = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+STEPS = 4
+
+
+def make_params():
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def grads(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randint(-64, 64, s, generator=g).float() / 16 for s in SHAPES]
+
+
+def reference(n: int, steps: int = STEPS):
+    """One process, torch.optim.AdamW(foreach=False) on the mean gradient."""
+    params = make_params()
+    opt = torch.optim.AdamW(params, foreach=False, **HP)
+    for s in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.stack([grads(r, s)[i] for r in range(n)]).sum(0) / n
+        opt.step()
+    return params, opt
+
+
+def build(n: int, r: int, port: int, generation: int = 0, **kw):
+    return Communicator.build(Topology(ParallelDims(dp=n, ranks_per_node=n), r, generation),
+                              client(port), **kw)
+
+
+def train_step(opt, params, comm, r, s, posted=None):
+    opt.zero_grad()
+    for p, g in zip(params, grads(r, s)):
+        p.grad.add_(g)  # accumulate into the view, as autograd does
+    opt.reduce_grads(comm, on_posted=posted)
+    opt.step(comm)
+
+
+@pytest.mark.parametrize("n,shard,real_rs", [(2, True, False), (3, True, False),
+                                             (3, True, True), (3, False, False)])
+def test_matches_single_process_adamw_and_state_layout(n, shard, real_rs, monkeypatch):
+    if real_rs:  # the NCCL path (in-place _reduce_scatter_base), whose values gloo computes too
+        monkeypatch.setattr(zero, "REDUCE_SCATTER_BACKENDS", {"gloo"})
+    master = master_store()
+
+    def rank_fn(r):
+        comm = build(n, r, master.port)
+        params = make_params()
+        opt = ZeroOptimizer(params, dp_size=n, dp_rank=r, shard=shard, **HP)
+        posted = []
+        for s in range(STEPS):
+            train_step(opt, params, comm, r, s, posted=lambda: posted.append(1))
+        assert len(posted) == STEPS
+        return [p.detach().clone() for p in params], opt
+
+    results = run_threads(rank_fn, n)
+    ref_params, ref_opt = reference(n)
+    for params, opt in results:
+        assert opt.numel == 35 and opt.padded_numel == 36 and opt.shard_numel == 36 // n
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q)
+        assert torch.all(opt.flat_params[opt.numel:] == 0)  # padding stays zero
+
+    # state: shared tensors identical on every rank; unique shards tile the reference state
+    states = [opt.state_tensors() for _, opt in results]
+    assert [(name, sh) for name, _, sh in states[0]] == [
+        ("params", True), ("exp_avg", not shard), ("exp_avg_sq", not shard), ("step", not shard)]
+    for i, (name, t0, shared) in enumerate(states[0]):
+        others = [st[i][1] for st in states[1:]]
+        if shared:
+            assert all(torch.equal(t0, t) for t in others), name
+        elif name != "step":
+            assert all(not torch.equal(t0, t) for t in others), name
+    for name in ("exp_avg", "exp_avg_sq"):
+        want = torch.cat([ref_opt.state[p][name].reshape(-1) for p in ref_params])
+        i = [s[0] for s in states[0]].index(name)
+        got = states[0][i][1] if not shard else torch.cat([st[i][1] for st in states])
+        assert torch.equal(got[:35], want), name
+    for st in states:
+        assert st[3][1].item() == STEPS == ref_opt.state[ref_params[0]]["step"].item()
+    nbytes = results[0][1].state_nbytes()
+    assert nbytes == state_nbytes(35, n, shard)
+    assert nbytes["shared"] == 36 * 4 * (1 if shard else 3) + (0 if shard else 4)
+
+
+def test_rollback_in_place_gives_the_same_result():
+    n = 2
+    master = master_store()
+
+    def rank_fn(r):
+        comm = build(n, r, master.port)
+        runs = []
+        for detour in (False, True):
+            params = make_params()
+            opt = ZeroOptimizer(params, dp_size=n, dp_rank=r, **HP)
+            objects = [t for _, t, _ in opt.state_tensors()]
+            for s in range(STEPS):
+                if detour and s == 2:
+                    saved = [t.clone() for t in objects]
+                    train_step(opt, params, comm, r, s + 17)  # a step that is then rolled back
+                    for t, v in zip(objects, saved):
+                        t.copy_(v)
+                train_step(opt, params, comm, r, s)
+                assert all(a is b for a, (_, b, _) in zip(objects, opt.state_tensors()))
+            runs.append([t.clone() for t in objects])
+        return runs
+
+    for plain, detoured in run_threads(rank_fn, n):
+        assert all(torch.equal(a, b) for a, b in zip(plain, detoured))
+
+
+@pytest.mark.parametrize("where", ["reduce_grads", "step"])
+def test_survivors_leave_promptly_when_a_peer_never_posts(where):
+    n, gen = 3, 5
+    master = master_store()
+    left_after = {}
+
+    def rank_fn(r):
+        store = client(master.port)
+        comm = build(n, r, master.port, generation=gen, poll_s=0.01)
+        params = make_params()
+        opt = ZeroOptimizer(params, dp_size=n, dp_rank=r, **HP)
+        if r == 2:  # hangs before the collective; the coordinator then aborts the generation
+            if where == "step":
+                opt.reduce_grads(comm)
+            time.sleep(0.3)
+            store.set(Keys(gen).abort, "rank 2 hung")
+            t_abort = time.time()
+            time.sleep(1.0)
+            return t_abort
+        opt.reduce_grads(comm) if where == "step" else None
+        with pytest.raises(Aborted, match="hung"):
+            getattr(opt, where)(comm)
+        left_after[r] = time.time()
+        return comm  # keep the group referenced: an op is still in flight on it
+
+    res = run_threads(rank_fn, n)
+    for r in (0, 1):
+        assert left_after[r] - res[2] < 0.5  # far below the 120 s group timeout
+
+
+def test_grads_accumulate_into_the_flat_buffer_and_dp1_matches_adamw():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    ref.load_state_dict(model.state_dict())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = ZeroOptimizer(list(model.parameters()), dp_size=3, dp_rank=1, **HP)
+    assert (opt.numel, opt.padded_numel, opt.shard_range) == (26, 27, (9, 18))
+    for p, b in zip(model.parameters(), before):  # moved into the flat buffer, values unchanged
+        assert torch.equal(p, b)
+        assert p.untyped_storage().data_ptr() == opt.flat_params.untyped_storage().data_ptr()
+    grad_objects = [p.grad for p in model.parameters()]
+    xs = [torch.randn(4, 5) for _ in range(2)]
+    for x in xs:  # two micro-batches, two backward passes
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    assert torch.equal(opt.flat_grads[:26], want) and opt.flat_grads[26] == 0
+    opt.zero_grad()
+    assert torch.all(opt.flat_grads == 0)
+    for p, g in zip(model.parameters(), grad_objects):
+        assert p.grad is g
+        assert p.grad.untyped_storage().data_ptr() == opt.flat_grads.untyped_storage().data_ptr()
+
+    # dp = 1: no dp group; reduce_grads is a no-op (the hook still fires), step is plain AdamW
+    master = master_store()  # kept referenced: the client connects to it
+    comm = Communicator.build(Topology(ParallelDims(dp=1), 0, 0), client(master.port))
+    params = make_params()
+    opt = ZeroOptimizer(params, dp_size=1, dp_rank=0, shard=False, **HP)
+    posted = []
+    for s in range(STEPS):
+        train_step(opt, params, comm, 0, s, posted=lambda: posted.append(1))
+    assert len(posted) == STEPS
+    for p, q in zip(params, reference(1)[0]):
+        assert torch.equal(p, q)

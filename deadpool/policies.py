@@ -3,12 +3,39 @@
 Each policy is a small callable with its before -> after picture, so a reader can see what it does
 without running it. Add a policy by adding a class and a name in ``BUDDY_POLICIES`` /
 ``SPARE_POLICIES``; ``conf/ft`` selects one by name.
+
+Buddy policies map a rank to the rank holding its replica, given the layout (``ParallelDims``:
+``coords(rank) -> {pp, dp, tp}``, ``rank_of``, ``node_of``, ``num_nodes``). Two rules hold for
+every one of them: the map is a permutation (each rank holds exactly one ward's replica, so
+replication memory and traffic are the same on every rank), and with more than one node a rank's
+buddy is on another node, so losing a node never takes a rank's state and its only replica.
+``buddy_table`` computes and checks the whole map once per layout; ``check_placement`` lists
+what a layout and policy leave exposed.
+
+Rank order is pp-major, then dp, then tp (``deadpool.topology``); the pictures write a rank as
+``rank(pp,dp,tp)`` and a node as ``[...]``.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 
-class RingOverNodes:
+
+class BuddyPolicy:
+    """``policy(rank, dims) -> buddy``. The legacy form ``policy(rank, world_size,
+    ranks_per_node)`` is read as a 1-D data-parallel layout of that many ranks."""
+
+    def __call__(self, rank: int, dims, ranks_per_node: int | None = None) -> int:
+        if isinstance(dims, int):
+            from deadpool.topology import ParallelDims
+            dims = ParallelDims(dp=dims, ranks_per_node=ranks_per_node or 1)
+        return self.buddy(rank, dims)
+
+    def buddy(self, rank: int, dims) -> int:
+        raise NotImplementedError
+
+
+class RingOverNodes(BuddyPolicy):
     """Each rank's buddy is the rank with the same local index on the next node (wrapping).
 
     ranks_per_node=2, 3 nodes::
@@ -21,12 +48,78 @@ class RingOverNodes:
     With a single node there is no other failure domain; the ring then runs over ranks.
     """
 
-    def __call__(self, rank: int, world_size: int, ranks_per_node: int) -> int:
-        num_nodes = max(1, world_size // ranks_per_node)
-        if num_nodes == 1:
-            return (rank + 1) % world_size
-        node, local = divmod(rank, ranks_per_node)
-        return ((node + 1) % num_nodes) * ranks_per_node + local
+    def buddy(self, rank: int, dims) -> int:
+        if dims.num_nodes == 1:
+            return (rank + 1) % dims.world_size
+        node, local = divmod(rank, dims.ranks_per_node)
+        return ((node + 1) % dims.num_nodes) * dims.ranks_per_node + local
+
+
+class _ShiftAlong(BuddyPolicy):
+    """Buddy = the rank ``k`` steps further along one mesh axis, other coordinates equal, with the
+    smallest ``k`` that puts *every* rank's buddy on another node (one ``k`` for all ranks keeps
+    the map a permutation). On a single node ``k = 1``. When no ``k`` works (the axis has size 1,
+    or all of it sits on one node) it falls back to ``RingOverNodes``."""
+
+    axis = ""
+
+    def buddy(self, rank: int, dims) -> int:
+        k = _shift(dims, self.axis)
+        return RingOverNodes().buddy(rank, dims) if k is None else _moved(dims, rank, self.axis, k)
+
+
+def _moved(dims, rank: int, axis: str, k: int) -> int:
+    c = dims.coords(rank)
+    c[axis] = (c[axis] + k) % getattr(dims, axis)
+    return dims.rank_of(**c)
+
+
+@lru_cache(maxsize=64)
+def _shift(dims, axis: str) -> int | None:
+    for k in range(1, getattr(dims, axis)):
+        if dims.num_nodes == 1 or all(dims.node_of(_moved(dims, r, axis, k)) != dims.node_of(r)
+                                      for r in range(dims.world_size)):
+            return k
+    return None
+
+
+class NextDpReplica(_ShiftAlong):
+    """The buddy is the same model shard (same pp, tp) in the next data-parallel replica that sits
+    on another node: it is itself a data-parallel peer, so besides the replicated optimizer shard
+    it can also supply the dead rank's parameters (one source rebuilds the spare).
+    Replication then shares the data-parallel links with the gradient reduce-scatter.
+
+    dp=4, tp=1, pp=1, ranks_per_node=2 (k=1 stays on the node, so k=2)::
+
+        node0: [0(0,0,0) 1(0,1,0)]   node1: [2(0,2,0) 3(0,3,0)]
+        0 -> 2   1 -> 3   2 -> 0   3 -> 1
+
+    dp=2, tp=2, pp=1, ranks_per_node=2 (a node is one tensor-parallel group, k=1)::
+
+        node0: [0(0,0,0) 1(0,0,1)]   node1: [2(0,1,0) 3(0,1,1)]
+        0 -> 2   1 -> 3   2 -> 0   3 -> 1
+
+    When every data-parallel peer of a shard is on one node (dp2 x tp2 x pp2 on 4-rank nodes:
+    a node per stage) no peer is off-node: it falls back to ``ring_over_nodes``.
+    """
+
+    axis = "dp"
+
+
+class NextStage(_ShiftAlong):
+    """The buddy is the rank with the same (dp, tp) in the next pipeline stage on another node.
+    Replication rides the pipeline links (point-to-point activations only), not the data-parallel
+    ones; the buddy holds a different model shard, so parameters come from a data-parallel peer.
+
+    dp=2, tp=2, pp=2, ranks_per_node=4 (conf/parallel/dp2_tp2_pp2: a node per stage)::
+
+        node0: [0(0,0,0) 1(0,0,1) 2(0,1,0) 3(0,1,1)]   node1: [4(1,0,0) 5(1,0,1) 6(1,1,0) 7(1,1,1)]
+        0 -> 4   1 -> 5   2 -> 6   3 -> 7   4 -> 0   5 -> 1   6 -> 2   7 -> 3
+
+    With pp == 1 it falls back to ``ring_over_nodes``.
+    """
+
+    axis = "pp"
 
 
 class FirstFree:
@@ -56,7 +149,8 @@ class SameNodeFirst:
         return min(local or spares, key=lambda s: s["slot"])
 
 
-BUDDY_POLICIES = {"ring_over_nodes": RingOverNodes}
+BUDDY_POLICIES = {"ring_over_nodes": RingOverNodes, "next_dp_replica": NextDpReplica,
+                  "next_stage": NextStage}
 SPARE_POLICIES = {"first_free": FirstFree, "same_node_first": SameNodeFirst}
 
 
@@ -64,3 +158,50 @@ def make_policy(table: dict, name: str):
     if name not in table:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(table)}")
     return table[name]()
+
+
+@lru_cache(maxsize=64)
+def buddy_table(dims, name: str) -> tuple[int, ...]:
+    """Every rank's buddy under policy ``name``; raises unless it is a permutation."""
+    policy = make_policy(BUDDY_POLICIES, name)
+    table = tuple(policy.buddy(r, dims) for r in range(dims.world_size))
+    if sorted(table) != list(range(dims.world_size)):
+        raise ValueError(f"buddy policy {name!r} is not a permutation on {dims}")
+    return table
+
+
+def check_placement(dims, policy="ring_over_nodes", replicate: str = "unique") -> list[str]:
+    """What one node's loss would cost under this layout and buddy ``policy`` (a name or a
+    ``BuddyPolicy``), as warnings (empty:
+    every rank survives any single node's loss from memory). On a single node there is no other
+    failure domain and nothing is reported.
+
+    * a rank whose buddy is on its own node: that node's loss takes the rank and its replica;
+    * with ``replicate="unique"`` (the buddy holds only the optimizer shard), a model shard whose
+      data-parallel peers all sit on one node: that node's loss takes every in-memory copy of the
+      shard's parameters, and recovery falls back to the disk checkpoint.
+    """
+    if dims.num_nodes == 1:
+        return []
+    out = []
+    fn = policy if isinstance(policy, BuddyPolicy) else make_policy(BUDDY_POLICIES, policy)
+    table = [fn.buddy(r, dims) for r in range(dims.world_size)]
+    if sorted(table) != list(range(dims.world_size)):
+        out.append(f"buddy policy {policy!r} is not a permutation: some ranks hold two replicas, "
+                   f"some none")
+    same = [r for r, b in enumerate(table) if dims.node_of(r) == dims.node_of(b)]
+    if same:
+        out.append(f"{len(same)} rank(s) have their buddy on their own node (e.g. rank {same[0]} -> "
+                   f"{table[same[0]]}, node {dims.node_of(same[0])}): losing that node loses the "
+                   f"rank's state and its only replica; use buddy_policy ring_over_nodes")
+    if replicate == "unique" and dims.dp > 1:
+        stuck = [g for g in dims.axis_groups("dp") if len({dims.node_of(r) for r in g}) == 1]
+        if stuck:
+            c = dims.coords(stuck[0][0])
+            out.append(
+                f"{len(stuck)} model shard(s) have every data-parallel copy on one node (e.g. "
+                f"pp={c['pp']} tp={c['tp']}: ranks {stuck[0]} on node {dims.node_of(stuck[0][0])}): "
+                f"losing that node loses the shard's parameters from memory, and with "
+                f"ft.replicate=unique recovery falls back to disk; use ft.replicate=full or a layout "
+                f"whose data-parallel peers span nodes")
+    return out

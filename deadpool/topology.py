@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deadpool.policies import BUDDY_POLICIES, make_policy
+from deadpool.policies import buddy_table
 
 
 @dataclass(frozen=True)
@@ -84,14 +84,10 @@ class Topology:
         return self.dims.coords(self.rank)
 
     def buddy(self, rank: int | None = None) -> int:
-        """The rank that holds ``rank``'s replica."""
-        policy = make_policy(BUDDY_POLICIES, self.buddy_policy)
-        r = self.rank if rank is None else rank
-        return policy(r, self.dims.world_size, self.dims.ranks_per_node)
+        """The rank that holds ``rank``'s replica (``deadpool.policies``; a policy sees the
+        layout's coordinates and nodes)."""
+        return buddy_table(self.dims, self.buddy_policy)[self.rank if rank is None else rank]
 
     def ward(self) -> int:
-        """The rank whose replica this rank holds (inverse of ``buddy``)."""
-        for r in range(self.dims.world_size):
-            if self.buddy(r) == self.rank:
-                return r
-        raise RuntimeError("buddy policy is not a permutation")
+        """The rank whose replica this rank holds (inverse of ``buddy``: a permutation)."""
+        return buddy_table(self.dims, self.buddy_policy).index(self.rank)

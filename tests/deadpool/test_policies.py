@@ -1,0 +1,115 @@
+"""Buddy placement by coordinate: permutations, off-node replicas, the docstrings' pictures."""
+
+import pytest
+
+from deadpool.policies import (BUDDY_POLICIES, BuddyPolicy, NextDpReplica, NextStage, RingOverNodes,
+                               buddy_table, check_placement)
+from deadpool.topology import ParallelDims, Topology
+
+# (dp, tp, pp, ranks_per_node): 1-D, 3-D, the CPU test layouts, the A100 layouts (scaled down
+# in dp), a world smaller than one node
+LAYOUTS = [(4, 1, 1, 1), (6, 1, 1, 2), (4, 1, 1, 2), (2, 2, 2, 4), (2, 2, 2, 2), (4, 2, 2, 4),
+           (8, 1, 3, 4), (4, 4, 1, 4), (8, 2, 1, 4), (4, 4, 2, 4), (4, 4, 8, 4), (3, 1, 1, 4),
+           (2, 2, 1, 8), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("name", sorted(BUDDY_POLICIES))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_every_policy_is_a_permutation_with_buddies_on_other_nodes(name, layout):
+    dims = ParallelDims(*layout)
+    table = buddy_table(dims, name)
+    assert sorted(table) == list(range(dims.world_size))
+    if dims.num_nodes > 1:
+        assert all(dims.node_of(r) != dims.node_of(b) for r, b in enumerate(table))
+        assert not any("own node" in w for w in check_placement(dims, name))
+    elif dims.world_size > 1:
+        assert all(b != r for r, b in enumerate(table))  # one node: still someone else
+    for r in range(dims.world_size):
+        topo = Topology(dims, r, 0, name)
+        assert Topology(dims, topo.buddy(), 0, name).ward() == r
+
+
+def test_ring_over_nodes_matches_its_docstring():
+    dims = ParallelDims(dp=6, ranks_per_node=2)
+    assert list(buddy_table(dims, "ring_over_nodes")) == [2, 3, 4, 5, 0, 1]
+    assert [RingOverNodes()(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]  # legacy form
+    # a world smaller than one node: the ring runs over ranks
+    assert list(buddy_table(ParallelDims(dp=3, ranks_per_node=4), "ring_over_nodes")) == [1, 2, 0]
+
+
+def test_next_dp_replica_matches_its_docstring():
+    # dp=4 on 2-rank nodes: the next replica is on the same node, so the shift is 2
+    assert list(buddy_table(ParallelDims(dp=4, ranks_per_node=2), "next_dp_replica")) == [2, 3, 0, 1]
+    dims = ParallelDims(dp=2, tp=2, ranks_per_node=2)
+    assert [dims.coords(r) for r in range(4)] == [
+        {"pp": 0, "dp": 0, "tp": 0}, {"pp": 0, "dp": 0, "tp": 1},
+        {"pp": 0, "dp": 1, "tp": 0}, {"pp": 0, "dp": 1, "tp": 1}]
+    assert list(buddy_table(dims, "next_dp_replica")) == [2, 3, 0, 1]
+    # the buddy is a data-parallel peer: it also holds the parameters
+    for r, b in enumerate(buddy_table(dims, "next_dp_replica")):
+        assert b in dims.state_peers(r)
+    # every dp peer of a shard on one node (a node per stage): falls back to the ring over nodes
+    dims = ParallelDims(dp=2, tp=2, pp=2, ranks_per_node=4)
+    assert buddy_table(dims, "next_dp_replica") == buddy_table(dims, "ring_over_nodes")
+
+
+def test_next_stage_matches_its_docstring():
+    dims = ParallelDims(dp=2, tp=2, pp=2, ranks_per_node=4)
+    assert [dims.node_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert list(buddy_table(dims, "next_stage")) == [4, 5, 6, 7, 0, 1, 2, 3]
+    for r, b in enumerate(buddy_table(dims, "next_stage")):
+        c, cb = dims.coords(r), dims.coords(b)
+        assert (c["dp"], c["tp"]) == (cb["dp"], cb["tp"]) and cb["pp"] == (c["pp"] + 1) % 2
+    # pp == 1: the ring over nodes
+    dims = ParallelDims(dp=4, tp=1, ranks_per_node=2)
+    assert buddy_table(dims, "next_stage") == buddy_table(dims, "ring_over_nodes")
+
+
+def test_next_dp_replica_on_an_a100_layout_keeps_pp_and_tp():
+    # llama7b_a100_80g scaled down: tp2 on 4-GPU nodes, two data-parallel replicas per node
+    dims = ParallelDims(dp=8, tp=2, pp=1, ranks_per_node=4)
+    for r, b in enumerate(buddy_table(dims, "next_dp_replica")):
+        c, cb = dims.coords(r), dims.coords(b)
+        assert (c["pp"], c["tp"]) == (cb["pp"], cb["tp"])
+        assert cb["dp"] == (c["dp"] + 2) % 8       # +1 is the same node
+        assert dims.node_of(b) != dims.node_of(r)
+
+
+def test_check_placement_warns_when_all_dp_peers_share_a_node():
+    # the CPU 3-D layout: node 0 is stage 0, so every copy of a stage-0 shard is on node 0
+    dims = ParallelDims(dp=2, tp=2, pp=2, ranks_per_node=4)
+    (w,) = check_placement(dims, "ring_over_nodes")
+    assert "4 model shard(s) have every data-parallel copy on one node" in w
+    assert "ranks [0, 2] on node 0" in w and "falls back to disk" in w
+    assert check_placement(dims, "ring_over_nodes", replicate="full") == []
+    # dp spread over nodes (a node per tensor-parallel group): nothing to report
+    assert check_placement(ParallelDims(dp=4, tp=4, pp=2, ranks_per_node=4), "next_dp_replica") == []
+    assert check_placement(ParallelDims(dp=4, ranks_per_node=4), "ring_over_nodes") == []  # one node
+
+
+def test_check_placement_warns_about_a_buddy_on_its_own_node():
+    class SameNode(BuddyPolicy):
+        def buddy(self, rank, dims):
+            return rank ^ 1
+
+    dims = ParallelDims(dp=4, ranks_per_node=2)
+    warnings = check_placement(dims, SameNode())
+    assert any("4 rank(s) have their buddy on their own node (e.g. rank 0 -> 1, node 0)" in w
+               for w in warnings)
+
+    class NotAPermutation(BuddyPolicy):
+        def buddy(self, rank, dims):
+            return (rank // 2 * 2 + 2) % dims.world_size
+
+    assert any("not a permutation" in w for w in check_placement(dims, NotAPermutation()))
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        buddy_table(ParallelDims(dp=2), "nope")
+
+
+@pytest.mark.parametrize("name,cls", [("next_dp_replica", NextDpReplica), ("next_stage", NextStage)])
+def test_coordinate_policies_take_the_legacy_call_too(name, cls):
+    dims = ParallelDims(dp=4, ranks_per_node=2)
+    assert tuple(cls()(r, 4, 2) for r in range(4)) == buddy_table(dims, name)

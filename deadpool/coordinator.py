@@ -297,8 +297,9 @@ class Coordinator:
             assignments[d] = spare
             spares_used.append(spare)
         rec["spare_slot"] = _one_or_list(spares_used)
-        rec["sources"] = {str(r): f"{s['kind']} from rank {s['holder']}"
-                          for r, s in sorted(decision.sources.items()) if s["kind"] != "live"}
+        rec["sources"] = {str(r): f"{s['kind']} from rank {s['holder']}" + (
+            f" + parameters from rank {s['shared_from']}" if "shared_from" in s else "")
+            for r, s in sorted(decision.sources.items()) if s["kind"] != "live"}
         if len(assignments) < self.dims.world_size:
             if any(s["kind"] == "disk" for s in decision.sources.values()):
                 self._stop(g + 1, rec, f"{decision.reason}; no warm spare left to restart from "

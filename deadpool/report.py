@@ -61,7 +61,8 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
         },
         "recoveries": coord.recoveries,
         "final_digest": digest,
-        "final_loss": next((r["loss"] for r in reversed(rows) if r["step"] == cfg["num_steps"]), None),
+        # the last pipeline stage logs the loss (the mean of its data-parallel rank's batch)
+        "final_loss": _mean_loss(rows, cfg["num_steps"]),
         "wall_s": wall_s,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -78,12 +79,23 @@ def print_report(summary: dict, log=print) -> None:
             f"({rec['fault']}, detected by {rec['detected_by']}) -> spare slot {rec.get('spare_slot')}; "
             f"resumed at step {rec['resume_step']}, {rec['steps_recomputed']} step(s) recomputed; "
             f"{rec.get('outcome')}")
-        parts = ["detect_s", "plan_s", "rebuild_s", "transfer_s", "rollback_s", "first_step_s"]
+        parts = ["detect_s", "plan_s", "build_s", "rebuild_s", "transfer_s", "rollback_s", "first_step_s"]
         log("           " + "  ".join(f"{k[:-2]} {rec[k] * 1e3:.0f} ms" for k in parts
                                       if rec.get(k) is not None))
         for k in ("kill_to_training_s", "kill_to_first_step_s", "kill_to_protected_s"):
             if rec.get(k) is not None:
                 log(f"           {k[:-2].replace('_', ' ')}: {rec[k]:.3f} s")
+
+
+def _mean_loss(rows: list[dict], step: int) -> float | None:
+    """Mean of the losses logged for ``step`` (one per last-stage rank; tensor-parallel peers
+    log the same value), from the newest generation that logged it."""
+    at = [r for r in rows if r["step"] == step and r.get("loss") is not None]
+    if not at:
+        return None
+    gen = max(r["generation"] for r in at)
+    losses = [r["loss"] for r in at if r["generation"] == gen]
+    return round(sum(losses) / len(losses), 6)
 
 
 def compare_final_states(run_a: Path, run_b: Path) -> tuple[bool, str]:

@@ -441,12 +441,9 @@ class SnapshotEngine:
         raise KeyError(f"no replica of rank {owner} at step {step}")
 
     # -- state transfer to a rank that needs it (before replication starts) ---------------------
-    def region(self, flat: torch.Tensor, region: str, full: bool = True) -> torch.Tensor:
-        """The bytes of ``region`` in ``flat`` (a full state if ``full``, else a replica that
-        holds exactly ``self.repl_region``)."""
+    def region(self, flat: torch.Tensor, region: str) -> torch.Tensor:
+        """The bytes of ``region`` in a full state buffer of this rank's layout."""
         a, b = self.bounds[region]
-        if not full and self.repl_region != "all":
-            a, b = a - self.bounds["unique"][0], b - self.bounds["unique"][0]
         return flat[a:b]
 
     def verify_region(self, flat: torch.Tensor, region: str, crc: tuple) -> bool:
@@ -471,7 +468,12 @@ class SnapshotEngine:
             if rep.region != "all" and region != rep.region:
                 raise KeyError(f"the replica of rank {owner} holds the {rep.region} region, "
                                f"not {region}")
-            return self.region(rep.flat, region, full=rep.region == "all"), rep.header, rep.crc
+            if region == rep.region:
+                return rep.flat, rep.header, rep.crc
+            # a whole-state replica of another stage: cut at its owner's split, not ours
+            split = decode_header(rep.header)["layout"]["split"]
+            part = rep.flat[:split] if region == "shared" else rep.flat[split:]
+            return part, rep.header, rep.crc
         if step not in self.local_steps():
             if live_step != step:
                 raise KeyError(f"no state of step {step} to send (live state is at {live_step})")

@@ -276,6 +276,7 @@ class Worker:
             timing["transferred"] = timing["rolled_back"] = now()
             return
         sends, recvs = self.transfers(plan, rank)
+        mine = plan.sources[rank]
         if sends or recvs:
             self.position.set(S, "transfer")
             try:

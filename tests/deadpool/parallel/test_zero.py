@@ -4,6 +4,7 @@ Gradients are small multiples of 1/16, so their sum over ranks is exact in any o
 sharded result must then be bit-identical to one process running torch's AdamW on the mean."""
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -137,15 +138,14 @@ def test_survivors_leave_promptly_when_a_peer_never_posts(where):
         comm = build(n, r, master.port, generation=gen, poll_s=0.01)
         params = make_params()
         opt = ZeroOptimizer(params, dp_size=n, dp_rank=r, **HP)
+        if where == "step":
+            opt.reduce_grads(comm)
         if r == 2:  # hangs before the collective; the coordinator then aborts the generation
-            if where == "step":
-                opt.reduce_grads(comm)
             time.sleep(0.3)
             store.set(Keys(gen).abort, "rank 2 hung")
             t_abort = time.time()
             time.sleep(1.0)
             return t_abort
-        opt.reduce_grads(comm) if where == "step" else None
         with pytest.raises(Aborted, match="hung"):
             getattr(opt, where)(comm)
         left_after[r] = time.time()
@@ -191,3 +191,30 @@ def test_grads_accumulate_into_the_flat_buffer_and_dp1_matches_adamw():
     assert len(posted) == STEPS
     for p, q in zip(params, reference(1)[0]):
         assert torch.equal(p, q)
+
+
+def test_gloo_reduce_scatter_ignores_the_wait_timeout():
+    """Why gloo takes the all-reduce fallback (zero.REDUCE_SCATTER_BACKENDS): a polled wait on
+    its reduce-scatter blocks until the op ends (here: until the silent peer's group is gone),
+    while an all-gather's polled wait returns after the slice. If this starts failing, torch
+    made gloo's reduce-scatter pollable and "gloo" can join REDUCE_SCATTER_BACKENDS."""
+    master = master_store()
+
+    def rank_fn(r):
+        comm = build(2, r, master.port)
+        pg = comm.groups["dp"]
+        if r == 1:
+            time.sleep(0.6)  # never posts; its group is released when the thread ends
+            return None
+        took = {}
+        for name, post in [("all_gather", lambda: pg._allgather_base(torch.ones(8), torch.ones(4))),
+                           ("reduce_scatter",
+                            lambda: pg._reduce_scatter_base(torch.ones(4), torch.ones(8)))]:
+            work, t0 = post(), time.monotonic()
+            with pytest.raises(RuntimeError):
+                work.wait(timedelta(seconds=0.01))
+            took[name] = time.monotonic() - t0
+        return took
+
+    took = run_threads(rank_fn, 2)[0]
+    assert took["all_gather"] < 0.2 and took["reduce_scatter"] > 0.3

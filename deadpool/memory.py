@@ -168,7 +168,8 @@ def check_fits(cfg: dict) -> None:
     training state when it is swapped in); every rank is counted as the worst one, which errs
     on the safe side. Otherwise nothing is checked.
     """
-    p, ft, mem = cfg["parallel"], cfg.get("ft", {}), cfg.get("memory") or {}
+    p, ft = cfg["parallel"], cfg.get("ft", {})
+    mem = {k: v for k, v in (cfg.get("memory") or {}).items() if v is not None}  # null: not given
     mb = num_microbatches(cfg)
     cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
     est = estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),

@@ -122,13 +122,17 @@ def test_host_memory_per_node_is_checked_when_given(tmp_path):
 
 
 def test_tiny_3d_layout_on_cpu_passes(tmp_path):
-    validate(compose_train(["parallel=dp2_tp2_pp2"], tmp_path))
+    cfg = compose_train(["parallel=dp2_tp2_pp2"], tmp_path)
+    validate(cfg)
+    validate(dict(cfg, memory={"gpu_gb": None, "host_gb_per_node": None}))  # nulls: not given
 
 
 def test_cpu_run_too_big_for_this_machine_is_refused(tmp_path):
     cfg = compose_train(["model=llama_65b", "parallel=dp2"], tmp_path)
     with pytest.raises(ValueError, match=r"2 ranks \+ 1 spare\(s\) .* on this machine need"):
         check_fits(cfg)
+    with pytest.raises(ValueError, match=r"on this machine need"):
+        check_fits(dict(cfg, memory={"gpu_gb": None}))
 
 
 def test_readme_shows_the_current_table():

@@ -113,3 +113,17 @@ def test_unknown_policy_is_rejected():
 def test_coordinate_policies_take_the_legacy_call_too(name, cls):
     dims = ParallelDims(dp=4, ranks_per_node=2)
     assert tuple(cls()(r, 4, 2) for r in range(4)) == buddy_table(dims, name)
+
+
+@pytest.mark.parametrize("name", sorted(BUDDY_POLICIES))
+def test_the_a100_layouts_survive_any_node_loss_from_memory(name):
+    from pathlib import Path
+
+    import yaml
+
+    files = sorted((Path(__file__).resolve().parents[2] / "conf" / "parallel").glob("llama*_a100_*.yaml"))
+    assert len(files) == 8
+    for f in files:
+        p = yaml.safe_load(f.read_text())
+        dims = ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])
+        assert check_placement(dims, name) == [], f.name

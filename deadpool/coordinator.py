@@ -310,7 +310,8 @@ class Coordinator:
         swap = self.cfg["faults"].get("swap_routes")
         if swap and all(int(r) in decision.sources for r in swap):  # fault injection (see conf)
             a, b = (int(r) for r in swap)
-            decision.sources[a], decision.sources[b] = decision.sources[b], decision.sources[a]
+            src = decision.sources
+            src[a], src[b] = dict(src[b], owner=b), dict(src[a], owner=a)
         keep = self._reusable_groups(statuses, need, g + 1)
         rec["groups_kept"] = len(keep)
         plan = Plan(g + 1, "train", assignments, decision.resume_step, decision.sources,

@@ -53,6 +53,7 @@ class Trainer:
         self.stage = self.opt = self.engine = None
         self.params: list[torch.nn.Parameter] = []
         self.step = 0
+        self.dirty = False  # the live state is mid-update (see train)
         self.generation = 0
         self.rank: int | None = None
         self.metrics = open(metrics_path, "a", buffering=1)
@@ -104,7 +105,9 @@ class Trainer:
                 "rng_cpu": base64.b64encode(rng).decode()}
 
     def apply_header(self, header: dict) -> None:
+        """Called whenever the live state was just loaded (rollback, transfer, disk)."""
         self.step = int(header["step"])
+        self.dirty = False
         if header.get("rng_cpu") is not None:
             rng = bytearray(base64.b64decode(header["rng_cpu"]))
             torch.set_rng_state(torch.frombuffer(rng, dtype=torch.uint8).clone())
@@ -163,8 +166,12 @@ class Trainer:
             at(s, "optimizer")
             fire(s, "optimizer")
             self.engine.wait_copy()
+            # from here until the step ends the live state is torn (the shard is updated, the
+            # parameter all-gather may be cut by an abort): it must not be resumed from
+            self.dirty = True
             self.opt.step(comm)
             self.step += 1
+            self.dirty = False
             took = self.snapshots_on and self.step % interval == 0 and (
                 not self.ab_block or (self.step // self.ab_block) % 2 == 0)
             if took:

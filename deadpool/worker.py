@@ -254,7 +254,8 @@ class Worker:
             self.prev_comm = comm
             self.position.set(tr.step, "status")
             self.injector.fire(plan.resume_step, "status")
-            live = tr.step if self.has_state else None
+            # a rank cut inside its optimizer step holds a torn live state: only its snapshots count
+            live = tr.step if self.has_state and not tr.dirty else None
             eng = tr.engine
             st = RankStatus(rank, self.slot, live,
                             eng.local_steps() if self.has_state and eng is not None else [],
@@ -312,7 +313,7 @@ class Worker:
         peer, a replica it holds, or its parameters to a rank restored from a sharded replica)
         and which pieces it receives, as ``engine.transfer`` takes them."""
         tr, S, eng = self.trainer, plan.resume_step, self.trainer.engine
-        live = tr.step if self.has_state else None
+        live = tr.step if self.has_state and not tr.dirty else None
         sharded_repl = eng.repl_region  # what a replica holds: all | unique
         sends = []
         for dst, src in sorted(plan.sources.items()):
@@ -320,8 +321,9 @@ class Worker:
                 continue
             whole = src["kind"] == "peer" or "shared_from" not in src
             region = "all" if whole and (src["kind"] == "peer" or sharded_repl == "all") else "unique"
-            if src["holder"] == rank:
-                sends.append((dst, region, eng.outgoing(src["kind"], dst, S, live, tr.header, region)))
+            if src["holder"] == rank:  # ("owner" differs from dst only under faults.swap_routes)
+                sends.append((dst, region, eng.outgoing(src["kind"], src.get("owner", dst), S, live,
+                                                        tr.header, region)))
             if src.get("shared_from") == rank:
                 sends.append((dst, "shared", eng.outgoing("peer", dst, S, live, tr.header, "shared")))
         mine, recvs = plan.sources[rank], []

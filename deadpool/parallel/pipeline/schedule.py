@@ -74,6 +74,8 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
     b, t = tokens.shape
     if m < 1 or b % m:
         raise ValueError(f"{m} micro-batches do not divide the local batch of {b}")
+    if comm is not None:
+        assert comm.topo.coords["pp"] == stage.pp_rank, "stage built for other coordinates"
     hook = hook or (lambda phase: None)
     tok_mb, tgt_mb = tokens.split(b // m), targets.split(b // m)
     act_shape = stage.activation_shape(b // m, t)

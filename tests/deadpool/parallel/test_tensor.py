@@ -108,6 +108,8 @@ def test_a_rank_blocked_in_a_tp_allreduce_leaves_on_abort():
 
     def rank_fn(r):
         comm = tp_comm(master, r, generation=3)
+        comm.park()  # an aborted generation's groups stay referenced: deleting a group
+        # with an op in flight blocks until its timeout
         stage = build_stage(cfg, 0, pp_rank=0, pp=1, tp_rank=r, tp=TP)
         if r == 1:
             time.sleep(0.3)

@@ -22,6 +22,8 @@ from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
 from deadpool.planner import SOURCE_KINDS
+from deadpool.policies import check_placement
+from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches, resolve_backend  # noqa: F401 (re-exported)
 
@@ -97,6 +99,10 @@ def validate_layout(cfg: dict) -> None:
 
 def run_job(cfg: dict, log=print) -> dict:
     validate(cfg)
+    p = cfg["parallel"]
+    dims = ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])
+    for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique")):
+        log(f"[deadpool] placement warning: {warning}")
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     # the secret goes to the processes through their environment (local) or a 0600 file (SLURM),

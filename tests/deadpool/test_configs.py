@@ -18,7 +18,15 @@ def options(group):
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes(group, option, tmp_path, monkeypatch):
     monkeypatch.setenv("DEADPOOL_STORE_HOST", "127.0.0.1")
-    cfg = compose_train([f"{group}={option}"], tmp_path)
+    extra = []
+    if option.startswith("llama"):  # LLaMA models with their A100 layouts (memory of the GPU)
+        size = option.split("_")[1] if group == "model" else option.split("_")[0][5:]
+        extra = [f"model=llama_{size}", f"parallel=llama{size}_a100_80g" if group == "model"
+                 else f"parallel={option}", "memory.gpu_gb=80", "memory.host_gb_per_node=4096",
+                 "seq_len=1024", "batch_size=4"]
+    elif option == "kill_3d_two_ranks_swapped":
+        extra = ["parallel=dp2_tp2_pp2"]
+    cfg = compose_train([f"{group}={option}"] + extra, tmp_path)
     assert cfg["run_dir"] == str(tmp_path)
     assert cfg["ft"]["checkpoint_dir"] == f"{tmp_path}/checkpoints"
     if group != "model" or option != "gpt_1b":
@@ -33,13 +41,17 @@ def test_demo_experiment_is_what_the_readme_says(tmp_path):
 
 
 @pytest.mark.parametrize("override,msg", [
-    ("parallel.tp=2", "tensor and pipeline"),
+    ("parallel.tp=3", "not a multiple of ranks_per_node=4"),
+    ("model.n_heads=3", "n_heads=3 is not divisible by parallel.tp=2"),
+    ("parallel.pp=4", "fewer than parallel.pp=4"),
+    ("ft.replicate=half", "ft.replicate"),
     ("ft.num_spares=-1", "num_spares"),
     ("ft.heartbeat_timeout_s=0.05", "heartbeat_timeout_s"),
     ("faults=kill_last", None),
 ])
 def test_validation_names_the_bad_field(override, msg, tmp_path):
-    cfg = compose_train([override, "parallel=dp2"], tmp_path)
+    cfg = compose_train([override, "parallel=dp2"] + (
+        ["parallel.tp=2"] if override.startswith("model.n_heads") else []), tmp_path)
     if msg is None:  # kill_last targets rank 3, which dp2 does not have
         with pytest.raises(ValueError, match="ranks are 0..1"):
             validate(cfg)

@@ -139,7 +139,8 @@ def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_
         return comm
 
     run_threads(rank_fn, 2)
-    assert torch.equal(out["sent"], out["got"]) and out["header"] == {"step": 5}
+    assert torch.equal(out["sent"], out["got"]) and out["header"]["step"] == 5
+    assert out["header"]["layout"]["entries"][0][0] == "param/embed.weight"  # layout travels
     assert out["bad"] == (0, 0, 5)
     assert encode_header({"step": 5}) == b'{"step": 5}'
 

@@ -93,10 +93,10 @@ def test_no_spare_left_writes_a_dcp_checkpoint_that_resumes_to_the_same_state(re
 
 
 def test_bad_config_is_rejected_before_any_process_starts(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "deadpool.train", "parallel.tp=2",
+    p = subprocess.run([sys.executable, "-m", "deadpool.train", "parallel.tp=3",
                         f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert "tensor and pipeline" in p.stderr
+    assert "ranks_per_node" in p.stderr
     assert not (tmp_path / "logs").exists()
 
 

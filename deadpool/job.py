@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from deadpool import auth
+from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator, JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
@@ -57,6 +58,7 @@ def validate(cfg: dict) -> None:
             raise ValueError(f"fault {ev} names slot {ev['slot']}, but slots are 0..{slots - 1}")
         if not 0 <= int(ev["step"]) < int(cfg["num_steps"]):
             raise ValueError(f"fault {ev} is at step {ev['step']}, outside 0..{cfg['num_steps'] - 1}")
+    resolve_backend(cfg["device"], cfg.get("backend", "auto"))
     if cfg["device"].startswith("cuda"):
         import torch
         if not torch.cuda.is_available():

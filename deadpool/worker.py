@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool import auth, checkpoint
-from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost
+from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost, resolve_backend
 from deadpool.faults import FaultInjector
 from deadpool.protocol import Keys, Plan, RankStatus, Seal, now
 from deadpool.snapshot import CorruptState, checksum, decode_header
@@ -127,7 +127,7 @@ class Worker:
                                position=self.position)
         self.injector.on_corrupt = self.trainer.engine.corrupt_replicas
         self.run_dir = run_dir
-        self.backend = "nccl" if cfg["device"].startswith("cuda") else "gloo"
+        self.backend = resolve_backend(cfg["device"], cfg.get("backend", "auto"))
         self.has_state = False  # holds a rank's state (live step meaningful)
         self._idle_build_store = None
         self.position.set(-1, "idle")

@@ -393,6 +393,11 @@ def main(argv=None) -> None:
     secret = auth.load_secret()  # from the environment or a 0600 file; never logged
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     torch.set_num_threads(int(cfg.get("torch_num_threads", 1)))
+    if cfg.get("deterministic"):
+        # bitwise-reproducible kernels; cuBLAS needs a fixed workspace for that (read when its
+        # handle is created, so before any CUDA work)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if cfg["device"].startswith("cuda"):  # pragma: no cover - needs CUDA
         torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", 0))))
     code = 0

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The standing GPU checks (GPU-CHECKS.md), each bounded in time, results as JSON in OUT_DIR.
+#
+#   experiments/gpu/run_all.sh OUT_DIR [full|quick]
+#
+# full  (default, ~6-9 min on one H100): check 3 (20 NCCL generation cycles, + 2 with a missing
+#       peer), check 1 (gpt_1b, 1.41 B params, batch 8 and 16 x 1024 tokens), check 2 (hot-swap
+#       on CUDA, deterministic) and its control (deterministic algorithms off).
+# quick (~3 min): the GPU-marked tests, then each check at a small size, to verify the set-up.
+#
+# Needs python3 with torch (CUDA), hydra-core, omegaconf and pyyaml importable, run from anywhere.
+# Writes OUT_DIR/env.json, OUT_DIR/check_*.json and OUT_DIR/run_all.log (at most 8 files).
+set -u
+OUT=${1:?usage: run_all.sh OUT_DIR [full|quick]}
+MODE=${2:-full}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+HERE=experiments/gpu  # relative to ROOT: logs name no machine paths
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+exec > >(tee -a "$OUT/run_all.log") 2>&1
+cd "$ROOT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+
+step() {  # step NAME TIMEOUT_S CMD...: run bounded, log rc and seconds
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    local shown="$*"
+    echo "=== $name (limit ${limit}s): ${shown//$OUT/OUT_DIR}"
+    timeout -k 10 "$limit" "$@"
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - t0))s"
+}
+
+echo "=== start $(date -u +%FT%TZ) mode=$MODE"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true
+step env 60 "$PY" "$HERE/common.py" "$OUT/env.json"
+
+if [ "$MODE" = quick ]; then
+    step pytest-gpu 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/deadpool tests/integration
+    step nccl-cycle 60 "$PY" "$HERE/check_nccl_cycle.py" "$OUT" --cycles 3 --missing-peer-cycles 1 \
+        --wait-bound-s 8
+    step snapshot 120 "$PY" "$HERE/check_snapshot.py" "$OUT" --model small --batch-sizes 8 \
+        --seq-len 256 --rounds 2 --bw-bytes $((1 << 28))
+    step hotswap 120 "$PY" "$HERE/check_hotswap.py" "$OUT" --model tiny --steps 16 --timeout-s 110
+else
+    step nccl-cycle 100 "$PY" "$HERE/check_nccl_cycle.py" "$OUT" --cycles 20 --missing-peer-cycles 2 \
+        --wait-bound-s 10
+    step snapshot 200 "$PY" "$HERE/check_snapshot.py" "$OUT" --model gpt_1b --batch-sizes 8,16 \
+        --seq-len 1024 --rounds 6
+    step hotswap 140 "$PY" "$HERE/check_hotswap.py" "$OUT" --model small --steps 30 --timeout-s 130
+    step hotswap-control 110 "$PY" "$HERE/check_hotswap.py" "$OUT" --model small --steps 30 \
+        --no-deterministic --name check_hotswap_nondeterministic --timeout-s 100
+fi
+echo "=== end $(date -u +%FT%TZ)"

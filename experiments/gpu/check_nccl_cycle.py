@@ -15,7 +15,8 @@ One process, one GPU. Each cycle ("generation" g) mirrors what a DeadPool rank d
 4. the group is dropped; GPU memory (``torch.cuda.memory_allocated/reserved``, ``mem_get_info``,
    nvidia-smi for this process) and open file descriptors / threads are recorded.
 
-Growth over the cycles is reported (last vs second cycle). With ``--missing-peer-cycles N`` it then
+``--pending none`` aborts an idle group instead (the all-reduce already finished): the cost of
+the teardown alone. Growth over the cycles is reported (last vs second cycle). With ``--missing-peer-cycles N`` it then
 runs N cycles of a world-size-2 group whose peer never joins (the main thread blocks in the
 communicator's set-up inside the first all-reduce; the watcher aborts): what a survivor sees when
 a peer died during a rebuild. Results are written after every cycle, so a crash or a hang still
@@ -73,9 +74,11 @@ def memory() -> dict:
             "device_used_mib": (total - free) // 2**20, **gpu_used_by_pid()}
 
 
-def new_group(store, g: int, size: int, timeout_s: float):
+def new_group(store, g: int, size: int, timeout_s: float, nonblocking: bool = False):
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
+    if nonblocking:  # NCCL's non-blocking communicator (init and abort return at once)
+        opts.config.blocking = 0
     return dist.ProcessGroupNCCL(dist.PrefixStore(f"gen{g}/", store), 0, size, opts)
 
 
@@ -140,10 +143,16 @@ def cycle(store, g: int, dev, args, cyc_per_ms: float) -> dict:
     rec["collectives_ok"] = bool(torch.all(x == g + 1)) and bool(torch.equal(out[0], y))
     rec["collectives_s"] = time.perf_counter() - t2
 
-    # a pending collective; the main thread polls it; a watcher aborts the group
+    # a pending collective (queued behind a GPU sleep; with --pending none the all-reduce is
+    # finished before the abort: the abort then costs only the teardown); the main thread polls
+    # it; a watcher aborts the group
     z = torch.ones(1 << 20, device=dev)
-    torch.cuda._sleep(int(args.sleep_ms * cyc_per_ms))  # the all-reduce queues behind this
+    if args.pending == "sleep":
+        torch.cuda._sleep(int(args.sleep_ms * cyc_per_ms))  # the all-reduce queues behind this
     work = pg.allreduce([z])
+    if args.pending == "none":
+        while not work.is_completed():
+            time.sleep(0.0005)
     abort_info: dict = {}
 
     def watcher():
@@ -160,9 +169,11 @@ def cycle(store, g: int, dev, args, cyc_per_ms: float) -> dict:
     t_wait = time.perf_counter()
     w_thread.start()
     how = None
+    t_done = None
     while True:
         try:
             if work.is_completed():
+                t_done = time.perf_counter()
                 how = "completed"
                 try:
                     work.wait()
@@ -185,6 +196,9 @@ def cycle(store, g: int, dev, args, cyc_per_ms: float) -> dict:
     rec["abort_error"] = abort_info.get("error")
     rec["main_left_wait"] = how
     rec["main_left_after_abort_start_s"] = (t_left - abort_info["t_start"]) if "t_start" in abort_info else None
+    if t_done is not None and "t_end" in abort_info:
+        # > 0: the work completed before abort() returned (the abort waited for it, or it was done)
+        rec["abort_returned_after_work_done_s"] = abort_info["t_end"] - t_done
     rec["work_completed_flag"] = work.is_completed() if how and "raised" not in how else None
     # the GPU still runs the sleep kernel (an abort does not stop kernels already queued)
     fin, err = run_bounded(torch.cuda.synchronize, args.wait_bound_s)
@@ -205,8 +219,8 @@ def cycle(store, g: int, dev, args, cyc_per_ms: float) -> dict:
 def missing_peer_cycle(store, g: int, dev, args) -> dict:
     """World size 2, the peer never comes: the main thread blocks inside the first all-reduce
     (the communicator waits for rank 1); the watcher aborts."""
-    rec: dict = {"gen": g, "world_size": 2}
-    pg = new_group(store, g, 2, args.pg_timeout_s)
+    rec: dict = {"gen": g, "world_size": 2, "nonblocking": args.missing_peer_nonblocking}
+    pg = new_group(store, g, 2, args.pg_timeout_s, nonblocking=args.missing_peer_nonblocking)
     box: dict = {}
     t = torch.ones(1 << 10, device=dev)
 
@@ -262,7 +276,11 @@ def main() -> None:
     ap.add_argument("--abort-after-ms", type=float, default=100.0)
     ap.add_argument("--wait-bound-s", type=float, default=15.0)
     ap.add_argument("--pg-timeout-s", type=float, default=60.0)
+    ap.add_argument("--pending", choices=["sleep", "none"], default="sleep",
+                    help="sleep: the aborted all-reduce is queued behind a GPU sleep; none: it is done")
     ap.add_argument("--missing-peer-cycles", type=int, default=0)
+    ap.add_argument("--missing-peer-nonblocking", action="store_true",
+                    help="missing-peer groups use NCCL's non-blocking communicator (config.blocking=0)")
     ap.add_argument("--name", default="check_nccl_cycle", help="output file stem")
     args = ap.parse_args()
     out_path = Path(args.out_dir) / f"{args.name}.json"

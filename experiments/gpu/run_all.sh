@@ -3,9 +3,10 @@
 #
 #   experiments/gpu/run_all.sh OUT_DIR [full|quick]
 #
-# full  (default, ~6-9 min on one H100): check 3 (20 NCCL generation cycles, + 2 with a missing
-#       peer), check 1 (gpt_1b, 1.41 B params, batch 8 and 16 x 1024 tokens), check 2 (hot-swap
-#       on CUDA, deterministic) and its control (deterministic algorithms off).
+# full  (default, ~5-9 min on one H100): check 3 (20 NCCL generation cycles and one with a missing
+#       peer), check 1 (gpt_1b, 1.41 B params, batch 4, 8 and 12 x 1024 tokens), check 2 (hot-swap
+#       on CUDA, deterministic), then variants: idle-group aborts and missing peers on a
+#       non-blocking communicator, and the hot-swap with deterministic algorithms off.
 # quick (~3 min): the GPU-marked tests, then each check at a small size, to verify the set-up.
 #
 # Needs python3 with torch (CUDA), hydra-core, omegaconf and pyyaml importable, run from anywhere.
@@ -43,12 +44,15 @@ if [ "$MODE" = quick ]; then
         --seq-len 256 --rounds 2 --bw-bytes $((1 << 28))
     step hotswap 120 "$PY" "$HERE/check_hotswap.py" "$OUT" --model tiny --steps 16 --timeout-s 110
 else
-    step nccl-cycle 100 "$PY" "$HERE/check_nccl_cycle.py" "$OUT" --cycles 20 --missing-peer-cycles 2 \
-        --wait-bound-s 10
-    step snapshot 200 "$PY" "$HERE/check_snapshot.py" "$OUT" --model gpt_1b --batch-sizes 8,16 \
+    step nccl-cycle 80 "$PY" "$HERE/check_nccl_cycle.py" "$OUT" --cycles 20 --missing-peer-cycles 1 \
+        --wait-bound-s 8
+    step snapshot 240 "$PY" "$HERE/check_snapshot.py" "$OUT" --model gpt_1b --batch-sizes 8,12,4 \
         --seq-len 1024 --rounds 6
-    step hotswap 140 "$PY" "$HERE/check_hotswap.py" "$OUT" --model small --steps 30 --timeout-s 130
-    step hotswap-control 110 "$PY" "$HERE/check_hotswap.py" "$OUT" --model small --steps 30 \
-        --no-deterministic --name check_hotswap_nondeterministic --timeout-s 100
+    step hotswap 120 "$PY" "$HERE/check_hotswap.py" "$OUT" --model small --steps 30 --timeout-s 110
+    # variants: abort of an idle group (teardown cost); a missing peer on a non-blocking communicator
+    step nccl-cycle-variants 60 "$PY" "$HERE/check_nccl_cycle.py" "$OUT" --cycles 5 --pending none \
+        --missing-peer-cycles 2 --missing-peer-nonblocking --wait-bound-s 8 --name check_nccl_cycle_variants
+    step hotswap-control 90 "$PY" "$HERE/check_hotswap.py" "$OUT" --model small --steps 30 \
+        --no-deterministic --name check_hotswap_nondeterministic --timeout-s 80
 fi
 echo "=== end $(date -u +%FT%TZ)"

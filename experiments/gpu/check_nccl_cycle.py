@@ -345,7 +345,7 @@ def main() -> None:
             res["missing_peer"].append(rec)
             write_json(out_path, res)
             print(f"missing-peer cycle {k}: {rec}", flush=True)
-    print(f"wrote {out_path}", flush=True)
+    print(f"wrote {out_path.name}", flush=True)
     sys.stdout.flush()
     os._exit(0)  # threads left inside an aborted group must not hold the exit up
 

@@ -285,7 +285,7 @@ def main() -> None:
     res["last_copy_plus_crc_s"] = eng.last_copy_s  # the copier's latest copy + CRC (it lags)
     res["wall_s"] = time.perf_counter() - t0
     write_json(out_path, res)
-    print(f"wrote {out_path}", flush=True)
+    print(f"wrote {out_path.name}", flush=True)
     sys.stdout.flush()
     os._exit(0)  # the copier thread may still be checksumming a GB-scale slot
 

@@ -102,6 +102,35 @@ def bandwidths(nbytes: int, reps: int) -> dict:
     out["d2h_pageable_torch"] = gbps(t)
     raw = out["d2h_pinned_cudaMemcpyAsync"].get("median_gbps") or out["d2h_pinned_torch"]["median_gbps"]
     out["raw_pinned_d2h_gbps"] = raw
+    # small transfers on the default stream while a large D2H copy runs on another stream: do
+    # they queue behind it (one copy engine per direction)?
+    small = torch.ones(1, device="cuda")
+    small_h = torch.empty(1).pin_memory()
+    probe = {}
+    for label, busy in (("idle", False), ("during_big_d2h", True)):
+        reads, h2d, pin_reads = [], [], []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            if busy:
+                with torch.cuda.stream(stream):
+                    pinned.copy_(src, non_blocking=True)
+            t0 = time.perf_counter()
+            small.item()  # pageable D2H + sync of the default stream (a loss.item())
+            reads.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            small.copy_(small_h, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            h2d.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            small_h.copy_(small, non_blocking=True)  # a read into pinned memory instead
+            torch.cuda.current_stream().synchronize()
+            pin_reads.append(time.perf_counter() - t0)
+            stream.synchronize()
+        probe[label] = {"item_ms": statistics.median(reads) * 1e3,
+                        "small_h2d_ms": statistics.median(h2d) * 1e3,
+                        "small_pinned_d2h_ms": statistics.median(pin_reads) * 1e3}
+    probe["big_d2h_ms"] = nbytes / out["d2h_pinned_torch"]["median_gbps"] / 1e6
+    out["small_transfer_probe"] = probe
     # CRC32 as the copier thread computes it (zlib over the pinned buffer)
     n = min(nbytes, 1 << 30)
     view = pinned[:n].numpy()
@@ -127,11 +156,16 @@ def host_mem_reading() -> dict:
 
 
 def ab_run(model, opt, eng, corpus, vocab: int, bs: int, seq: int, rounds: int, block: int,
-           warmup_blocks: int = 2) -> dict:
+           warmup_blocks: int = 2, accum: int = 1, loss_read: str = "next") -> dict:
+    """``accum`` micro-batches of ``bs`` per optimizer step. ``loss_read``: when the loss is read
+    on the host: ``item`` after the snapshot is issued, inside the step (as the runtime's trainer
+    logs it); ``next`` the same, timed into the next step (the first version of this check);
+    ``deferred`` only after the run (no device-to-host transfer on the main stream meanwhile)."""
     batches = []
     for i in range(4):
         x, y = corpus.batch(1000 + i, 0, bs, seq)
         batches.append((x.cuda(), y.cuda()))
+    losses = []
     main = torch.cuda.current_stream()
     torch.cuda.reset_peak_memory_stats()
     rows = []
@@ -141,11 +175,12 @@ def ab_run(model, opt, eng, corpus, vocab: int, bs: int, seq: int, rounds: int, 
     for i in range(n_steps):
         blk = i // block
         take = blk % 2 == 0
-        x, y = batches[i % len(batches)]
         blocked0 = eng.blocked_s
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, y)
-        loss.backward()
+        for m in range(accum):
+            x, y = batches[(i * accum + m) % len(batches)]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, y)
+            (loss / accum if accum > 1 else loss).backward()
         a, b = _events()
         a.record()
         eng.wait_copy()
@@ -157,12 +192,24 @@ def ab_run(model, opt, eng, corpus, vocab: int, bs: int, seq: int, rounds: int, 
             t0 = time.perf_counter()
             eng.snapshot(i + 1, {"step": i + 1})
             issue = time.perf_counter() - t0
+        read = 0.0
+        if loss_read == "item":
+            t0 = time.perf_counter()
+            loss_v = loss.item()
+            read = time.perf_counter() - t0
         main.synchronize()
         t = time.perf_counter()
         rows.append({"i": i, "take": take, "dt": t - t_prev, "stall": a.elapsed_time(b) / 1e3,
-                     "blocked": eng.blocked_s - blocked0, "issue": issue,
-                     "loss": float(loss.detach())})
+                     "blocked": eng.blocked_s - blocked0, "issue": issue, "loss_read": read})
+        if loss_read == "next":
+            rows[-1]["loss"] = float(loss.detach())  # charged to the next step's time
+        elif loss_read == "item":
+            rows[-1]["loss"] = loss_v
+        else:
+            losses.append(loss.detach())
         t_prev = t
+    for r, v in zip(rows, torch.stack(losses).tolist() if losses else []):
+        r["loss"] = v
     keep = [r for r in rows if r["i"] >= warmup_blocks * block and r["i"] % block]
     on = [r for r in keep if r["take"]]
     off = [r for r in keep if not r["take"]]
@@ -176,7 +223,8 @@ def ab_run(model, opt, eng, corpus, vocab: int, bs: int, seq: int, rounds: int, 
         if b_on and b_off:
             pairs.append(statistics.median(b_on) / statistics.median(b_off))
     return {
-        "batch_size": bs, "seq_len": seq, "tokens_per_step": bs * seq,
+        "batch_size": bs, "accum": accum, "loss_read": loss_read, "seq_len": seq,
+        "tokens_per_step": bs * seq * accum,
         "steps_total": n_steps, "samples_on": len(on), "samples_off": len(off),
         "step_s_on": _q([r["dt"] for r in on]), "step_s_off": _q([r["dt"] for r in off]),
         "ratio_on_off_median": med_on / med_off,
@@ -185,6 +233,8 @@ def ab_run(model, opt, eng, corpus, vocab: int, bs: int, seq: int, rounds: int, 
         "gpu_stall_ms_off": _q([r["stall"] * 1e3 for r in off]),
         "cpu_blocked_ms_on": _q([r["blocked"] * 1e3 for r in on]),
         "cpu_issue_ms_on": _q([r["issue"] * 1e3 for r in on]),
+        "loss_item_ms_on": _q([r["loss_read"] * 1e3 for r in on]),
+        "loss_item_ms_off": _q([r["loss_read"] * 1e3 for r in off]),
         "training_thread_ms_per_step_on": _q([(r["blocked"] + r["issue"]) * 1e3 for r in on]),
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
@@ -197,6 +247,9 @@ def main() -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--model", default="gpt_1b", help="conf/model/<name>.yaml")
     ap.add_argument("--batch-sizes", default="8,16")
+    ap.add_argument("--configs", default=None,
+                    help="A/B runs as BS:ACCUM:LOSS_READ,... (LOSS_READ: item|next|deferred); "
+                         "default: each of --batch-sizes as BS:1:next")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=6, help="on/off block pairs per batch size")
     ap.add_argument("--block", type=int, default=4)
@@ -270,17 +323,21 @@ def main() -> None:
 
     corpus = SyntheticCorpus(mcfg["vocab_size"], 0)
     res["ab"] = []
-    for bs in [int(b) for b in args.batch_sizes.split(",") if b]:
+    configs = [c.split(":") for c in args.configs.split(",")] if args.configs else \
+        [(b, "1", "next") for b in args.batch_sizes.split(",") if b]
+    for bs, accum, loss_read in configs:
+        bs, accum = int(bs), int(accum)
         try:
             r = ab_run(model, opt, eng, corpus, mcfg["vocab_size"], bs, args.seq_len, args.rounds,
-                       args.block)
+                       args.block, accum=accum, loss_read=loss_read)
         except torch.cuda.OutOfMemoryError as e:
-            r = {"batch_size": bs, "seq_len": args.seq_len, "error": f"OOM: {str(e)[:200]}"}
+            r = {"batch_size": bs, "accum": accum, "seq_len": args.seq_len,
+                 "error": f"OOM: {str(e)[:200]}"}
         opt.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         res["ab"].append(r)
         brief = {k: v for k, v in r.items() if k != "steps"}
-        print(f"A/B bs={bs}: {brief}", flush=True)
+        print(f"A/B bs={bs} accum={accum} loss_read={loss_read}: {brief}", flush=True)
         write_json(out_path, res)
     res["last_copy_plus_crc_s"] = eng.last_copy_s  # the copier's latest copy + CRC (it lags)
     res["wall_s"] = time.perf_counter() - t0

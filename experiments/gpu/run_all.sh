@@ -3,9 +3,10 @@
 #
 #   experiments/gpu/run_all.sh OUT_DIR [full|quick]
 #
-# full  (default, ~5-9 min on one H100): check 3 (20 NCCL generation cycles and one with a missing
-#       peer), check 1 (gpt_1b, 1.41 B params, batch 4, 8 and 12 x 1024 tokens), check 2 (hot-swap
-#       on CUDA, deterministic), then variants: idle-group aborts and missing peers on a
+# full  (default, ~8-10 min on one H100): check 3 (20 NCCL generation cycles and one with a missing
+#       peer), check 1 (gpt_1b, 1.41 B params, batch 4, 8 and 12 x 1024 tokens, loss read every
+#       step; then batch 8 x 1 or 4 micro-batches, loss read deferred or every step), check 2
+#       (hot-swap on CUDA, deterministic), then variants: idle-group aborts and missing peers on a
 #       non-blocking communicator, and the hot-swap with deterministic algorithms off.
 # quick (~3 min): the GPU-marked tests, then each check at a small size, to verify the set-up.
 #
@@ -49,6 +50,9 @@ else
     step snapshot 240 "$PY" "$HERE/check_snapshot.py" "$OUT" --model gpt_1b --batch-sizes 8,12,4 \
         --seq-len 1024 --rounds 6
     step hotswap 120 "$PY" "$HERE/check_hotswap.py" "$OUT" --model small --steps 30 --timeout-s 110
+    # the same model with the loss read only after the run, and 4 micro-batches per step
+    step snapshot-overlap 240 "$PY" "$HERE/check_snapshot.py" "$OUT" --model gpt_1b --seq-len 1024 \
+        --configs 8:1:deferred,8:4:deferred,8:4:item --rounds 4 --name check_snapshot_overlap
     # variants: abort of an idle group (teardown cost); a missing peer on a non-blocking communicator
     step nccl-cycle-variants 60 "$PY" "$HERE/check_nccl_cycle.py" "$OUT" --cycles 5 --pending none \
         --missing-peer-cycles 2 --missing-peer-nonblocking --wait-bound-s 8 --name check_nccl_cycle_variants

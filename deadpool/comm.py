@@ -65,6 +65,25 @@ class CoordinatorLost(RuntimeError):
     """The coordinator stopped answering (its heartbeat stopped, or its store is gone)."""
 
 
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_backend(device: str, backend: str = "auto") -> str:
+    """The backend of the training groups (dp, tp, pipeline): ``auto`` is nccl on CUDA, gloo on CPU.
+
+    gloo also reduces CUDA tensors (staged through host memory): use it to run several ranks on
+    one GPU, which NCCL refuses. The replication group is gloo whatever this says.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    cuda = device.startswith("cuda")
+    if backend == "auto":
+        return "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend=nccl needs device=cuda")
+    return backend
+
+
 def _new_group(backend: str, store, prefix: str, rank: int, size: int, timeout_s: float):
     pstore = dist.PrefixStore(prefix, store)
     if backend == "gloo":

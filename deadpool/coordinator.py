@@ -36,12 +36,11 @@ import time
 from dataclasses import dataclass
 
 from deadpool import checkpoint
-from deadpool.comm import rank_groups, reusable_groups
+from deadpool.comm import rank_groups, resolve_backend, reusable_groups
 from deadpool.planner import plan_resume
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.auth import AuthError
 from deadpool.protocol import Keys, Plan, RankStatus, Seal
-from deadpool.settings import resolve_backend
 from deadpool.topology import ParallelDims, Topology
 from deadpool.watchdog import Liveness
 
@@ -432,7 +431,8 @@ class Coordinator:
     def _reusable_groups(self, statuses, replaced, generation: int) -> list[str]:
         """``ft.rebuild=affected``: groups survivors may keep (``comm.reusable_groups``); on NCCL
         every group is rebuilt (the abort watcher has aborted them to free the streams)."""
-        if self.ft.get("rebuild", "affected") != "affected" or resolve_backend(self.cfg) != "gloo":
+        backend = resolve_backend(self.cfg["device"], self.cfg.get("backend", "auto"))
+        if self.ft.get("rebuild", "affected") != "affected" or backend != "gloo":
             return []
         members = {}
         for r in range(self.dims.world_size):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from deadpool import auth
+from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator, JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
@@ -25,7 +26,7 @@ from deadpool.planner import SOURCE_KINDS
 from deadpool.policies import check_placement
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
-from deadpool.settings import num_microbatches, resolve_backend  # noqa: F401 (re-exported)
+from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 
 
 def validate(cfg: dict) -> None:
@@ -64,8 +65,7 @@ def validate(cfg: dict) -> None:
         if not 0 <= int(ev["step"]) < int(cfg["num_steps"]):
             raise ValueError(f"fault {ev} is at step {ev['step']}, outside 0..{cfg['num_steps'] - 1}")
     backend = cfg.get("backend", "auto")
-    if backend not in ("auto", "nccl", "gloo"):
-        raise ValueError(f"backend must be auto, nccl or gloo, got {backend!r}")
+    resolve_backend(cfg["device"], backend)
     if cfg["device"].startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
@@ -74,8 +74,6 @@ def validate(cfg: dict) -> None:
         if (backend != "gloo" and cfg["launcher"]["name"] == "local" and slots > n_gpu):
             raise ValueError(f"NCCL needs one GPU per process: {slots} processes (ranks + spares) "
                              f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs")
-    elif backend == "nccl":
-        raise ValueError("backend=nccl needs device=cuda")
     check_fits(cfg)
 
 

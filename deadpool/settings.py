@@ -3,15 +3,6 @@
 from __future__ import annotations
 
 
-def resolve_backend(cfg: dict) -> str:
-    """``backend``: auto (NCCL on CUDA, gloo on CPU) | nccl | gloo (gloo also takes CUDA tensors:
-    several ranks sharing one GPU, which NCCL refuses)."""
-    b = cfg.get("backend", "auto")
-    if b == "auto":
-        return "nccl" if cfg["device"].startswith("cuda") else "gloo"
-    return b
-
-
 def num_microbatches(cfg: dict) -> int:
     """``parallel.microbatches``; ``auto``: 1 without pipelining, else 2 x pp (1F1B keeps every
     stage busy once there are at least pp micro-batches), at most the batch size."""

@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 from deadpool import auth, checkpoint
-from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost
+from deadpool.comm import Aborted, CollectiveError, Communicator, CoordinatorLost, resolve_backend
 from deadpool.faults import FaultInjector
-from deadpool.settings import resolve_backend
 from deadpool.protocol import Keys, Plan, RankStatus, Seal, now
 from deadpool.snapshot import CorruptState, StateLayout, decode_header
 from deadpool.topology import ParallelDims, Topology
@@ -128,7 +127,7 @@ class Worker:
                                position=self.position)
         self.injector.on_corrupt = lambda: self.trainer.engine.corrupt_replicas()
         self.run_dir = run_dir
-        self.backend = resolve_backend(cfg)
+        self.backend = resolve_backend(cfg["device"], cfg.get("backend", "auto"))
         self.has_state = False  # holds a rank's state (live step meaningful)
         self._idle_build_store = None
         self.prev_comm: Communicator | None = None  # the last aborted generation's (groups kept)
@@ -469,6 +468,11 @@ def main(argv=None) -> None:
     secret = auth.load_secret()  # from the environment or a 0600 file; never logged
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     torch.set_num_threads(int(cfg.get("torch_num_threads", 1)))
+    if cfg.get("deterministic"):
+        # bitwise-reproducible kernels; cuBLAS needs a fixed workspace for that (read when its
+        # handle is created, so before any CUDA work)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if cfg["device"].startswith("cuda"):  # pragma: no cover - needs CUDA
         torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", 0))))
     code = 0

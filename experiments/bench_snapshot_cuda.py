@@ -2,6 +2,10 @@
 
     python experiments/bench_snapshot_cuda.py [--model gpt_1b] [--steps 30] [--batch-size 8] [--seq-len 1024]
 
+Superseded by experiments/gpu/check_snapshot.py: this script synchronises the whole device
+around each step, which waits for the side-stream copy too, so it measures snapshots serialised
+with the step, not overlapped.
+
 Single process, no replication: this isolates what the snapshot costs the GPU's critical path
 (side-stream copies into pinned host memory overlapping forward/backward, and the wait before the
 optimizer step). Steps alternate in blocks of 4 between snapshotting and not (in-run A/B).

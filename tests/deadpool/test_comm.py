@@ -3,7 +3,7 @@ import time
 import pytest
 import torch
 
-from deadpool.comm import Aborted, Communicator
+from deadpool.comm import Aborted, Communicator, resolve_backend
 from deadpool.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
@@ -95,3 +95,14 @@ def test_a_kept_group_is_taken_over_and_still_works():
     for t, counts in run_threads(rank_fn, 4):
         assert torch.equal(t, torch.full((2,), 8.0))
         assert all(c == [1, 1] for k, c in counts.items() if k.startswith("tp/"))
+
+
+def test_backend_auto_follows_the_device_and_gloo_may_carry_cuda_tensors():
+    assert resolve_backend("cpu") == "gloo"
+    assert resolve_backend("cuda") == "nccl"
+    assert resolve_backend("cuda:1", "auto") == "nccl"
+    assert resolve_backend("cuda", "gloo") == "gloo"  # several ranks sharing one GPU
+    with pytest.raises(ValueError, match="needs device=cuda"):
+        resolve_backend("cpu", "nccl")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cpu", "mpi")

@@ -47,6 +47,7 @@ def test_demo_experiment_is_what_the_readme_says(tmp_path):
     ("ft.replicate=half", "ft.replicate"),
     ("ft.num_spares=-1", "num_spares"),
     ("ft.heartbeat_timeout_s=0.05", "heartbeat_timeout_s"),
+    ("backend=nccl", "backend=nccl needs device=cuda"),
     ("faults=kill_last", None),
 ])
 def test_validation_names_the_bad_field(override, msg, tmp_path):

@@ -91,7 +91,12 @@ def _new_group(backend: str, store, prefix: str, rank: int, size: int, timeout_s
     if backend == "nccl":  # pragma: no cover - needs CUDA
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
-        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
+        pg = dist.ProcessGroupNCCL(pstore, rank, size, opts)
+        # NCCL connects lazily, at the first collective: a peer lost between the rebuild and
+        # that collective would hang the training thread where no abort frees it (measured:
+        # experiments/results/gpu). Connect now, inside the abortable build.
+        pg.allreduce([torch.zeros(1, device="cuda")]).wait()
+        return pg
     raise ValueError(f"unknown backend {backend!r} (gloo | nccl)")
 
 
@@ -136,7 +141,11 @@ class Communicator:
         gstore = store_factory() if store_factory is not None else store
         self.build_store = gstore  # free again once the build is done (callers may reuse it)
 
+        device = torch.cuda.current_device() if backend == "nccl" else None
+
         def make():
+            if device is not None:  # pragma: no cover - needs CUDA
+                torch.cuda.set_device(device)  # the helper thread's device is not the caller's
             self.fault_hook(step, "rebuild")
             for name, key, ranks, repl in rank_groups(topo):
                 old = previous.by_key(key) if previous is not None and key in keep else None

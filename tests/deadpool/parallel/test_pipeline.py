@@ -105,9 +105,12 @@ def test_a_stage_waiting_for_a_gradient_leaves_on_abort():
         pass
 
     def rank_fn(r):
-        comm = Communicator.build(Topology(dims, r, 5), client(master.port), poll_s=0.01)
-        comm.park()  # an aborted generation's groups stay referenced: deleting a group
-        # with an op in flight blocks until its timeout
+        # the abandoned receive stays in flight until the groups' timeout (5 s here, so that
+        # the process does not wait for it at exit); the groups stay referenced as a parked
+        # generation's do (deleting a group with an op in flight blocks)
+        comm = Communicator.build(Topology(dims, r, 5), client(master.port), poll_s=0.01,
+                                  timeout_s=5.0)
+        comm.park()
         stage = build_stage(TINY, SEED, pp_rank=r, pp=2, tp_rank=0, tp=1)
         x, y = batch(4)
         if r == 1:

@@ -19,9 +19,10 @@ TP = 2
 close = dict(rtol=1e-5, atol=1e-6)
 
 
-def tp_comm(master, r, tp=TP, generation=0):
+def tp_comm(master, r, tp=TP, generation=0, timeout_s=120.0):
     dims = ParallelDims(1, tp, 1, ranks_per_node=tp)
-    return Communicator.build(Topology(dims, r, generation), client(master.port), poll_s=0.01)
+    return Communicator.build(Topology(dims, r, generation), client(master.port), poll_s=0.01,
+                              timeout_s=timeout_s)
 
 
 def randn(*shape, seed=0):
@@ -107,9 +108,10 @@ def test_a_rank_blocked_in_a_tp_allreduce_leaves_on_abort():
     master = master_store()
 
     def rank_fn(r):
-        comm = tp_comm(master, r, generation=3)
-        comm.park()  # an aborted generation's groups stay referenced: deleting a group
-        # with an op in flight blocks until its timeout
+        # the abandoned all-reduce stays in flight until the group's timeout (5 s: the process
+        # must not wait for it at exit); the group stays referenced, as a parked generation's
+        comm = tp_comm(master, r, generation=3, timeout_s=5.0)
+        comm.park()
         stage = build_stage(cfg, 0, pp_rank=0, pp=1, tp_rank=r, tp=TP)
         if r == 1:
             time.sleep(0.3)

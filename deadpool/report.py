@@ -39,7 +39,8 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
             h.update(finals[r]["digest"].encode())
         digest = h.hexdigest()
     gen0 = [r for r in rows if r["generation"] == 0 and r["step"] > 1]  # step 1 includes warm-up
-    state_bytes = next((f["state_bytes"] for f in finals.values()), None)
+    state_bytes = max((f["state_bytes"] for f in finals.values()), default=None)
+    repl_bytes = max((f.get("replicated_bytes", 0) for f in finals.values()), default=None)
     n_params = next((f["model_params"] for f in finals.values()), None)
     p = cfg["parallel"]
     summary = {
@@ -49,7 +50,8 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
         "num_spares": int(cfg["ft"]["num_spares"]),
         "dp": p["dp"], "tp": p["tp"], "pp": p["pp"],
         "model_params": n_params,
-        "state_bytes_per_rank": state_bytes,
+        "state_bytes_per_rank": state_bytes,          # the largest rank's
+        "replicated_bytes_per_rank_per_snapshot": repl_bytes,
         "steps": int(cfg["num_steps"]),
         "step_time_s": _median(r["step_time_s"] for r in gen0),
         "snapshot": {

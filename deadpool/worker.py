@@ -449,6 +449,9 @@ class Worker:
         self.store.set(Keys.final(rank), json.dumps({
             "digest": tr.digest(), "step": tr.step, "slot": self.slot,
             "state_bytes": tr.engine.layout.nbytes,
+            # what this rank sends its buddy per snapshot (snapshot.py's regions)
+            "replicated_bytes": 0 if tr.engine.repl_region == "none" else
+            tr.engine.bounds[tr.engine.repl_region][1] - tr.engine.bounds[tr.engine.repl_region][0],
             "model_params": sum(p.numel() for p in tr.params)}))
 
 

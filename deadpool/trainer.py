@@ -61,9 +61,10 @@ class Trainer:
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
         self.position = position or Progress()
 
-    def build(self, dims: ParallelDims, rank: int) -> float:
+    def build(self, dims: ParallelDims, rank: int, init: bool = True) -> float:
         """Build the stage, optimizer and snapshot engine of ``rank``'s coordinates (a no-op if
-        already built for them). Returns the seconds it took (0 when nothing was built)."""
+        already built for them). Returns the seconds it took (0 when nothing was built).
+        ``init=False`` leaves the values undrawn: a spare's state arrives by transfer."""
         coords = dims.coords(rank)
         if coords == self.coords:
             return 0.0
@@ -72,7 +73,7 @@ class Trainer:
         if self.engine is not None:
             self.engine.close()
         self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
-                                 tp_rank=coords["tp"], tp=dims.tp, device=self.device)
+                                 tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init)
         self.params = list(self.stage.parameters())
         shard = bool(cfg["parallel"].get("zero", True)) and dims.dp > 1
         self.opt = ZeroOptimizer(self.params, dp_size=dims.dp, dp_rank=coords["dp"], lr=cfg["lr"],

@@ -215,7 +215,8 @@ class Worker:
         comm = None
         try:
             self.position.set(plan.resume_step, "build")
-            built_s = tr.build(self.dims, rank)  # a spare builds its rank's stage now
+            # a spare builds its rank's stage now, undrawn when its state will come by transfer
+            built_s = tr.build(self.dims, rank, init=plan.generation == 0)
             if built_s:
                 timing["built"] = now()
             self.position.set(plan.resume_step, "rebuild")

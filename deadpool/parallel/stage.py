@@ -85,12 +85,23 @@ def check_layout(cfg, pp: int, tp: int) -> None:
 
 
 def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
-                device="cpu") -> StageModel:
+                device="cpu", init: bool = True) -> StageModel:
     """This rank's stage, with parameters equal (bitwise) to the matching slices of
     ``deadpool.model.build_model(model_cfg, seed)``. Draws only the full parameters it holds a
-    slice of (one at a time, on the CPU: the values do not depend on the device)."""
+    slice of (one at a time, on the CPU: the values do not depend on the device).
+
+    ``init=False``: parameters are allocated but not drawn (a spare whose state will arrive by
+    transfer: drawing the init it overwrites would lengthen every hot-swap)."""
     cfg = model_config(model_cfg)
     check_layout(cfg, pp, tp)
+    if not init:
+        with torch.device("meta"):
+            stage = StageModel(cfg, pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+        stage = stage.to_empty(device=device)
+        cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len)
+        stage.rope_cos.copy_(cos)
+        stage.rope_sin.copy_(sin)
+        return stage
     with torch.device("meta"):
         full_shapes = {n: p.shape for n, p in GPT(cfg).named_parameters()}
     stage = StageModel(cfg, pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)

@@ -67,8 +67,9 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)
+    # always on the CPU (also under a meta-device context: computing them on meta is slow)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device="cpu").float(), inv_freq)
     return angles.cos(), angles.sin()
 
 

@@ -131,6 +131,10 @@ class Worker:
         self.has_state = False  # holds a rank's state (live step meaningful)
         self._idle_build_store = None
         self.prev_comm: Communicator | None = None  # the last aborted generation's (groups kept)
+        if slot >= self.dims.world_size:
+            # a warm spare pre-builds a stage (rank 0's, undrawn) so that taking any rank later
+            # costs only allocating that rank's tensors, not the first-use imports and set-up
+            self.trainer.build(self.dims, 0, init=False)
         self.position.set(-1, "idle")
         key = Keys.spare_ready(slot)  # join: only a process holding the job's secret can
         self.store.set(key, self.seal.wrap(key, repr(time.time())))

@@ -64,7 +64,7 @@ def test_spare_takes_any_position_and_state_matches_failure_free(reference, tmp_
     assert rec["failed_rank"] == rank and rec["spare_slot"] == 8
     assert rec["outcome"] == "hot-swapped"
     assert 0 <= rec["steps_recomputed"] <= 1  # at most the interrupted step
-    assert rec["build_s"] > 0                  # the spare built its rank's stage
+    assert rec["build_s"] >= 0                 # the spare's build of its rank's stage (0: pre-built)
     equal, why = compare_final_states(tmp_path, reference[0])
     assert equal, why
 

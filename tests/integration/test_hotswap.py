@@ -117,12 +117,13 @@ def test_two_simultaneous_failures_on_different_buddy_pairs_take_two_spares(refe
 
 @pytest.mark.slow
 def test_a_rank_and_its_buddy_lost_together_stops_with_a_clear_message(tmp_path):
-    # rank 2 holds rank 1's replica: losing both leaves no copy of rank 1's state in memory
+    # rank 2 holds rank 1's replica: losing both leaves no copy of rank 1's ZeRO-1 optimizer
+    # shard in memory (its data-parallel peers hold only its parameters)
     summary = run_job(compose_train(BASE + ["ft.num_spares=2", TWO_KILLS % (1, 2)], tmp_path), log=quiet)
     if summary["outcome"] == "completed":  # the two deaths were seen apart and 2 kept 1's replica
         pytest.skip("kills landed in separate recoveries on this run")
     assert summary["outcome"] == "unrecoverable"
-    assert "no verified replica of rank(s) [1]" in summary["message"]
+    assert "no consistent copy of rank(s) [1]" in summary["message"]
 
 
 @pytest.mark.slow

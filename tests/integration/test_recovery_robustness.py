@@ -22,8 +22,12 @@ from deadpool.launcher import job_processes
 from deadpool.report import compare_final_states
 from tests.conftest import compose_train
 
-BASE = ["model=tiny", "parallel=dp4", "num_steps=20", "ft.replication_chunk_mb=0.5",
-        "log_every_steps=0", "ft.progress_timeout_s=3", "ft.status_timeout_s=4"]
+# Pure data parallelism with whole-state replicas (no ZeRO): every rank's state is also held by
+# its data-parallel peers and by its buddy, the setting these recovery mechanics are tested in.
+# With ZeRO-1 a shard has one replica only; tests/integration/test_3d.py covers that layout.
+BASE = ["model=tiny", "parallel=dp4", "parallel.zero=false", "ft.replicate=full", "num_steps=20",
+        "ft.replication_chunk_mb=0.5", "log_every_steps=0", "ft.progress_timeout_s=3",
+        "ft.status_timeout_s=4"]
 quiet = lambda *a, **k: None  # noqa: E731
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,10 @@ from, in this order of preference::
     peer     a live process holding the same state (a data-parallel peer) sends its copy
     replica  the process holding the rank's replica (its buddy, or any other holder) sends it
 
-(``ft.state_sources`` may swap peer and replica.) With a sharded optimizer (ZeRO-1) a rank's state
+At step 0 a rank may also be drawn afresh (``init``: the initial state is a function of the
+seed and its coordinates), which covers a ZeRO shard lost before its first replica; this is only
+offered when step 0 is a candidate already (some survivor still holds it), never to turn a lost
+rank into a restart from scratch. (``ft.state_sources`` may swap peer and replica.) With a sharded optimizer (ZeRO-1) a rank's state
 is two regions: parameters, shared with its data-parallel peers, and its optimizer shard, which
 no peer has. A peer can then only serve the parameters: the source is the shard's replica
 holder, plus ``shared_from``, a live peer that sends the parameters, unless the replicas hold the
@@ -89,6 +92,15 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
 
 def _source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded=False,
             replica_has_shared=True) -> dict | None:
+    src = _held_source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
+                       replica_has_shared)
+    if src is None and S == 0:
+        return {"kind": "init", "holder": r}
+    return src
+
+
+def _held_source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
+                 replica_has_shared) -> dict | None:
     st = statuses.get(r)
     if st is not None and st.live_step == S:
         return {"kind": "live", "holder": r}

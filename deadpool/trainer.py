@@ -50,6 +50,7 @@ class Trainer:
         # many steps, so on/off step times are compared inside one run; 0 = every interval
         self.ab_block = int(cfg["ft"]["snapshot_ab_block_steps"])
         self.coords: dict | None = None  # what the stage and optimizer are built for
+        self.drawn = False  # their values are the seed's initial state (else undrawn)
         self.stage = self.opt = self.engine = None
         self.params: list[torch.nn.Parameter] = []
         self.step = 0
@@ -66,7 +67,7 @@ class Trainer:
         already built for them). Returns the seconds it took (0 when nothing was built).
         ``init=False`` leaves the values undrawn: a spare's state arrives by transfer."""
         coords = dims.coords(rank)
-        if coords == self.coords:
+        if coords == self.coords and (self.drawn or not init):
             return 0.0
         t0 = time.perf_counter()
         cfg, ft = self.cfg, self.cfg["ft"]
@@ -96,6 +97,7 @@ class Trainer:
             if self.snapshots_on and self.persist_every % int(ft["snapshot_interval_steps"]) == 0:
                 self.engine.persist_every = self.persist_every  # written from snapshots
         self.coords = coords
+        self.drawn = init
         return time.perf_counter() - t0
 
     # -- state ------------------------------------------------------------------------------------

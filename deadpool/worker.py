@@ -220,7 +220,8 @@ class Worker:
         try:
             self.position.set(plan.resume_step, "build")
             # a spare builds its rank's stage now, undrawn when its state will come by transfer
-            built_s = tr.build(self.dims, rank, init=plan.generation == 0)
+            fresh = plan.generation == 0 or plan.sources.get(rank, {}).get("kind") == "init"
+            built_s = tr.build(self.dims, rank, init=fresh)
             if built_s:
                 timing["built"] = now()
             self.position.set(plan.resume_step, "rebuild")
@@ -304,6 +305,9 @@ class Worker:
                 self._report_corrupt(plan, rank, comm, e)
         elif mine["kind"] == "disk":
             self.load_disk(checkpoint.latest_step_dir(mine["dir"]), rank)
+            self.has_state = True
+        elif mine["kind"] == "init":  # drawn from the seed by build(): the state of step 0
+            tr.apply_header({"step": 0})
             self.has_state = True
         elif mine["kind"] == "live" and tr.step != S:
             raise RuntimeError(f"plan says live state at step {S} but rank is at {tr.step}")

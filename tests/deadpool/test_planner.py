@@ -59,7 +59,8 @@ def test_replica_held_by_non_buddy_is_used_when_buddy_lacks_it():
 def test_data_parallel_peer_covers_a_failure_before_the_first_replica():
     # rank 1 killed at step 0: nobody holds a replica yet, but its data-parallel peers hold step 0
     statuses = {0: st(0, 0, [0]), 2: st(2, 0, [0]), 3: st(3, 0, [0])}
-    assert plan_resume(statuses, WORLD, no_peers, ring).resume_step is None
+    d = plan_resume(statuses, WORLD, no_peers, ring)  # no copy: step 0 is drawn from the seed
+    assert d.resume_step == 0 and d.sources[1] == {"kind": "init", "holder": 1}
     d = plan_resume(statuses, WORLD, dp_peers, ring)
     assert d.resume_step == 0 and d.sources[1]["kind"] == "peer"
     assert d.sources[1]["holder"] in (0, 2, 3)
@@ -150,3 +151,15 @@ def test_corrupt_parameters_of_a_peer_are_not_used_again():
     d = plan_resume(statuses, [0, 1, 2], peers, lambda r: (r + 1) % 3, sharded=True,
                     replica_has_shared=False, bad={(1, 1, 5)})
     assert d.sources[0] == {"kind": "replica", "holder": 1, "shared_from": 2}
+
+
+def test_a_shard_lost_at_step_zero_is_drawn_afresh_but_never_later():
+    # ZeRO-1, rank 0 dies before its first replica: at step 0 its state is the seed's init
+    peers = ParallelDims(dp=2, tp=2, ranks_per_node=4).state_peers
+    statuses = {1: st(1, 0, [0]), 2: st(2, 0, [0]), 3: st(3, 0, [0])}
+    d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
+    assert d.resume_step == 0 and d.sources[0] == {"kind": "init", "holder": 0}
+    # later, a lost shard is lost: no silent restart from scratch (the disk fallback decides)
+    statuses = {1: st(1, 9, [8, 9]), 2: st(2, 9, [8, 9], {1: [8, 9]}), 3: st(3, 9, [8, 9])}
+    d = plan_resume(statuses, WORLD, peers, lambda r: 3, sharded=True, replica_has_shared=False)
+    assert d.resume_step is None and 0 in d.lost

@@ -70,6 +70,18 @@ def test_spare_takes_any_position_and_state_matches_failure_free(reference, tmp_
 
 
 @pytest.mark.slow
+def test_a_shard_lost_before_its_first_replica_is_drawn_from_the_seed(reference, tmp_path):
+    # killed inside the job's first group build: no replica of anything exists yet
+    ev = "faults.events=[{rank: 6, step: 0, phase: rebuild, kind: kill}]"
+    summary = run_job(compose_train(BASE + [ev], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    (rec,) = summary["recoveries"]
+    assert rec["resume_step"] == 0 and rec["sources"]["6"] == "init from rank 6"
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+
+
+@pytest.mark.slow
 def test_swapped_routes_are_caught_by_the_final_state_comparison(reference, tmp_path):
     """Two same-shaped ranks die together and the plan swaps their routes: checksums pass (each
     piece is a valid state of *some* rank), so only the final comparison can tell. It must."""

@@ -210,3 +210,18 @@ def test_unique_replication_and_a_restore_from_two_sources_by_region():
     assert out["header"]["who"] == 0  # the header travels with the unique region
     for c in comms:
         c.park()
+
+
+def test_64_bit_digests_survive_the_int64_wire_format():
+    from deadpool.snapshot import _from_i64, _meta, _to_i64
+    for h in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
+        assert _from_i64(int(torch.tensor([_to_i64(h)], dtype=torch.int64)[0])) == h
+    m = _meta(3, 10, ((1 << 64) - 2, 5), 7, "unique")
+    assert _from_i64(int(m[2])) == (1 << 64) - 2 and _from_i64(int(m[3])) == 5
+
+
+def test_checksum_sees_a_single_flipped_byte():
+    buf = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8).clone()
+    h = checksum(buf)
+    buf[12345] ^= 1
+    assert checksum(buf) != h

@@ -7,7 +7,8 @@ builds when it is given a rank; the time is part of the recovery breakdown). The
 bottom::
 
     while steps left:  abort? -> micro-batches through the pipeline (1F1B: forward/backward, TP
-                       all-reduces inside) -> reduce-scatter grads over dp -> wait for the snapshot
+                       all-reduces inside; gradient buckets reduced over dp as backward fills
+                       them) -> wait for the last buckets -> wait for the snapshot
                        copy -> AdamW on the shard + all-gather params -> snapshot (async)
                        -> maybe persist -> metrics
 """
@@ -77,8 +78,12 @@ class Trainer:
                                  tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init)
         self.params = list(self.stage.parameters())
         shard = bool(cfg["parallel"].get("zero", True)) and dims.dp > 1
+        par = cfg["parallel"]
         self.opt = ZeroOptimizer(self.params, dp_size=dims.dp, dp_rank=coords["dp"], lr=cfg["lr"],
-                                 weight_decay=cfg["weight_decay"], shard=shard)
+                                 weight_decay=cfg["weight_decay"], shard=shard,
+                                 adamw=cfg.get("adamw", "fused"),
+                                 bucket_bytes=int(float(par.get("bucket_mb", 25)) * 2**20),
+                                 first_bucket_bytes=int(float(par.get("first_bucket_mb", 1)) * 2**20))
         state = self.opt.state_tensors()
         # shared tensors (equal across the data-parallel group) first: see snapshot.py's regions.
         # With dp == 1 nothing is shared: every byte is unique to the rank.
@@ -153,8 +158,9 @@ class Trainer:
             comm.raise_if_aborted()
             at(s, "forward")
             fire(s, "step_start")
-            # gradients of an aborted step must not leak into its replay
-            self.opt.zero_grad()
+            # gradients of an aborted step must not leak into its replay; gradient buckets are
+            # reduced over dp from backward hooks as soon as they are complete
+            self.opt.begin_step(comm, self.microbatches)
             x, y = self.corpus.batch(s, dp_rank, cfg["batch_size"], cfg["seq_len"])
 
             def phase(name, s=s):  # every micro-batch op of the schedule

@@ -9,27 +9,32 @@ on one contiguous tensor with no packing. Data-parallel rank ``r`` owns shard ``
 AdamW's ``exp_avg``/``exp_avg_sq`` only for that slice (1/dp of the optimizer memory).
 
 A step:
-  1. ``reduce_grads``: reduce-scatter ``flat_grads`` (sum, then divide by dp: gloo has no AVG)
-     in place into this rank's own slice of it (on gloo: an all-reduce, see Collectives).
-  2. ``step``: a plain ``torch.optim.AdamW(foreach=False)`` over a single flat parameter, the
-     owned shard of ``flat_params``, whose ``.grad`` is the reduced gradient shard. Reusing
-     torch's optimizer gives exactly its math (per element, AdamW does not care how elements
-     are grouped into tensors); then all-gather the updated shards in place into
-     ``flat_params``, so every rank again holds identical full parameters.
+  0. ``begin_step(comm, m)``: zero ``flat_grads`` and arm the gradient buckets (``buckets.py``):
+     during the ``m`` micro-batches' backward, each bucket of ``flat_grads`` is reduced (sum)
+     over dp as soon as autograd has written it, overlapping communication with backward.
+  1. ``reduce_grads``: post what is left, wait for every bucket, divide this rank's shard by dp
+     (gloo has no AVG). On a sharded optimizer each bucket lies inside one rank's shard and is
+     reduced to that rank (see Collectives).
+  2. ``step``: torch's ``AdamW`` (``fused`` by default: one pass over memory, 7x faster than the
+     per-op loop on a CPU core) over a single flat parameter, the owned shard of
+     ``flat_params``, whose ``.grad`` is the reduced gradient shard. Reusing torch's optimizer
+     gives exactly its math: per element, the for-loop and foreach kernels do not care how
+     elements are grouped into tensors (``test_zero.py`` checks it bitwise); the fused CPU
+     kernel rounds its vector body and scalar tail differently, so it matches a per-tensor
+     reference to rounding, and itself bitwise run to run (what recovery needs); then all-gather the updated shards in place
+     into ``flat_params``, so every rank again holds identical full parameters.
 With ``shard=False`` (plain data parallelism) every rank all-reduces the full gradient and keeps
 the full AdamW state; nothing is gathered. Padding elements have zero grads, so AdamW leaves
 them at zero.
 
-Collectives. On NCCL both ops are the ``*_base`` ("into one tensor") forms, used in place (the
-reduce-scatter's output is the caller's own chunk of its input; the all-gather's input is its own
-chunk of the output), so no staging buffers are needed. On gloo (torch 2.13) both exist, but the
-reduce-scatter (``_reduce_scatter_base`` and ``reduce_scatter`` alike) is emulated inside torch
-by all-reduces, and its work's ``wait(timeout)`` ignores the timeout: it blocks until the inner
-all-reduce ends, i.e. until the group's own timeout when a peer hangs. It cannot be polled, so
-on gloo this module posts the all-reduce itself (pollable) and keeps its shard: the same bytes as
-gloo's emulation (an all-reduce moves twice what a real reduce-scatter does), so a ZeRO step on
-gloo moves 1.5x the bytes of a plain data-parallel step instead of 1x. ``_allgather_base`` is a
-real gloo all-gather and polls fine. Every posted op is waited with ``comm.wait`` so a declared
+Collectives. On a sharded optimizer each bucket is ``reduce``d to the rank whose shard holds it
+(together the buckets are a reduce-scatter, split so it can start during backward); the
+parameters are all-gathered with ``_allgather_base`` in place (its input is the caller's own
+chunk of the output), so no staging buffers are needed. Why not ``reduce_scatter``: on gloo
+(torch 2.13) it is emulated by all-reduces and its work's ``wait(timeout)`` ignores the timeout
+(it blocks until the group's own timeout when a peer hangs), so it cannot be polled, while gloo's
+``reduce`` and all-gather poll fine (``test_zero.py`` checks all three), and per-bucket reduces
+are what overlapping needs anyway. Every posted op is waited with ``comm.wait`` so a declared
 failure releases the survivors within one poll interval.
 
 After an abort the op is abandoned, not cancelled (see ``deadpool.comm``). On NCCL, parking the
@@ -45,12 +50,14 @@ process group.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from deadpool.parallel.data.buckets import GradBuckets, bucket_edges
 
 __all__ = ["ZeroOptimizer", "state_nbytes"]
 
 _STEP_BYTES = 4  # AdamW's step counter: a float32 scalar
-# Backends whose reduce-scatter work can be waited in polled slices (see the module docstring).
-REDUCE_SCATTER_BACKENDS = {"nccl"}
+ADAMW_IMPLS = ("fused", "foreach", "for_loop")
 
 
 def _padded(numel: int, dp_size: int) -> int:
@@ -79,7 +86,9 @@ class ZeroOptimizer:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, dp_size: int, dp_rank: int, lr: float,
-                 weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8, shard: bool = True):
+                 weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8, shard: bool = True,
+                 adamw: str = "fused", bucket_bytes: int = 25 << 20,
+                 first_bucket_bytes: int = 1 << 20):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.params = list({id(p): p for p in params}.values())  # tied weights once
@@ -117,14 +126,30 @@ class ZeroOptimizer:
         self._grad_shard = self.flat_grads[sl]
         self._master = torch.nn.Parameter(self._param_shard)
         self._master.grad = self._grad_shard
+        if adamw not in ADAMW_IMPLS:
+            raise ValueError(f"adamw must be one of {ADAMW_IMPLS}, got {adamw!r}")
+        impl = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+                "for_loop": dict(foreach=False)}[adamw]
         self._adam = torch.optim.AdamW([self._master], lr=lr, betas=betas, eps=eps,
-                                       weight_decay=weight_decay, foreach=False)
+                                       weight_decay=weight_decay, **impl)
         # Allocate AdamW's state now (torch does it lazily at the first step): the snapshot
-        # engine keeps references to these tensors, which torch then updates in place.
+        # engine keeps references to these tensors, which torch then updates in place. The fused
+        # kernel reads its step counter on the parameters' device.
         self._state = self._adam.state[self._master]
-        self._state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        self._state["step"] = torch.tensor(0.0, dtype=torch.float32,
+                                           device=device if adamw == "fused" else "cpu")
         self._state["exp_avg"] = torch.zeros_like(self._param_shard)
         self._state["exp_avg_sq"] = torch.zeros_like(self._param_shard)
+
+        # gradient buckets, each inside one shard when sharded (reduced to its owner)
+        offsets, off = [], 0
+        for p in self.params:
+            offsets.append(off)
+            off += p.numel()
+        cuts = [r * self.shard_numel for r in range(dp_size)] if shard else []
+        self.buckets = GradBuckets(self.params, offsets, self.padded_numel,
+                                   bucket_edges(self.padded_numel, 4, bucket_bytes,
+                                                first_bucket_bytes, cuts))
 
     # -- the data-parallel group ---------------------------------------------------------------
     def _dp_group(self, comm):
@@ -145,24 +170,42 @@ class ZeroOptimizer:
         e.g. with ``module.zero_grad()``: autograd would then allocate fresh tensors)."""
         self.flat_grads.zero_()
 
+    def begin_step(self, comm, num_microbatches: int = 1) -> None:
+        """Must be called before the step's first forward: zeroes the gradients and arms the
+        buckets so each is reduced during backward once its last micro-batch has written it."""
+        self.zero_grad()
+        pg = self._dp_group(comm)
+        if pg is not None:
+            self.buckets.arm(self._poster(comm, pg), num_microbatches)
+
+    def _poster(self, comm, pg):
+        def post(lo: int, hi: int):
+            view = self.flat_grads[lo:hi]
+            if self.shard:
+                opts = dist.ReduceOptions()
+                opts.reduceOp, opts.rootRank = dist.ReduceOp.SUM, lo // self.shard_numel
+                return pg.reduce([view], opts)
+            return pg.allreduce([view])  # default op: SUM
+        return post
+
     def reduce_grads(self, comm, on_posted=None) -> None:
-        """Average gradients over the dp group: reduce-scatter into this rank's shard of
+        """Average gradients over the dp group: each bucket is summed into its owner's shard of
         ``flat_grads`` (the rest then holds stale values: do not read it) or, with
-        ``shard=False``, all-reduce all of it. ``on_posted()`` runs right after the op is
-        posted, and also when there is nothing to post (dp=1), so a fault-injection point at
-        this phase exists in every layout. Abortable."""
+        ``shard=False``, all-reduced. Posts the buckets
+        backward has not posted (all of them without ``begin_step``), then waits for every one.
+        ``on_posted()`` runs once all are posted, and also when there is nothing to post (dp=1),
+        so a fault-injection point at this phase exists in every layout. Abortable."""
         pg = self._dp_group(comm)
         if pg is None:
             if on_posted is not None:
                 on_posted()
             return
-        if self.shard and comm.backend in REDUCE_SCATTER_BACKENDS:
-            work = pg._reduce_scatter_base(self._grad_shard, self.flat_grads)
-        else:  # plain data parallel, or the gloo fallback (all-reduce, keep the shard)
-            work = pg.allreduce([self.flat_grads])  # default op: SUM
+        waits = []
+        self.buckets.finish(self._poster(comm, pg), waits.append)
         if on_posted is not None:
             on_posted()
-        comm.wait(work)
+        for w in waits:
+            comm.wait(w)
         self._grad_shard.div_(self.dp_size)
 
     def step(self, comm) -> None:

@@ -27,6 +27,7 @@ from deadpool.policies import check_placement
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
+from deadpool.snapshot_schedule import SnapshotSchedule
 
 
 def validate(cfg: dict) -> None:
@@ -35,6 +36,11 @@ def validate(cfg: dict) -> None:
     validate_layout(cfg)
     if int(cfg["num_steps"]) < 1:
         raise ValueError("num_steps must be >= 1")
+    SnapshotSchedule(int(ft["snapshot_interval_steps"]), int(ft["max_snapshot_lag_steps"]),
+                     every=int(ft["snapshot_adapt_every_steps"]),
+                     adaptive=bool(ft["snapshot_adaptive"]),
+                     overhead_target=ft["snapshot_overhead_target"],
+                     probe_every=int(ft["snapshot_probe_every_steps"]))  # raises on bad values
     if int(ft["num_spares"]) < 0:
         raise ValueError("ft.num_spares must be >= 0")
     if ft["heartbeat_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:

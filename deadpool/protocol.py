@@ -39,6 +39,12 @@ class Keys:
     def protected(self, rank: int) -> str:
         return f"{self._p}protected/{rank}"
 
+    def interval_vote(self, step: int, interval: int) -> str:
+        return f"{self._p}interval/{step}/{interval}"
+
+    def interval_voters(self, step: int) -> str:
+        return f"{self._p}interval/{step}/voters"
+
     def repl_done(self, step: int) -> str:
         return f"{self._p}repl_done/{step}"
 

@@ -157,6 +157,7 @@ class Slot:
     copied: threading.Event = field(default_factory=threading.Event)    # copy and checksum done
     replicating: bool = False
     cuda_event: object = None
+    taken_at: float = 0.0  # perf_counter() when the snapshot was started (cycle time)
 
 
 @dataclass
@@ -195,7 +196,8 @@ class SnapshotEngine:
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], *, interval: int = 1,
                  num_local_slots: int = 3, chunk_bytes: int = 4 << 20, device: str = "cpu",
                  fault_hook=None, background_nice: int = 0, verify: str = "lazy",
-                 num_shared: int = 0, replicate: str = "full"):
+                 num_shared: int = 0, replicate: str = "full",
+                 max_bytes_per_s: float | None = None):
         if interval < 1:
             raise ValueError("ft.snapshot_interval_steps must be >= 1")
         if num_local_slots < 2:
@@ -217,6 +219,7 @@ class SnapshotEngine:
             "unique" if split < n else "none")
         self.interval = interval
         self.chunk_bytes = max(1 << 16, int(chunk_bytes))
+        self.max_bytes_per_s = max_bytes_per_s
         self.device = device
         self.fault_hook = fault_hook or (lambda step, phase: None)
         self.background_nice = int(background_nice)
@@ -240,6 +243,11 @@ class SnapshotEngine:
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
         self.blocked_s = 0.0
+        # newest snapshot this rank has finished (copied, and replicated when it replicates),
+        # and how long that took from the snapshot call (the cycle the schedule must cover)
+        self.done_step = -1
+        self.taken_step = -1
+        self.last_cycle_s: float | None = None
         self.copy_error: BaseException | None = None  # the copier thread failed: fatal for the rank
         # periodic disk checkpoints (checkpoint.AsyncPersister), fed from the copier thread
         self.persister = None
@@ -254,8 +262,9 @@ class SnapshotEngine:
         if self.persister is not None:
             self.persister.close()
 
-    def _slot_for(self, step: int) -> "Slot":
-        return self.slots[(step // self.interval) % len(self.slots)]
+    def _next_slot(self) -> "Slot":
+        """The slot holding the oldest snapshot (or none): the next one to write."""
+        return min(self.slots, key=lambda s: s.step)
 
     # -- main thread: take a snapshot -------------------------------------------------------------
     def snapshot(self, step: int, header: dict, abort_check=None, on_block=None) -> None:
@@ -266,7 +275,7 @@ class SnapshotEngine:
         ``on_block`` is called once if the call has to wait (backpressure).
         """
         self._raise_copy_error()
-        slot = self._slot_for(step)
+        slot = self._next_slot()
         t0 = last_check = time.perf_counter()
         blocked = False
         while True:
@@ -289,7 +298,8 @@ class SnapshotEngine:
         self.blocked_s += time.perf_counter() - t0
         slot.released.clear()
         slot.copied.clear()
-        slot.step = step
+        slot.taken_at = time.perf_counter()
+        slot.step = self.taken_step = step
         slot.header = encode_header(dict(header, layout=self.layout_desc))
         if self._side_stream is not None:  # pragma: no cover - needs CUDA
             main = torch.cuda.current_stream()
@@ -312,6 +322,10 @@ class SnapshotEngine:
             self._protected = max(self._protected, step)
             return True
         return False
+
+    def in_flight(self) -> bool:
+        """A snapshot's copy or replication has not finished yet."""
+        return self.done_step < self.taken_step
 
     def protected_floor(self) -> int:
         """The newest step this rank knows every rank has replicated (-1: none yet)."""
@@ -366,6 +380,8 @@ class SnapshotEngine:
             slot.crc = region_crcs(slot.flat, self.bounds["unique"][0])
             self.last_copy_s = time.perf_counter() - t0
             slot.copied.set()
+            if self.repl_region == "none":
+                self.done_step, self.last_cycle_s = slot.step, time.perf_counter() - slot.taken_at
             if self.persist_every and slot.step > 0 and slot.step % self.persist_every == 0:
                 self._persist(slot)
             repl = self._repl
@@ -539,7 +555,7 @@ class SnapshotEngine:
     def install(self, step: int, buf: torch.Tensor, header: bytes, crc: tuple) -> dict:
         """Load a received state live and keep it as the local snapshot of ``step``."""
         self.drain()
-        slot = self._slot_for(step)
+        slot = self._next_slot()
         with self._lock:
             slot.flat, slot.step, slot.header, slot.crc = buf, step, header, crc
             slot.released.set()
@@ -588,6 +604,15 @@ class SnapshotEngine:
             self.replicas[rep.owner] = [r for r in reps if r.step >= keep_from]
             return True
 
+    def _drop_unneeded_replicas(self) -> None:
+        """Forget replicas older than the newest protected one held (the invariant keeps that one
+        and anything newer), so the next receive reuses their buffer."""
+        with self._lock:
+            for owner, reps in self.replicas.items():
+                keep = [r for r in reps if r.step <= self._protected]
+                floor = keep[-1].step if keep else -1
+                self.replicas[owner] = [r for r in reps if r.step >= floor]
+
     def truncate_after(self, step: int) -> None:
         """Forget local snapshots and replicas newer than ``step`` (a timeline rolled back)."""
         self.drain()
@@ -624,12 +649,22 @@ class _Replicator(threading.Thread):
         # old ones), sized by what the ward sends: its stage may differ from this rank's
         self.recv_pool: list[torch.Tensor] = []
 
-    def _free_recv_buffer(self, nbytes: int) -> torch.Tensor:
-        held = {id(r.flat) for reps in self.engine.replicas.values() for r in reps}
+    def _free_recv_buffer(self, nbytes: int, store) -> torch.Tensor:
+        eng = self.engine
+        with eng._lock:
+            newest = max((r.step for r in eng.replicas.get(self.ward, [])), default=-1)
+        if newest > eng._protected and int(store.add(self.comm.keys.repl_done(newest), 0)) \
+                >= self.comm.topo.dims.world_size:
+            with eng._lock:
+                eng._protected = max(eng._protected, newest)
+        eng._drop_unneeded_replicas()
+        with self.engine._lock:
+            held = {id(r.flat) for reps in self.engine.replicas.values() for r in reps}
         for b in self.recv_pool:
             if id(b) not in held and b.numel() == nbytes:
                 return b
-        # at most 3 in steady state (more only while replication runs ahead of protection)
+        # 2 in steady state (the newest protected replica, the one arriving); more only while
+        # replication runs ahead of protection
         b = torch.empty(nbytes, dtype=torch.uint8)
         self.recv_pool.append(b)
         return b
@@ -647,8 +682,10 @@ class _Replicator(threading.Thread):
             try:
                 got = {}
 
+                store = store or self.store_factory()
+
                 def buffer(nbytes):
-                    got["buf"] = self._free_recv_buffer(nbytes)
+                    got["buf"] = self._free_recv_buffer(nbytes, store)
                     return got["buf"]
                 # a "replication" fault fires after the first chunk is posted, the rest not:
                 # the buddy is left with a torn replica of this step
@@ -661,6 +698,10 @@ class _Replicator(threading.Thread):
                 buf = got["buf"]
                 for w in sends:
                     w.wait()
+                rate = self.engine.max_bytes_per_s
+                if rate:  # the replication rate cap: a snapshot takes at least its bytes / rate
+                    a, b = self.engine.bounds[region]
+                    time.sleep(max(0.0, (b - a) / rate - (time.perf_counter() - t0)))
             except Exception as e:
                 # a peer is gone, or this thread failed: either way the ring is broken and
                 # every rank would soon wait on protection forever. Report it so the
@@ -683,6 +724,8 @@ class _Replicator(threading.Thread):
             if not self.engine._commit_replica(rep, self):
                 return
             self.engine.last_replicate_s = time.perf_counter() - t0
+            self.engine.done_step = slot.step
+            self.engine.last_cycle_s = time.perf_counter() - slot.taken_at
             store = store or self.store_factory()
             if int(store.add(self.comm.keys.repl_done(slot.step), 1)) >= self.comm.topo.dims.world_size:
                 with self.engine._lock:

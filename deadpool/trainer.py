@@ -32,6 +32,7 @@ from deadpool.parallel.data.zero import ZeroOptimizer
 from deadpool.parallel.pipeline.schedule import run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.snapshot import SnapshotEngine
+from deadpool.snapshot_schedule import SnapshotSchedule
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
 
@@ -50,6 +51,15 @@ class Trainer:
         # measurement aid (experiments/bench_runtime.py): snapshot only in alternate blocks of this
         # many steps, so on/off step times are compared inside one run; 0 = every interval
         self.ab_block = int(cfg["ft"]["snapshot_ab_block_steps"])
+        ft = cfg["ft"]
+        # which steps are snapshotted (widened when the snapshot cycle outlasts the steps between)
+        self.schedule = SnapshotSchedule(
+            int(ft["snapshot_interval_steps"]), int(ft.get("max_snapshot_lag_steps", 8)),
+            every=int(ft.get("snapshot_adapt_every_steps", 16)),
+            adaptive=bool(ft.get("snapshot_adaptive", True)) and not self.ab_block,
+            overhead_target=ft.get("snapshot_overhead_target"),
+            probe_every=int(ft.get("snapshot_probe_every_steps", 64)))
+        self._cycle_seen = -1  # the engine's done_step last fed to the schedule
         self.coords: dict | None = None  # what the stage and optimizer are built for
         self.drawn = False  # their values are the seed's initial state (else undrawn)
         self.stage = self.opt = self.engine = None
@@ -94,12 +104,14 @@ class Trainer:
             num_local_slots=ft["num_local_slots"], chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
             device=self.device, fault_hook=self.injector.fire,
             background_nice=int(ft["snapshot_nice"]), verify=ft["replica_verify"],
-            num_shared=len(shared), replicate=ft.get("replicate", "unique"))
+            num_shared=len(shared), replicate=ft.get("replicate", "unique"),
+            max_bytes_per_s=(float(ft["replication_max_mb_per_s"]) * 2**20
+                             if ft.get("replication_max_mb_per_s") else None))
         if self.persist_every:
             self.engine.persister = checkpoint.AsyncPersister(ft["checkpoint_dir"],
                                                              nice=int(ft["snapshot_nice"]))
             self.engine.persist_world = dims.world_size
-            if self.snapshots_on and self.persist_every % int(ft["snapshot_interval_steps"]) == 0:
+            if self.snapshots_on:
                 self.engine.persist_every = self.persist_every  # written from snapshots
         self.coords = coords
         self.drawn = init
@@ -144,7 +156,7 @@ class Trainer:
         """Train until ``num_steps``. Raises ``Aborted`` / ``CollectiveError`` on a failure."""
         cfg = self.cfg
         dp_rank = comm.topo.coords["dp"]
-        interval = self.engine.interval
+        self.schedule.start(comm.store, comm.keys, comm.topo.dims.world_size)
         if self.engine.persister is not None:
             self.engine.persister.rank = self.rank
         # without per-step snapshots to write from, the training thread persists itself
@@ -154,6 +166,7 @@ class Trainer:
         while self.step < cfg["num_steps"]:
             t0 = time.perf_counter()
             blocked0 = self.engine.blocked_s
+            busy = self.engine.in_flight()  # snapshot work running during this step
             s = self.step
             comm.raise_if_aborted()
             at(s, "forward")
@@ -181,14 +194,22 @@ class Trainer:
             self.opt.step(comm)
             self.step += 1
             self.dirty = False
-            took = self.snapshots_on and self.step % interval == 0 and (
-                not self.ab_block or (self.step // self.ab_block) % 2 == 0)
+            # every rank snapshots the same steps: the agreed interval, and the persist steps
+            took = self.snapshots_on and (
+                (self.schedule.due(self.step)
+                 and (not self.ab_block or (self.step // self.ab_block) % 2 == 0))
+                or bool(self.engine.persist_every and self.step % self.engine.persist_every == 0))
             if took:
                 self.engine.snapshot(self.step, self.header(), abort_check=comm.raise_if_aborted,
                                      on_block=lambda: at(self.step, "snapshot_backpressure"))
             if persist and self.step % persist == 0:
                 self.persist(self.step)
+            self.schedule.end_of_step(self.step, comm.raise_if_aborted)
             dt = time.perf_counter() - t0
+            cycle = None
+            if self.engine.done_step != self._cycle_seen:
+                self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
+            self.schedule.observe(dt, busy or cycle is not None, cycle)
             self.log(comm, loss, dt, self.engine.blocked_s - blocked0, took)
             if first and on_first_step is not None:
                 on_first_step()
@@ -201,7 +222,13 @@ class Trainer:
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
                "loss": None if loss is None else round(float(loss), 6), "step_time_s": step_time_s,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
-               "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot, "t": time.time()}
+               "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot,
+               # steps since the newest snapshot this rank has copied and replicated; the job's
+               # protection lag at a step is the largest over its ranks
+               "protection_lag_steps": (self.step - self.engine.done_step
+                                        if self.snapshots_on and self.engine.done_step >= 0 else None),
+               "snapshot_interval": self.schedule.interval if self.snapshots_on else None,
+               "t": time.time()}
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg["log_every_steps"])
         dims = comm.topo.dims

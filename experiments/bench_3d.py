@@ -29,23 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deadpool.job import run_job  # noqa: E402
 from deadpool.report import compare_final_states  # noqa: E402
-from deadpool.train import compose_config  # noqa: E402
+from experiments.common import keep, run  # noqa: E402
 
-quiet = lambda *a, **k: None  # noqa: E731
 POSITIONS = {1: "first stage, TP peer (dp 0)", 4: "last stage (dp 0)", 6: "last stage, dp 1"}
-
-
-def run(overrides: list[str], run_dir: Path) -> dict:
-    return run_job(compose_config(overrides, run_dir), log=quiet)
-
-
-def keep(run_dir: Path, out: Path, name: str) -> None:
-    (out / name).mkdir(parents=True, exist_ok=True)
-    for f in ("summary.json", "metrics.jsonl"):
-        if (run_dir / f).exists():
-            shutil.copy(run_dir / f, out / name / f)
 
 
 def main() -> None:

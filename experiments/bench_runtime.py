@@ -33,15 +33,7 @@ from deadpool.job import run_job  # noqa: E402
 from deadpool.report import compare_final_states  # noqa: E402
 from deadpool.train import compose_config  # noqa: E402
 
-quiet = lambda *a, **k: None  # noqa: E731
-
-
-def keep(run_dir: Path, out: Path, name: str) -> None:
-    dst = out / name
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in ("summary.json", "metrics.jsonl"):
-        if (run_dir / f).exists():
-            shutil.copy(run_dir / f, dst / f)
+from experiments.common import keep, quiet  # noqa: E402
 
 
 def step_times(run_dir: Path, skip: int) -> list[float]:

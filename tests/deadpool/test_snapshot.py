@@ -58,6 +58,7 @@ def test_backpressure_never_overwrites_a_slot_being_replicated():
     model, opt = make_state(0)
     eng = SnapshotEngine(state_tensors(model, opt), num_local_slots=2)
     eng.snapshot(0, {"step": 0})
+    eng.snapshot(1, {"step": 1})
     eng.drain()
     slot = eng.local_slot(0)
     with eng._lock:
@@ -65,7 +66,8 @@ def test_backpressure_never_overwrites_a_slot_being_replicated():
     t0 = time.perf_counter()
     import threading
     threading.Timer(0.2, eng._release, args=(slot,)).start()
-    eng.snapshot(2, {"step": 2})  # maps to the same slot: must wait for the release
+    eng.snapshot(2, {"step": 2})  # the oldest slot is the next one: must wait for the release
+    assert eng.local_steps() == [1, 2]
     assert time.perf_counter() - t0 >= 0.15
     assert eng.blocked_s >= 0.15
 

@@ -238,9 +238,13 @@ def test_buckets_are_reduced_during_the_last_backward_with_the_same_result():
     n, m = 2, 2
     master = master_store()
 
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+    def model():  # same values on every rank (threads: no global RNG)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4))
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        return net
 
     def rank_fn(r):
         comm = build(n, r, master.port)

@@ -1,0 +1,136 @@
+"""Which steps are snapshotted: every ``interval`` steps, widened when snapshots cost too much.
+
+A snapshot's background work (copy, checksum, replication to the buddy) must finish before the
+next one may reuse its buffers, and it competes with training for cores, memory bandwidth and
+the network. Two measured limits widen the interval ``k`` over ``base, 2 base, 4 base, ...`` (at
+most ``ft.max_snapshot_lag_steps``):
+
+- **cycle** (back-pressure): ``k x step time >= margin x cycle``, the cycle being the time from a
+  snapshot call until its copy and replication are done. Otherwise the next snapshot would block
+  the training thread waiting for a buffer.
+- **cost** (``ft.snapshot_overhead_target``, e.g. 0.02): the slowdown of steps during which
+  snapshot work runs ("active") against steps during which none does ("quiet"), scaled to ``k``,
+  must stay under the target. When no core is idle (a CPU box) snapshots are not free; on a GPU
+  node whose host cores idle while the GPU computes, the cost measures ~0 and ``k`` stays ``base``.
+  With ``k = base`` there are no quiet steps, so every ``probe_every`` steps the job skips
+  ``probe`` (3) snapshots to measure them; the protection lag then grows by ``probe``.
+
+The cost is protection lag: after a failure up to ``k`` (during a probe, ``k + probe``) steps are
+recomputed. When even the widest interval cannot hide the cycle, the engine blocks (counted in
+``snapshot_blocked_s``): a bounded lag is worth more than the last percent of speed.
+
+Every rank must snapshot the same steps (a step is protected once every rank replicated it), so
+``k`` is agreed, not local: every ``every`` steps (decision step ``d``) each rank adds a vote for
+its wanted ``k`` to a counter in the store (``interval/<d>/<k>``, in the generation's namespace),
+and at decision step ``d + every`` all ranks read the votes of ``d`` and take the largest wanted
+``k`` from that step on. The read waits (abortably) until every rank has voted; in a coupled job
+ranks are never ``every`` steps apart, so in practice it never waits. Per rank and decision this
+is ``2 + #levels`` store operations, under one per step at the default ``every = 16``.
+Decisions happen at multiples of ``every``, which every ``k`` divides, so ``step % k == 0`` stays
+the rule; probes are a function of the step too. A recovered generation restarts at ``base``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+
+
+class SnapshotSchedule:
+    def __init__(self, base: int, max_lag: int, every: int = 16, margin: float = 1.25,
+                 adaptive: bool = True, overhead_target: float | None = None,
+                 probe_every: int = 64, probe: int = 3, window: int = 16, min_quiet: int = 4):
+        if base < 1:
+            raise ValueError("ft.snapshot_interval_steps must be >= 1")
+        self.levels = [base]
+        while adaptive and self.levels[-1] * 2 <= max_lag:
+            self.levels.append(self.levels[-1] * 2)
+        self.adaptive = adaptive and len(self.levels) > 1
+        if self.adaptive and every % self.levels[-1]:
+            raise ValueError(f"ft.snapshot_adapt_every_steps={every} must be a multiple of the "
+                             f"widest snapshot interval {self.levels[-1]}")
+        if overhead_target is not None and not 0 < overhead_target < 1:
+            raise ValueError("ft.snapshot_overhead_target must be in (0, 1) or null")
+        if self.adaptive and overhead_target and probe_every <= probe + 1:
+            raise ValueError("ft.snapshot_probe_every_steps must exceed the probe length")
+        self.base, self.every, self.margin = base, every, margin
+        self.target = overhead_target if self.adaptive else None
+        self.probe_every, self.probe, self.min_quiet = probe_every, probe, min_quiet
+        self.interval = base
+        self._steps: deque = deque(maxlen=window)
+        self._cycles: deque = deque(maxlen=window)
+        self._active: deque = deque(maxlen=window)
+        self._quiet: deque = deque(maxlen=window)
+        self._store = self._keys = None
+        self._world = 1
+        self._voted: set[int] = set()
+
+    def start(self, store, keys, world: int) -> None:
+        """A new generation: back to ``base``, history kept (it describes this rank's hardware)."""
+        self._store, self._keys, self._world = store, keys, world
+        self.interval = self.base
+        self._voted = set()
+
+    def probing(self, step: int) -> bool:
+        """Snapshots skipped at ``step`` to measure quiet steps (only while ``k`` is ``base``)."""
+        return (self.target is not None and self.interval == self.base
+                and step % self.probe_every >= self.probe_every - self.probe)
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0 and not self.probing(step)
+
+    def observe(self, step_s: float, active: bool, cycle_s: float | None) -> None:
+        """One training step's time, whether snapshot work ran during it, and the cycle time of
+        the snapshot that finished during it (if one did)."""
+        self._steps.append(step_s)
+        (self._active if active else self._quiet).append(step_s)
+        if cycle_s:
+            self._cycles.append(cycle_s)
+
+    def overhead(self) -> float | None:
+        """Measured slowdown of training by snapshots at the current interval (None: unknown)."""
+        if len(self._quiet) < self.min_quiet or len(self._active) < self.min_quiet:
+            return None
+        q = statistics.median(self._quiet)
+        share = len(self._active) / (len(self._active) + len(self._quiet))
+        return max(0.0, (statistics.median(self._active) - q) / q * share)
+
+    def wanted(self) -> int:
+        """The smallest level that both covers this rank's snapshot cycle and keeps its measured
+        cost under the target (narrowing only with a 2x margin, so the choice does not flap)."""
+        if not self._steps:
+            return self.base
+        step = statistics.median(self._steps)
+        need = self.margin * statistics.median(self._cycles) / step if self._cycles else 1
+        cost = self.overhead() if self.target is not None else None
+        for k in self.levels:
+            if k < need:
+                continue
+            if cost is not None:
+                o = cost * self.interval / k  # per-snapshot cost spread over k steps
+                if o > (self.target if k >= self.interval else self.target / 2):
+                    continue
+            return k
+        return self.levels[-1]
+
+    def end_of_step(self, step: int, abort_check) -> None:
+        """After step ``step`` (the snapshot decision for it already made): vote, and adopt the
+        decision of the previous vote. Must be called by every rank at every step."""
+        if not self.adaptive or self._store is None or step % self.every:
+            return
+        prev = step - self.every
+        if prev in self._voted:
+            self.interval = self._decide(prev, abort_check)
+        self._store.add(self._keys.interval_vote(step, self.wanted()), 1)
+        self._store.add(self._keys.interval_voters(step), 1)
+        self._voted.add(step)
+
+    def _decide(self, step: int, abort_check) -> int:
+        while int(self._store.add(self._keys.interval_voters(step), 0)) < self._world:
+            abort_check()
+            time.sleep(0.001)
+        for k in reversed(self.levels):
+            if int(self._store.add(self._keys.interval_vote(step, k), 0)) > 0:
+                return k
+        return self.base

@@ -29,11 +29,13 @@ What is counted, and why (all sizes in GiB = 2**30 bytes; ``gpu_gb`` means GiB t
   for CPU processes: the interpreter and torch).
 
 Host memory per rank (pinned on CUDA), from ``deadpool.snapshot``: a local ring of
-``num_local_slots`` snapshots of the rank's full state (parameters + its optimizer shard), the
-buddy's ``replica_buffers`` receive buffers of what is replicated (the optimizer shard only with
+``num_local_slots`` (2: a double buffer) snapshots of the rank's full state (parameters + its
+optimizer shard), the ward's ``replica_buffers`` (2: the newest protected replica and the one
+arriving) receive buffers of what is replicated (the optimizer shard only with
 ``replicate="unique"`` and a sharded optimizer, because the parameters come back from a
 data-parallel peer; nothing with an unsharded optimizer and dp > 1; everything with ``"full"``
-or dp == 1), and one persist buffer of the full state (disk checkpoints are written from it).
+or dp == 1), and, when disk checkpoints are on, one persist buffer of the full state (they are
+written from it while the ring moves on).
 
 Precision: ``"fp32"`` is what the runtime trains in today (fp32 parameters, gradients, AdamW state
 and activations). ``"bf16-mixed"`` is a projection for a runtime that does not exist yet: bf16
@@ -100,8 +102,8 @@ def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: in
 
 
 def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbatches: int,
-             precision: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 3,
-             replicate: str = "unique", overhead_gb: float = 1.0) -> dict:
+             precision: str = "fp32", num_local_slots: int = 2, replica_buffers: int = 2,
+             replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0) -> dict:
     """Memory of the worst rank of a layout, in bytes.
 
     ``batch_size`` is sequences per data-parallel rank per step, split into ``microbatches``.
@@ -138,7 +140,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     else:
         replicated = gpu["optimizer"] if sharded else 0  # peers hold everything else
     host = {"local_ring": num_local_slots * state, "replicas": replica_buffers * replicated,
-            "persist": state}
+            "persist": state if persist else 0}
     host["total"] = sum(host.values())
     per_node = min(int(parallel_cfg.get("ranks_per_node", 1)), dp * tp * pp)
     return {"precision": precision, "projection": precision != "fp32",
@@ -173,8 +175,9 @@ def check_fits(cfg: dict) -> None:
     mb = num_microbatches(cfg)
     cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
     est = estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),
-                   microbatches=mb, num_local_slots=int(ft.get("num_local_slots", 3)),
+                   microbatches=mb, num_local_slots=int(ft.get("num_local_slots", 2)),
                    replicate=ft.get("replicate", "unique"),
+                   persist=bool(ft.get("persist_interval_steps")),
                    overhead_gb=0.25 if cpu and not mem else 1.0)
     g, h = est["gpu"], est["host_per_rank"]
     micro_tokens = int(cfg["batch_size"]) // mb * int(cfg["seq_len"])

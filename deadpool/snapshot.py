@@ -305,8 +305,13 @@ class SnapshotEngine:
             main = torch.cuda.current_stream()
             self._side_stream.wait_stream(main)
             with torch.cuda.stream(self._side_stream):
+                # in pieces of at most 64 MB: another D2H read (the loss) waits for one piece at
+                # most in the copy engine's queue, never for the whole state
                 for v, t in zip(self.layout.views(slot.flat), self.tensors):
-                    v.copy_(t, non_blocking=True)
+                    dst, src = v.reshape(-1), t.detach().reshape(-1)
+                    step_n = max(1, (64 << 20) // src.element_size())
+                    for off in range(0, src.numel(), step_n):
+                        dst[off:off + step_n].copy_(src[off:off + step_n], non_blocking=True)
                 slot.cuda_event = torch.cuda.Event()
                 slot.cuda_event.record()
         self._last_copy = slot

@@ -8,8 +8,8 @@ Four arms on the same model, data, layout and AdamW kernel, run as whole jobs:
   off   DeadPool with snapshots off (its gradient sync, watchdog, heartbeats, spare)
   on    DeadPool as configured by default: snapshots replicated to a buddy, the interval widened
         from every step while they cost more than ``ft.snapshot_overhead_target`` (2 %) or
-        outlast the steps between them (``snapshot_schedule.py``; probes every 16 steps here so
-        it settles within the run)
+        outlast the steps between them (``snapshot_schedule.py``; probes every 8 steps here, not
+        64, so it settles within the run: the vote of step 16 takes effect at step 32)
   on1   DeadPool with a snapshot every step, never widened: the raw per-step cost
 in each setting: ``2`` (2 ranks) and ``4+1`` (4 data-parallel ranks and 1 warm spare, which DDP
 does not have). Arms are interleaved (the order rotates every repeat), so slow drift of the host
@@ -134,7 +134,7 @@ def main() -> None:
         cfg = compose_config(base, tmp / "spec")
         arms = {"ddp": lambda d: run_ddp(cfg, ranks, d),
                 "off": lambda d: run_deadpool(base + ["ft.snapshot=false"], d),
-                "on": lambda d: run_deadpool(base + ["ft.snapshot_probe_every_steps=16"], d),
+                "on": lambda d: run_deadpool(base + ["ft.snapshot_probe_every_steps=8"], d),
                 "on1": lambda d: run_deadpool(base + ["ft.snapshot_adaptive=false"], d)}
         order = list(arms)
         times: dict[str, list[float]] = {a: [] for a in arms}

@@ -55,6 +55,23 @@ class _Sends:
         self.pending = []
 
 
+def host_scalar(t: torch.Tensor) -> float:
+    """``float(t)`` that on CUDA does not wait for other streams' device-to-host copies.
+
+    A plain ``.item()`` reads through pageable memory, and that read queues behind a snapshot's
+    D2H copy running on the snapshot engine's side stream (measured on an H100: a 0.04 ms read
+    took 39 ms). Reading into pinned memory on the current stream and waiting for just that
+    stream's event does not."""
+    if not t.is_cuda:
+        return float(t)
+    out = torch.empty((), dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return float(out)
+
+
 def _recv(comm, group: str, shape, like: torch.Tensor) -> torch.Tensor:
     buf = torch.empty(shape, dtype=like.dtype, device=like.device)
     comm.wait(comm.broadcast_async(buf, group, _peer(comm, group)))
@@ -120,4 +137,4 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
         hook("pp_cooldown")
         backward()
     sends.wait_all()
-    return float(torch.stack(losses).mean()) if stage.is_last else None
+    return host_scalar(torch.stack(losses).mean()) if stage.is_last else None

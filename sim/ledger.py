@@ -19,7 +19,7 @@ BUCKETS = (
     "snapshot",  # steady-state in-memory snapshot overhead
 )
 
-COUNTERS = ("failures", "planned_maintenance", "swaps", "restarts", "stalls", "shrinks",
+COUNTERS = ("failures", "hangs", "corruptions", "planned_maintenance", "swaps", "restarts", "stalls", "shrinks",
             "regrows", "fallbacks", "absorbed", "spare_failures", "masked")
 
 

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 
 import simpy
 
-from sim import strategies
+from sim import costs, strategies
 from sim.cluster import Cluster
 from sim.layout import Layout
 from sim.ledger import BUCKETS, COUNTERS, Ledger
@@ -70,7 +70,7 @@ def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Tra
     env = CountingEnvironment()
     ledger = Ledger()
     spares = layout.num_spares if strategies.uses_spares(scfg) else 0
-    cluster = Cluster(env, trace, layout.num_nodes, spares, ledger)
+    cluster = Cluster(env, trace, layout.num_nodes, spares, ledger, costs.detection(calib))
     kind = scfg.get("kind", name)
     job = strategies.build(kind, env, cluster, layout, ledger, scfg, calib, mtbf_s)
     env.run(until=horizon_s)
@@ -96,6 +96,7 @@ def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Tra
 
 def scenario_columns(cfg: Mapping, layout: Layout, mtbf_s: float) -> dict:
     t = cfg["trace"]
+    snap = costs.snapshots(layout, cfg["calibration"])
     return {
         "trace": t.get("name", t.get("source", "")),
         "num_gpus": layout.num_gpus,
@@ -106,6 +107,11 @@ def scenario_columns(cfg: Mapping, layout: Layout, mtbf_s: float) -> dict:
         "job_mtbf_h": mtbf_s / HOUR_S,
         "duration_days": float(cfg["duration_days"]),
         "step_time_s": layout.step_time_s,
+        # the shared snapshot engine at this scale (sim.network)
+        "snapshot_overhead_frac": snap.overhead_frac,
+        "snapshot_interval_steps": snap.net.interval_steps,
+        "replicate_lag_s": snap.lag_s,
+        "nic_util": snap.net.nic_util,
     }
 
 

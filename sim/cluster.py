@@ -178,6 +178,8 @@ class Cluster:
             return
         planned = ev == MAINTENANCE
         self.ledger.count("planned_maintenance" if planned else "failures")
+        if not planned and not self.pool:
+            self.ledger.count("empty_pool")  # the job finds no spare for this failure
         if not planned and kind != CRASH:
             self.ledger.count("hangs" if kind == HANG else "corruptions")
         cause = self.trace.causes[int(self.trace.cause[i])] if len(self.trace.causes) else ""

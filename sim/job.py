@@ -61,6 +61,7 @@ class Job:
         self._wake: simpy.Event | None = None
         self._need = 0
         self._grow_sent = False
+        self._stalled = False
         cluster.listener = self._pool_changed
         self.proc = env.process(self.run())
         cluster.job_proc = self.proc
@@ -165,8 +166,11 @@ class Job:
     def wait_for_pool(self, n: int):
         """Block until the pool holds at least ``n`` nodes (badput: wait_spare)."""
         if self.cluster.pool_size() >= n:
+            self._stalled = False
             return
-        self.ledger.count("stalls")
+        if not self._stalled:  # a failure that interrupts the wait does not start a new stall
+            self.ledger.count("stalls")
+            self._stalled = True
         t0 = self.env.now
         self._phase = ("wait_spare", t0)
         try:
@@ -182,6 +186,7 @@ class Job:
             raise
         self.ledger.add("wait_spare", self.env.now - t0)
         self._phase = None
+        self._stalled = False
 
     def fill_vacant(self):
         """Give every vacant slot a pool node, waiting when the pool is empty."""

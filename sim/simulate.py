@@ -45,7 +45,8 @@ def make_trace(tcfg: Mapping, layout: Layout, horizon_s: float, seed: int) -> Tr
     """The trace for one seed: generated over active + spare nodes, or loaded from a file."""
     source = tcfg.get("source", "generate")
     if source == "generate":
-        return generate(TraceSpec.from_cfg(tcfg), layout.num_nodes + layout.num_spares, horizon_s, seed)
+        return generate(TraceSpec.from_cfg(tcfg), layout.num_nodes + layout.num_spares, horizon_s, seed,
+                        nodes_per_rack=layout.nodes_per_rack)
     if source == "csv":
         return load_csv(tcfg["path"], horizon_s=horizon_s)
     if source == "addremove":
@@ -57,7 +58,10 @@ def make_trace(tcfg: Mapping, layout: Layout, horizon_s: float, seed: int) -> Tr
 def job_mtbf_s(tcfg: Mapping, layout: Layout, trace: Trace | None = None) -> float:
     """Mean time between unexpected failures of the job (used for Daly-optimal intervals)."""
     if tcfg.get("source", "generate") == "generate":
-        return TraceSpec.from_cfg(tcfg).node_mttf_s / layout.num_nodes
+        spec = TraceSpec.from_cfg(tcfg)
+        racks = -(-layout.num_nodes // max(1, layout.nodes_per_rack))
+        rate = layout.num_nodes / spec.node_mttf_s + spec.rack_failures_per_1000_rack_days / 1000.0 / DAY_S * racks
+        return 1.0 / rate
     assert trace is not None
     hits = int((((trace.event == FAIL) | (trace.event == REMOVE)) & (trace.node < layout.num_nodes)).sum())
     return trace.horizon_s / hits if hits else float("inf")

@@ -2,8 +2,8 @@
 
     python experiments/bench_sim.py
 
-1. 16,384 GPUs x 54 days x 4 strategies x 20 seeds (llama3 rates)   target <= 20 s
-2. 131,072 GPUs x 180 days, one seed, 4 strategies (llama3 rates)   target <= 5 s
+1. 16,384 GPUs x 54 days x all strategies (5) x 20 seeds (llama3 rates)   target <= 20 s
+2. 131,072 GPUs x 180 days, one seed, all strategies (llama3 rates)       target <= 5 s
    (also reported per strategy run)
 
 Also prints event counts: events must scale with failures, not with training steps (the
@@ -50,9 +50,10 @@ def bench(label, overrides, target_s):
 
 
 def main() -> None:
-    a = bench("16,384 GPUs x 54 days x 4 strategies x 20 seeds",
+    n = len(scenario([])["strategies"])
+    a = bench(f"16,384 GPUs x 54 days x {n} strategies x 20 seeds",
               ["trace=llama3", "cluster.num_gpus=16384", "duration_days=54", "seeds=20"], 20.0)
-    b = bench("131,072 GPUs x 180 days x 4 strategies x 1 seed",
+    b = bench(f"131,072 GPUs x 180 days x {n} strategies x 1 seed",
               ["trace=llama3", "cluster.num_gpus=131072", "duration_days=180", "seeds=1"], 5.0)
     print(f"summary: scenario 1 {a:.2f} s (target 20 s), scenario 2 {b:.2f} s (target 5 s)")
 

@@ -22,9 +22,11 @@ OUT = Path(__file__).resolve().parent / "out"
 STRATEGIES = {  # name -> (label, colour, marker)
     "deadpool": ("DeadPool (hot swap)", "#d62728", "o"),
     "deadpool_shrink": ("DeadPool, shrink when no spare", "#ff7f0e", "D"),
+    "inmem_restart": ("In-memory ckpt + restart", "#8c564b", "P"),
     "checkpoint_restart": ("Checkpoint/restart", "#1f77b4", "s"),
     "replication": ("Replication", "#2ca02c", "^"),
     "elastic": ("Elastic", "#9467bd", "v"),
+    "elastic_hsdp": ("Elastic, replicated optimizer", "#bcbd22", "<"),
 }
 BUCKET_COLOURS = {
     "ckpt_stall": "#1f77b4", "lost": "#d62728", "detection": "#ff7f0e", "reconfiguration": "#8c564b",

@@ -15,7 +15,8 @@ Fits (scipy):
 - ``transfer_latency_s + bytes / (transfer_gbps_per_node * 1e9)`` ~ ``transfer_s``: non-negative
   linear least squares (``lsq_linear``) when >= 2 distinct sizes, else the base latency is
   kept and the bandwidth is the median of ``bytes / (transfer_s - latency)``.
-- ``detect_s``, ``plan_s``: medians over recoveries.
+- ``detect_crash_s``, ``plan_s``: medians of the recoveries' ``detect_s``, ``plan_s`` (the runtime's
+  recoveries are kills: crashes). Hang and corruption detection are copied from the base.
 - ``warmup_steps``: median of ``(first_step_s - step_time_s) / step_time_s``, >= 0.
 - ``snapshot_overhead_frac``: from an in-run A/B run (snapshots in alternate blocks of steps) when
   one is given: median step time after a snapshot / without - 1. Otherwise median per-step
@@ -40,7 +41,7 @@ from scipy.optimize import curve_fit, lsq_linear
 
 import sim.config
 
-FITTED = ("detect_s", "plan_s", "rebuild_base_s", "rebuild_per_log2_gpus_s", "transfer_latency_s",
+FITTED = ("detect_crash_s", "plan_s", "rebuild_base_s", "rebuild_per_log2_gpus_s", "transfer_latency_s",
           "transfer_gbps_per_node", "warmup_steps", "snapshot_overhead_frac",
           "snapshot_interval_steps", "replicate_lag_steps")
 
@@ -114,11 +115,11 @@ def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
     names = ", ".join(Path(r["_dir"]).name for r in runs)
     recs = [x for r in runs for x in r["recoveries"]]
 
-    for key in ("detect_s", "plan_s"):
-        xs = [float(x[key]) for x in recs if x.get(key) is not None]
+    for key, rec_key in (("detect_crash_s", "detect_s"), ("plan_s", "plan_s")):
+        xs = [float(x[rec_key]) for x in recs if x.get(rec_key) is not None]
         if xs:
             vals[key] = statistics.median(xs)
-            src[key] = f"median of {len(xs)} recoveries ({names})"
+            src[key] = f"median {rec_key} of {len(xs)} recoveries ({names})"
 
     pts = [(float(r["world_size"]), float(x["rebuild_s"])) for r, x in _recs(runs, "rebuild_s")]
     if pts:

@@ -13,6 +13,11 @@ Replay rules (the same for every strategy, so the trace is common random numbers
   cannot fail again.
 - A node coming back (repair, reboot, maintenance done, ``add``) joins the pool; the job
   is told through ``listener`` and decides whether it wants it.
+- Silent data corruption (a ``fail`` whose cause ``detection.kind`` calls ``sdc``) on an active
+  node: the node stays in its slot and the job is told at once (``job.corrupted(node)``, which
+  only records the progress); ``detect_sdc_s`` later the node is taken out as a failure with
+  ``kind="sdc"``. If it left the job meanwhile (failed otherwise, drained, released) the
+  corruption is dropped with it (counted ``masked``): a simplification, rare at the rates used.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 
 import simpy
 
+from sim.costs import CRASH, HANG, SDC, Detection
 from sim.ledger import Ledger
 from sim.trace import ADD, FAIL, MAINTENANCE, REMOVE, Trace
 
@@ -35,6 +41,15 @@ class Fault:
     slot: int
     transient: bool
     planned: bool
+    kind: str = CRASH  # crash | hang | sdc (sim.costs.Detection.kind of the cause)
+    cause: str = ""
+
+
+@dataclasses.dataclass(slots=True)
+class Corrupt:
+    """Interrupt cause: the node started corrupting state (nothing is noticed yet)."""
+
+    node: int
 
 
 class NodesAvailable:
@@ -46,7 +61,7 @@ class Cluster:
     ``listener`` and ``job_proc`` are wired by the job."""
 
     def __init__(self, env: simpy.Environment, trace: Trace, num_active: int, num_spares: int,
-                 ledger: Ledger):
+                 ledger: Ledger, detection: Detection | None = None):
         reserved = num_active + num_spares
         if trace.num_nodes < num_active:
             raise ValueError(f"trace has {trace.num_nodes} nodes, the job needs {num_active} active")
@@ -68,6 +83,8 @@ class Cluster:
             self.role[n] = DOWN  # joins the pool at its ``add`` event
         self.listener = None  # callable(): the pool gained a node
         self.job_proc: simpy.Process | None = None
+        self.job = None  # the Job (for corruption notices)
+        self.detection = detection
         self.process = env.process(self.run())
 
     # -- pool -------------------------------------------------------------------------------
@@ -110,6 +127,9 @@ class Cluster:
         times, nodes = tr.time_s.tolist(), tr.node.tolist()
         events, durs = tr.event.tolist(), tr.duration_s.tolist()
         transient = tr.transient.tolist()
+        det = self.detection
+        kinds = [det.kind(c) if det else CRASH for c in tr.causes]
+        causes = tr.cause.tolist()
         for i in keep:
             t = times[i]
             if t > env.now:
@@ -123,20 +143,44 @@ class Cluster:
             if role == DOWN:
                 led.count("masked")
                 continue
-            self.role[node] = DOWN
-            if role == POOL:
-                del self.pool[node]
-                led.count("spare_failures")
-            else:
-                slot = self.slot_of[node]
-                self.node_of[slot], self.slot_of[node] = -1, -1
-            if ev != REMOVE:
-                if durs[i] > 0:
-                    env.timeout(durs[i], value=node).callbacks.append(self._come_back)
-                else:  # back at once (e.g. Daly's model): skip the extra event
-                    self._to_pool(node)
-            if role == POOL:
+            kind = kinds[causes[i]] if ev == FAIL else CRASH
+            if kind == SDC and role == ACTIVE:
+                self.job.corrupted(node)
+                env.timeout(det.sdc_s, value=i).callbacks.append(self._sdc_noticed)
                 continue
-            planned = ev == MAINTENANCE
-            led.count("planned_maintenance" if planned else "failures")
-            self.job_proc.interrupt(Fault(node, slot, bool(transient[i]) and ev == FAIL, planned))
+            self._hit(i, node, ev, durs[i], bool(transient[i]), kind)
+
+    def _sdc_noticed(self, event) -> None:
+        i = event.value
+        node = int(self.trace.node[i])
+        if self.role[node] != ACTIVE:
+            self.job.poison.pop(node, None)
+            self.ledger.count("masked")
+            return
+        self._hit(i, node, FAIL, float(self.trace.duration_s[i]), False, SDC)
+
+    def _hit(self, i: int, node: int, ev: int, dur: float, transient: bool, kind: str) -> None:
+        """Event ``i`` takes ``node`` away (it is up: active or in the pool)."""
+        role = self.role[node]
+        self.role[node] = DOWN
+        if role == POOL:
+            del self.pool[node]
+            self.ledger.count("spare_failures")
+        else:
+            slot = self.slot_of[node]
+            self.node_of[slot], self.slot_of[node] = -1, -1
+        if ev != REMOVE:
+            if dur > 0:
+                self.env.timeout(dur, value=node).callbacks.append(self._come_back)
+            else:  # back at once (e.g. Daly's model): skip the extra event
+                self._to_pool(node)
+        if role == POOL:
+            return
+        planned = ev == MAINTENANCE
+        self.ledger.count("planned_maintenance" if planned else "failures")
+        if not planned and not self.pool:
+            self.ledger.count("empty_pool")  # the job finds no spare for this failure
+        if not planned and kind != CRASH:
+            self.ledger.count("hangs" if kind == HANG else "corruptions")
+        cause = self.trace.causes[int(self.trace.cause[i])] if len(self.trace.causes) else ""
+        self.job_proc.interrupt(Fault(node, slot, transient and ev == FAIL, planned, kind, cause))

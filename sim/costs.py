@@ -1,18 +1,22 @@
-"""Cost model: turn calibration values and the layout into per-event durations.
+"""Shared cost model: calibration values + layout -> the durations every strategy spends.
 
-Every duration a strategy spends comes from here, so the formulas are in one place:
+One place for every cost that more than one strategy pays, so that the same event costs the
+same for everyone (``conf/sim/calibration/<name>.yaml`` holds the values and their sources):
 
-- hot-swap (DeadPool): ``detect_s + plan_s + rebuild_s + transfer_s + warmup``, with
-  ``rebuild_s = rebuild_base_s + rebuild_per_log2_gpus_s * log2(num_gpus)`` and
-  ``transfer_s = transfer_latency_s + state_bytes_per_node / (transfer_gbps_per_node * 1e9)``;
-  plus recomputation of the steps since the newest replicated snapshot.
-- job restart (checkpoint/restart, and every strategy's fallback):
-  ``requeue_s + launch_base_s + launch_per_log2_nodes_s * log2(num_nodes) + load``, with
-  ``load = ckpt_latency_s + state_bytes_total / (storage_read_gbps * 1e9)``.
-- disk checkpoint: synchronous write ``ckpt_latency_s + state_bytes_total / (storage_write_gbps
-  * 1e9)``; asynchronous: the stall is the device-to-host copy of one GPU's state
-  (``state_bytes_per_gpu / (host_copy_gbps_per_gpu * 1e9)``) and the write finishes in the
-  background one synchronous-write time later.
+- detection, by failure cause (``Detection``): crash, hang, silent data corruption;
+- reconfiguration without a restart (``Reconfig``): ``plan_s + rebuild_s + transfer_s + warmup``
+  with ``rebuild_s = rebuild_base_s + rebuild_per_log2_gpus_s * log2(num_gpus)`` and
+  ``transfer_s = transfer_latency_s + state_bytes_per_node / (transfer_gbps_per_node * 1e9)``.
+  DeadPool's hot swap, elastic shrink/regrow and a replica's replacement all pay it;
+- the per-step snapshot engine (``Snapshots``): measured main-thread overhead plus what
+  ``sim.network`` charges when replication does not fit, the effective interval and lag;
+- job restart: ``requeue_s + launch_base_s + launch_per_log2_nodes_s * log2(num_nodes) + load``,
+  where load comes from storage (``ckpt_latency_s + state_bytes_total / (storage_read_gbps*1e9)``)
+  or from peers' host memory (the transfer above);
+- disk checkpoints (``DiskCosts``): synchronous write ``ckpt_latency_s + state_bytes_total /
+  (storage_write_gbps * 1e9)``; asynchronous: the stall is one snapshot's (the measured
+  per-snapshot overhead, ``snapshot_overhead_frac * step``, plus any device-to-host copy beyond a
+  step: the same engine DeadPool uses), durable one synchronous-write time later.
 """
 
 from __future__ import annotations
@@ -21,19 +25,37 @@ import dataclasses
 import math
 from typing import Mapping
 
+from sim import network
 from sim.layout import Layout
+
+CRASH, HANG, SDC = "crash", "hang", "sdc"
 
 
 @dataclasses.dataclass(frozen=True)
-class HotSwapCosts:
-    detect_s: float
+class Detection:
+    crash_s: float
+    hang_s: float
+    sdc_s: float  # delay before a silent corruption is noticed (the fault is delivered then)
+    hang_causes: frozenset[str]
+    sdc_causes: frozenset[str]
+
+    def kind(self, cause: str) -> str:
+        if cause in self.sdc_causes:
+            return SDC
+        return HANG if cause in self.hang_causes else CRASH
+
+    def seconds(self, kind: str) -> float:
+        """Detection time booked after the fault is delivered. A corruption is delivered only
+        when it is noticed; the delay before it is lost work, booked by the rollback."""
+        return {CRASH: self.crash_s, HANG: self.hang_s, SDC: 0.0}[kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconfig:
     plan_s: float
     rebuild_s: float
     transfer_s: float
     warmup_s: float
-    snapshot_overhead_frac: float
-    snapshot_interval_w: float  # progress between in-memory snapshots (nominal seconds)
-    replicate_lag_s: float  # a snapshot is usable on the buddy this long after it is taken
 
     @property
     def swap_s(self) -> float:
@@ -42,31 +64,75 @@ class HotSwapCosts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Snapshots:
+    overhead_frac: float  # measured + network/copy backpressure, fraction of a step
+    interval_w: float  # progress between snapshots (nominal seconds)
+    lag_s: float  # a snapshot is on the buddy this long after it is taken
+    generations: int  # snapshots a buddy keeps (rollback targets for a corruption)
+    net: network.ReplicationPlan
+
+
+@dataclasses.dataclass(frozen=True)
 class DiskCosts:
     stall_s: float  # training blocked per checkpoint
     persist_lag_s: float  # checkpoint durable this long after the stall ends
     write_s: float  # one synchronous write (also used for on-demand checkpoints)
-    restart_s: float  # requeue + relaunch + load
+    restart_s: float  # requeue + relaunch + load from storage
 
 
-def hotswap(layout: Layout, c: Mapping) -> HotSwapCosts:
-    step = layout.step_time_s
-    return HotSwapCosts(
-        detect_s=float(c["detect_s"]),
+def detection(c: Mapping) -> Detection:
+    return Detection(crash_s=float(c["detect_crash_s"]), hang_s=float(c["detect_hang_s"]),
+                     sdc_s=float(c["detect_sdc_s"]), hang_causes=frozenset(c.get("hang_causes", ())),
+                     sdc_causes=frozenset(c.get("sdc_causes", ())))
+
+
+def reconfig(layout: Layout, c: Mapping) -> Reconfig:
+    return Reconfig(
         plan_s=float(c["plan_s"]),
         rebuild_s=float(c["rebuild_base_s"]) + float(c["rebuild_per_log2_gpus_s"]) * math.log2(layout.num_gpus),
-        transfer_s=float(c["transfer_latency_s"]) + layout.state_bytes_per_node / (float(c["transfer_gbps_per_node"]) * 1e9),
-        warmup_s=float(c["warmup_steps"]) * step,
-        snapshot_overhead_frac=float(c["snapshot_overhead_frac"]),
-        snapshot_interval_w=max(1, int(c["snapshot_interval_steps"])) * step,
-        replicate_lag_s=float(c["replicate_lag_steps"]) * step,
+        transfer_s=transfer_s(layout, c),
+        warmup_s=float(c["warmup_steps"]) * layout.step_time_s,
     )
 
 
-def restart_s(layout: Layout, c: Mapping) -> float:
-    load = float(c["ckpt_latency_s"]) + layout.state_bytes_total / (float(c["storage_read_gbps"]) * 1e9)
+def transfer_s(layout: Layout, c: Mapping) -> float:
+    """One node's state into a replacement from peers' host memory."""
+    return float(c["transfer_latency_s"]) + layout.state_bytes_per_node / (float(c["transfer_gbps_per_node"]) * 1e9)
+
+
+def snapshots(layout: Layout, c: Mapping) -> Snapshots:
+    net = network.plan(layout, c)
+    return Snapshots(overhead_frac=float(c["snapshot_overhead_frac"]) + net.extra_overhead_frac,
+                     interval_w=net.interval_steps * layout.step_time_s, lag_s=net.lag_s,
+                     generations=max(1, int(c.get("snapshot_memory_generations", 2))), net=net)
+
+
+def snapshot_stall_s(layout: Layout, c: Mapping) -> float:
+    """Training time one snapshot costs: its measured share of a step, plus a device-to-host copy
+    that outlasts the step it overlaps with."""
+    d2h = layout.state_bytes_per_gpu / (float(c["host_copy_gbps_per_gpu"]) * 1e9)
+    return float(c["snapshot_overhead_frac"]) * layout.step_time_s + max(0.0, d2h - layout.step_time_s)
+
+
+def relaunch_s(layout: Layout, c: Mapping) -> float:
+    """Requeue and relaunch every process (NCCL init included), before any state is loaded."""
     return (float(c["requeue_s"]) + float(c["launch_base_s"])
-            + float(c["launch_per_log2_nodes_s"]) * math.log2(max(layout.num_nodes, 1)) + load)
+            + float(c["launch_per_log2_nodes_s"]) * math.log2(max(layout.num_nodes, 1)))
+
+
+def storage_load_s(layout: Layout, c: Mapping) -> float:
+    return float(c["ckpt_latency_s"]) + layout.state_bytes_total / (float(c["storage_read_gbps"]) * 1e9)
+
+
+def restart_s(layout: Layout, c: Mapping) -> float:
+    """Job restart from a disk checkpoint."""
+    return relaunch_s(layout, c) + storage_load_s(layout, c)
+
+
+def memory_restart_s(layout: Layout, c: Mapping) -> float:
+    """Job restart from in-memory checkpoints: survivors load their own host copy, the replacement
+    node gets its state from its buddy (one transfer)."""
+    return relaunch_s(layout, c) + transfer_s(layout, c)
 
 
 def disk(layout: Layout, c: Mapping, mode: str) -> DiskCosts:
@@ -75,7 +141,15 @@ def disk(layout: Layout, c: Mapping, mode: str) -> DiskCosts:
     if mode == "sync":
         stall, lag = write, 0.0
     elif mode == "async":
-        stall, lag = layout.state_bytes_per_gpu / (float(c["host_copy_gbps_per_gpu"]) * 1e9), write
+        stall, lag = snapshot_stall_s(layout, c), write
     else:
         raise ValueError(f"checkpoint mode must be sync or async, got {mode!r}")
     return DiskCosts(stall_s=stall, persist_lag_s=lag, write_s=write, restart_s=restart_s(layout, c))
+
+
+def disk_from_snapshots(layout: Layout, c: Mapping, mode: str) -> DiskCosts:
+    """Disk checkpoints of a job that already takes a snapshot every step (DeadPool, in-memory
+    restart): an asynchronous save is written from the newest snapshot off the training thread,
+    so it adds no stall beyond the per-step overhead already charged (the runtime's persist)."""
+    d = disk(layout, c, mode)
+    return dataclasses.replace(d, stall_s=0.0) if mode == "async" else d

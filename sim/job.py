@@ -10,6 +10,11 @@ have done in that time). Throughput factors (``factors``: bucket -> fraction of 
 run time into progress; the lost fraction of each factor is booked to its badput bucket, so
 the ledger always sums to the wall time.
 
+Silent data corruption: the cluster calls ``corrupted(node)`` when a node starts corrupting
+state (the job records its progress then, in ``poison``) and delivers the ``Fault`` only when
+the corruption is noticed (``detect_sdc_s`` later). Every snapshot or checkpoint taken in
+between is poisoned: a strategy must restore from state at progress ``<= poison[node]``.
+
 Strategies must implement ``on_interrupt(cause)`` (called with the segment already closed;
 set ``self.recovering`` to get ``recover()`` run) and ``recover()`` (a generator built from
 ``phase``, ``wait_for_pool`` and the group helpers). ``recover()`` may be interrupted at any
@@ -23,7 +28,8 @@ import math
 
 import simpy
 
-from sim.cluster import Cluster, NodesAvailable
+from sim import costs
+from sim.cluster import Cluster, Corrupt, NodesAvailable
 from sim.layout import Layout
 from sim.ledger import Ledger
 from sim.schedule import Checkpoints
@@ -32,7 +38,8 @@ from sim.schedule import Checkpoints
 class Job:
     """Base job: segment and phase accounting, waiting for pool nodes, DP-group shrink/regrow."""
 
-    def __init__(self, env: simpy.Environment, cluster: Cluster, layout: Layout, ledger: Ledger):
+    def __init__(self, env: simpy.Environment, cluster: Cluster, layout: Layout, ledger: Ledger,
+                 detection: costs.Detection):
         self.env, self.cluster, self.layout, self.ledger = env, cluster, layout, ledger
         self.W = 0.0  # kept progress, nominal seconds
         self.ckpt: Checkpoints | None = None
@@ -42,6 +49,9 @@ class Job:
         self.mem_floor = 0.0  # progress of the state restored by the last recovery
         self.vacant: set[int] = set()  # slots that lost their node and need one
         self.detect_pending = False  # an unexpected failure has not been detected yet
+        self.detect_s = 0.0  # detection time of the pending failures (by cause, sim.costs)
+        self.detection_costs = detection
+        self.poison: dict[int, float] = {}  # corrupting node -> progress when it began
         npg = layout.nodes_per_group
         self.group_active = [True] * layout.num_groups
         self.active_groups = layout.num_groups
@@ -51,9 +61,11 @@ class Job:
         self._wake: simpy.Event | None = None
         self._need = 0
         self._grow_sent = False
+        self._stalled = False
         cluster.listener = self._pool_changed
         self.proc = env.process(self.run())
         cluster.job_proc = self.proc
+        cluster.job = self
 
     # -- strategy interface -----------------------------------------------------------------
     def on_interrupt(self, cause) -> None:
@@ -74,9 +86,28 @@ class Job:
                 yield self.env.event()  # compute until interrupted or the window closes
             except simpy.Interrupt as irq:
                 self._seg_close()
+                if isinstance(irq.cause, Corrupt):
+                    self.poison.setdefault(irq.cause.node, self.W)
+                    continue
                 if isinstance(irq.cause, NodesAvailable):
                     self._grow_sent = False
                 self.on_interrupt(irq.cause)
+
+    def corrupted(self, node: int) -> None:
+        """Node ``node`` starts corrupting state now. While computing, the segment is closed (one
+        interrupt) to learn the progress; otherwise progress is standing still."""
+        if self._seg_t0 is not None and self.env.active_process is not self.proc:
+            self.proc.interrupt(Corrupt(node))
+        else:
+            self.poison.setdefault(node, self.W)
+
+    def note_failure(self, cause) -> None:
+        """An unexpected failure: its detection time (by cause, the same for every strategy) is
+        still to be spent. A second failure before the first is detected restarts the wait with
+        the longer of the two."""
+        s = self.detection_costs.seconds(cause.kind)
+        self.detect_s = max(self.detect_s, s) if self.detect_pending else s
+        self.detect_pending = True
 
     @property
     def rate(self) -> float:
@@ -111,10 +142,10 @@ class Job:
             self._phase = None
 
     # -- helpers for recover() --------------------------------------------------------------
-    def detection(self, seconds: float):
-        """Spend the detection time of a pending unexpected failure, once (badput: detection)."""
+    def detection(self):
+        """Spend the detection time of the pending unexpected failures, once (badput: detection)."""
         if self.detect_pending:
-            yield from self.phase("detection", seconds)
+            yield from self.phase("detection", self.detect_s)
             self.detect_pending = False
 
     def phase(self, bucket: str, seconds: float):
@@ -135,8 +166,11 @@ class Job:
     def wait_for_pool(self, n: int):
         """Block until the pool holds at least ``n`` nodes (badput: wait_spare)."""
         if self.cluster.pool_size() >= n:
+            self._stalled = False
             return
-        self.ledger.count("stalls")
+        if not self._stalled:  # a failure that interrupts the wait does not start a new stall
+            self.ledger.count("stalls")
+            self._stalled = True
         t0 = self.env.now
         self._phase = ("wait_spare", t0)
         try:
@@ -152,6 +186,7 @@ class Job:
             raise
         self.ledger.add("wait_spare", self.env.now - t0)
         self._phase = None
+        self._stalled = False
 
     def fill_vacant(self):
         """Give every vacant slot a pool node, waiting when the pool is empty."""
@@ -161,22 +196,33 @@ class Job:
             self.vacant.discard(slot)
 
     def rollback_to(self, w: float) -> None:
-        """Discard progress above ``w`` (booked as lost work)."""
+        """Discard progress above ``w`` (booked as lost work). A node still corrupting state
+        corrupts it again from ``w`` on."""
         if w < self.W:
             self.ledger.add("lost", self.W - w)
             self.W = w
+            for n, pw in self.poison.items():
+                self.poison[n] = min(pw, w)
+
+    def memory_marks(self, interval_w: float, lag_s: float, generations: int = 1) -> list[float]:
+        """Progress of the in-memory snapshots a buddy holds now, newest first: taken every
+        ``interval_w`` of progress, usable ``lag_s`` after they are taken (at the current rate,
+        so a lag of several intervals reaches several snapshots back), at most ``generations``
+        of them, never below ``mem_floor`` (the state the last recovery restored, which every
+        survivor and the buddy hold)."""
+        usable = self.W - lag_s * self.rate
+        m = math.floor((usable + 1e-9) / interval_w) * interval_w
+        marks = []
+        while len(marks) < generations and m > self.mem_floor + 1e-9:
+            marks.append(m)
+            m -= interval_w
+        if len(marks) < generations or not marks:
+            marks.append(min(self.mem_floor, self.W))
+        return marks
 
     def lost_since_snapshot(self, interval_w: float, lag_s: float) -> float:
-        """Progress since the newest replicated in-memory snapshot (taken every ``interval_w``
-        of progress, usable ``lag_s`` after it is taken), but never below ``mem_floor``."""
-        since = self.W - self.mem_floor
-        if since <= 0:
-            return 0.0
-        k = math.floor((self.W + 1e-9) / interval_w)
-        mark = k * interval_w
-        if lag_s > 0 and (self.W - mark) / max(self.rate, 1e-12) < lag_s:
-            mark -= interval_w
-        return min(since, max(self.W - mark, 0.0))
+        """Progress since the newest replicated in-memory snapshot (see ``memory_marks``)."""
+        return max(self.W - self.memory_marks(interval_w, lag_s)[0], 0.0)
 
     # -- data-parallel groups (shrink / regrow) ---------------------------------------------
     def group_of(self, slot: int) -> int:

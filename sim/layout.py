@@ -28,6 +28,8 @@ class Layout:
     bytes_per_param_state: float  # bytes of weights + optimizer state per parameter
     optimizer_sharded_over_dp: bool  # ZeRO-1: optimizer state split over DP ranks
     step_time_s: float
+    nic_gbps_per_node: float = 400.0  # GB/s of network bandwidth per node (all its NICs)
+    nodes_per_rack: int = 1  # nodes behind one rack switch: a correlated failure domain
 
     @property
     def num_nodes(self) -> int:
@@ -81,4 +83,5 @@ class Layout:
                    model_params=float(c["model_params"]),
                    bytes_per_param_state=float(c["bytes_per_param_state"]),
                    optimizer_sharded_over_dp=bool(c.get("optimizer_sharded_over_dp", True)),
-                   step_time_s=float(step))
+                   step_time_s=float(step), nic_gbps_per_node=float(c.get("nic_gbps_per_node", 400.0)),
+                   nodes_per_rack=int(c.get("nodes_per_rack", 1)))

@@ -19,8 +19,8 @@ BUCKETS = (
     "snapshot",  # steady-state in-memory snapshot overhead
 )
 
-COUNTERS = ("failures", "planned_maintenance", "swaps", "restarts", "stalls", "shrinks",
-            "regrows", "fallbacks", "absorbed", "spare_failures", "masked")
+COUNTERS = ("failures", "hangs", "corruptions", "planned_maintenance", "swaps", "restarts", "stalls", "shrinks",
+            "regrows", "fallbacks", "absorbed", "spare_failures", "masked", "empty_pool")
 
 
 class Ledger:

@@ -31,6 +31,13 @@ class Checkpoints:
         self.durable = 0.0  # progress of the newest durable checkpoint
         self.inflight: list[tuple[float, float]] = []  # (mark, time it becomes durable)
         self.taken = 0
+        # every durable checkpoint, as runs (first mark, spacing, count): storage keeps old
+        # checkpoints, and a corruption noticed late needs one from before it began
+        self.history: list[tuple[float, float, int]] = [(0.0, 0.0, 1)]
+
+    def _record(self, first: float, count: int, spacing: float = 0.0) -> None:
+        if count > 0:
+            self.history.append((first, spacing, count))
 
     def settle(self, now: float) -> None:
         """Persists that finished by ``now`` become durable."""
@@ -39,6 +46,7 @@ class Checkpoints:
             for mark, t in self.inflight:
                 if t <= now:
                     self.durable = max(self.durable, mark)
+                    self._record(mark, 1)
                 else:
                     keep.append((mark, t))
             self.inflight = keep
@@ -72,7 +80,10 @@ class Checkpoints:
             i_dur = min(m - 1, math.floor((now - self.lag - first_done) / cyc))
             if i_dur >= 0:
                 self.durable = max(self.durable, self.next_mark + i_dur * self.interval)
+                for mark, _ in self.inflight:  # older than checkpoint 0 of this segment
+                    self._record(mark, 1)
                 self.inflight = []
+                self._record(self.next_mark, i_dur + 1, self.interval)
             for i in range(max(i_dur + 1, 0), m):
                 self.inflight.append((self.next_mark + i * self.interval, first_done + i * cyc + self.lag))
             self.next_mark += m * self.interval
@@ -86,14 +97,33 @@ class Checkpoints:
 
     def rollback(self, now: float) -> float:
         """A failure: in-flight persists are cancelled; returns the progress to restart from."""
+        return self.rollback_before(now, math.inf)
+
+    def rollback_before(self, now: float, limit_w: float) -> float:
+        """Restart from the newest durable checkpoint at progress ``<= limit_w`` (a corruption
+        that began at ``limit_w`` poisoned every later one); newer checkpoints are discarded.
+        ``history`` is in progress order (a rollback truncates it), so this pops from its end."""
         self.cancel_inflight(now)
-        self.next_mark = self.durable + self.interval
-        return self.durable
+        h = self.history
+        while len(h) > 1 and h[-1][0] > limit_w + 1e-9:
+            h.pop()
+        first, spacing, count = h[-1]
+        if spacing > 0 and math.isfinite(limit_w):
+            count = min(count, math.floor((limit_w - first) / spacing + 1e-9) + 1)
+        h[-1] = (first, spacing, count)
+        best = first + (count - 1) * spacing if h[-1][0] <= limit_w + 1e-9 else 0.0
+        self.durable = best
+        self.next_mark = best + self.interval
+        return best
 
     def mark_durable(self, w: float) -> None:
         """An on-demand checkpoint at progress ``w`` completed (e.g. before planned maintenance)."""
         self.durable = max(self.durable, w)
+        for mark, _ in self.inflight:
+            if mark <= w:
+                self._record(mark, 1)
         self.inflight = []
+        self._record(w, 1)
         self.next_mark = w + self.interval
 
 

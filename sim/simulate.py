@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 
 import simpy
 
-from sim import strategies
+from sim import costs, strategies
 from sim.cluster import Cluster
 from sim.layout import Layout
 from sim.ledger import BUCKETS, COUNTERS, Ledger
@@ -45,7 +45,8 @@ def make_trace(tcfg: Mapping, layout: Layout, horizon_s: float, seed: int) -> Tr
     """The trace for one seed: generated over active + spare nodes, or loaded from a file."""
     source = tcfg.get("source", "generate")
     if source == "generate":
-        return generate(TraceSpec.from_cfg(tcfg), layout.num_nodes + layout.num_spares, horizon_s, seed)
+        return generate(TraceSpec.from_cfg(tcfg), layout.num_nodes + layout.num_spares, horizon_s, seed,
+                        nodes_per_rack=layout.nodes_per_rack)
     if source == "csv":
         return load_csv(tcfg["path"], horizon_s=horizon_s)
     if source == "addremove":
@@ -57,7 +58,10 @@ def make_trace(tcfg: Mapping, layout: Layout, horizon_s: float, seed: int) -> Tr
 def job_mtbf_s(tcfg: Mapping, layout: Layout, trace: Trace | None = None) -> float:
     """Mean time between unexpected failures of the job (used for Daly-optimal intervals)."""
     if tcfg.get("source", "generate") == "generate":
-        return TraceSpec.from_cfg(tcfg).node_mttf_s / layout.num_nodes
+        spec = TraceSpec.from_cfg(tcfg)
+        racks = -(-layout.num_nodes // max(1, layout.nodes_per_rack))
+        rate = layout.num_nodes / spec.node_mttf_s + spec.rack_failures_per_1000_rack_days / 1000.0 / DAY_S * racks
+        return 1.0 / rate
     assert trace is not None
     hits = int((((trace.event == FAIL) | (trace.event == REMOVE)) & (trace.node < layout.num_nodes)).sum())
     return trace.horizon_s / hits if hits else float("inf")
@@ -70,7 +74,7 @@ def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Tra
     env = CountingEnvironment()
     ledger = Ledger()
     spares = layout.num_spares if strategies.uses_spares(scfg) else 0
-    cluster = Cluster(env, trace, layout.num_nodes, spares, ledger)
+    cluster = Cluster(env, trace, layout.num_nodes, spares, ledger, costs.detection(calib))
     kind = scfg.get("kind", name)
     job = strategies.build(kind, env, cluster, layout, ledger, scfg, calib, mtbf_s)
     env.run(until=horizon_s)
@@ -96,6 +100,7 @@ def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Tra
 
 def scenario_columns(cfg: Mapping, layout: Layout, mtbf_s: float) -> dict:
     t = cfg["trace"]
+    snap = costs.snapshots(layout, cfg["calibration"])
     return {
         "trace": t.get("name", t.get("source", "")),
         "num_gpus": layout.num_gpus,
@@ -106,6 +111,11 @@ def scenario_columns(cfg: Mapping, layout: Layout, mtbf_s: float) -> dict:
         "job_mtbf_h": mtbf_s / HOUR_S,
         "duration_days": float(cfg["duration_days"]),
         "step_time_s": layout.step_time_s,
+        # the shared snapshot engine at this scale (sim.network)
+        "snapshot_overhead_frac": snap.overhead_frac,
+        "snapshot_interval_steps": snap.net.interval_steps,
+        "replicate_lag_s": snap.lag_s,
+        "nic_util": snap.net.nic_util,
     }
 
 

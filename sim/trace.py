@@ -15,6 +15,17 @@ Causes are drawn from a cause mix (the Llama 3 mix by default); causes listed as
 downtime, all others need the node repaired (lognormal repair time, median ~1 h, mean ~3 h).
 Planned maintenance is a Poisson stream over the cluster. Event rows for a node that is
 already down are dropped at replay time (see ``sim.cluster``).
+
+Options beyond independent nodes (all off by default):
+- racks (correlated failures): nodes ``r*k .. r*k + r-1`` sit behind one rack switch
+  (``nodes_per_rack``, from the cluster); each rack has its own Poisson failure process
+  (``rack_failures_per_1000_rack_days``) that takes every node of the rack down at once (cause
+  ``rack_switch``) for a lognormal rack repair;
+- lemon nodes: a fraction ``lemon_node_frac`` of nodes fails ``lemon_rate_multiplier`` times as
+  often as the others, with the fleet-wide rate unchanged (repeat offenders concentrate
+  failures: each lemon's failures hit the same slot again and again);
+- a hardware-RMA repair tail: a fraction ``rma_frac`` of permanent failures waits for a part or
+  a replacement (lognormal, median ``rma_median_h``) instead of the usual repair.
 """
 
 from __future__ import annotations
@@ -62,6 +73,14 @@ class TraceSpec:
     repair_mean_h: float = 3.0  # permanent failure: lognormal repair, mean (>= median)
     transient_downtime_median_s: float = 300.0  # transient: node reboots in place
     transient_downtime_sigma: float = 0.5  # lognormal sigma of the transient downtime
+    rma_frac: float = 0.0  # permanent failures that need a hardware RMA instead
+    rma_median_h: float = 24.0  # RMA repair: lognormal, median
+    rma_mean_h: float = 48.0  # ... and mean
+    rack_failures_per_1000_rack_days: float = 0.0  # whole-rack (switch/power) failures
+    rack_repair_median_h: float = 2.0  # rack repair: lognormal, median
+    rack_repair_mean_h: float = 4.0  # ... and mean
+    lemon_node_frac: float = 0.0  # fraction of nodes that are repeat offenders
+    lemon_rate_multiplier: float = 10.0  # their failure rate relative to the other nodes
     cause_mix: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(LLAMA3_CAUSE_MIX))
     transient_causes: Sequence[str] = LLAMA3_TRANSIENT
 
@@ -121,43 +140,61 @@ def lognormal_sigma(median: float, mean: float) -> float:
     return math.sqrt(2.0 * math.log(mean / median)) if mean > median else 0.0
 
 
-def _intervals(spec: TraceSpec, rng: np.random.Generator, n: int) -> np.ndarray:
-    mttf = spec.node_mttf_s
+def _unit_intervals(spec: TraceSpec, rng: np.random.Generator, n: int) -> np.ndarray:
+    """Times between failures with mean 1 (scaled by each node's MTTF by the caller)."""
     if spec.tbf_distribution == "exponential":
-        return rng.exponential(mttf, n)
+        return rng.exponential(1.0, n)
     k = spec.weibull_shape
-    return mttf / math.gamma(1.0 + 1.0 / k) * rng.weibull(k, n)
+    return rng.weibull(k, n) / math.gamma(1.0 + 1.0 / k)
+
+
+def _intervals(spec: TraceSpec, rng: np.random.Generator, n: int) -> np.ndarray:
+    return spec.node_mttf_s * _unit_intervals(spec, rng, n)
 
 
 def _first_arrivals(spec: TraceSpec, rng: np.random.Generator, n: int) -> np.ndarray:
-    """Residual life at equilibrium: each node is at a random age of a stationary process."""
-    mttf = spec.node_mttf_s
+    """Residual life at equilibrium (mean-1 units): each node is at a random age of a
+    stationary process."""
     if spec.tbf_distribution == "exponential":
-        return rng.exponential(mttf, n)
+        return rng.exponential(1.0, n)
     if spec.tbf_distribution != "weibull":
         raise ValueError(f"tbf_distribution must be exponential or weibull, got {spec.tbf_distribution!r}")
     k = spec.weibull_shape
-    lam = mttf / math.gamma(1.0 + 1.0 / k)
-    return lam * rng.gamma(1.0 / k, 1.0, n) ** (1.0 / k)
+    return rng.gamma(1.0 / k, 1.0, n) ** (1.0 / k) / math.gamma(1.0 + 1.0 / k)
+
+
+def node_mttf_s(spec: TraceSpec, num_nodes: int, rng: np.random.Generator) -> np.ndarray:
+    """Per-node MTTF. Lemons fail ``m`` times as often; the others' rate is scaled so that the
+    fleet-wide rate stays ``1 / node_mttf_s``: r0 = r / (1 - f + f m)."""
+    mttf = np.full(num_nodes, spec.node_mttf_s)
+    f = spec.lemon_node_frac
+    if f > 0:
+        m = spec.lemon_rate_multiplier
+        lemons = rng.random(num_nodes) < f
+        scale = 1.0 - f + f * m
+        mttf = np.where(lemons, spec.node_mttf_s * scale / m, spec.node_mttf_s * scale)
+    return mttf
 
 
 def failure_times(spec: TraceSpec, rng: np.random.Generator, num_nodes: int,
-                  horizon_s: float) -> tuple[np.ndarray, np.ndarray]:
+                  horizon_s: float, mttf: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-node renewal processes on [0, horizon_s), vectorised over nodes and failures.
 
     Returns (times, nodes), unsorted. Each round draws a block of intervals per node that
     is still inside the horizon (sized from the expected count), so a round is one numpy
     call whether there are 2,000 nodes with one failure each or one node with 10^5.
     """
-    t = _first_arrivals(spec, rng, num_nodes)
+    mttf = np.full(num_nodes, spec.node_mttf_s) if mttf is None else mttf
+    t = _first_arrivals(spec, rng, num_nodes) * mttf
     nodes = np.arange(num_nodes)
-    expected = horizon_s / spec.node_mttf_s
+    expected = horizon_s / float(mttf.min())
     block = int(expected + 6.0 * math.sqrt(expected) + 4)
     inside = t < horizon_s
     out_t, out_n = [t[inside]], [nodes[inside]]
     idx = nodes[inside]
     while len(idx):
-        times = t[idx, None] + np.cumsum(_intervals(spec, rng, len(idx) * block).reshape(len(idx), block), axis=1)
+        steps = _unit_intervals(spec, rng, len(idx) * block).reshape(len(idx), block) * mttf[idx, None]
+        times = t[idx, None] + np.cumsum(steps, axis=1)
         keep = times < horizon_s
         out_t.append(times[keep])
         out_n.append(np.broadcast_to(idx[:, None], times.shape)[keep])
@@ -166,15 +203,33 @@ def failure_times(spec: TraceSpec, rng: np.random.Generator, num_nodes: int,
     return np.concatenate(out_t), np.concatenate(out_n).astype(np.int64)
 
 
-def generate(spec: TraceSpec, num_nodes: int, horizon_s: float, seed: int) -> Trace:
-    """Draw one trace. Deterministic in (spec, num_nodes, horizon_s, seed); the failure,
-    cause, repair and maintenance streams are independent children of ``seed`` so that
-    changing one (e.g. maintenance rate) leaves the others unchanged."""
-    s_fail, s_cause, s_dur, s_maint = (np.random.default_rng(s)
-                                       for s in np.random.SeedSequence(seed).spawn(4))
-    ft, fn = failure_times(spec, s_fail, num_nodes, horizon_s)
+def rack_failures(spec: TraceSpec, rng: np.random.Generator, num_nodes: int, nodes_per_rack: int,
+                  horizon_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whole-rack failures: (times, nodes, durations), one row per node of each failed rack."""
+    rate = spec.rack_failures_per_1000_rack_days / 1000.0 / DAY_S
+    racks = math.ceil(num_nodes / max(1, nodes_per_rack))
+    if rate <= 0 or nodes_per_rack < 1:
+        return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0)
+    n = rng.poisson(rate * racks * horizon_s)
+    t = rng.uniform(0.0, horizon_s, n)
+    rack = rng.integers(0, racks, n)
+    d = rng.lognormal(math.log(spec.rack_repair_median_h * HOUR_S),
+                      lognormal_sigma(spec.rack_repair_median_h, spec.rack_repair_mean_h), n)
+    members = rack[:, None] * nodes_per_rack + np.arange(nodes_per_rack)[None, :]
+    ok = members < num_nodes
+    return (np.broadcast_to(t[:, None], members.shape)[ok], members[ok].astype(np.int64),
+            np.broadcast_to(d[:, None], members.shape)[ok])
 
-    causes = tuple(spec.cause_mix) + ("planned",)
+
+def generate(spec: TraceSpec, num_nodes: int, horizon_s: float, seed: int, nodes_per_rack: int = 1) -> Trace:
+    """Draw one trace. Deterministic in (spec, num_nodes, horizon_s, seed, nodes_per_rack); the
+    failure, cause, repair, maintenance, lemon, rack and RMA streams are independent children of
+    ``seed`` so that changing one (e.g. maintenance rate) leaves the others unchanged."""
+    s_fail, s_cause, s_dur, s_maint, s_lemon, s_rack, s_rma = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(7))
+    ft, fn = failure_times(spec, s_fail, num_nodes, horizon_s, node_mttf_s(spec, num_nodes, s_lemon))
+
+    causes = tuple(spec.cause_mix) + ("planned", "rack_switch")
     weights = np.array([spec.cause_mix[c] for c in spec.cause_mix], dtype=float)
     fc = s_cause.choice(len(weights), size=len(ft), p=weights / weights.sum())
     transient = np.isin(fc, [causes.index(c) for c in spec.transient_causes if c in causes])
@@ -184,21 +239,28 @@ def generate(spec: TraceSpec, num_nodes: int, horizon_s: float, seed: int) -> Tr
                              spec.transient_downtime_sigma, len(ft))
     if spec.transient_downtime_median_s <= 0:
         reboot[:] = 0.0
+    if spec.rma_frac > 0:
+        rma = s_rma.lognormal(math.log(spec.rma_median_h * HOUR_S),
+                              lognormal_sigma(spec.rma_median_h, spec.rma_mean_h), len(ft))
+        repair = np.where(s_rma.random(len(ft)) < spec.rma_frac, rma, repair)
     fd = np.where(transient, reboot, repair)
+    rt, rn, rd = rack_failures(spec, s_rack, num_nodes, nodes_per_rack, horizon_s)
 
     rate = spec.planned_per_1000_node_days / 1000.0 / DAY_S * num_nodes
     n_m = s_maint.poisson(rate * horizon_s) if rate > 0 else 0
     mt = s_maint.uniform(0.0, horizon_s, n_m)
     mn = s_maint.integers(0, num_nodes, n_m)
 
-    time_s = np.concatenate([ft, mt])
+    time_s = np.concatenate([ft, mt, rt])
     order = np.argsort(time_s, kind="stable")
     return Trace(
         time_s=time_s[order],
-        node=np.concatenate([fn, mn]).astype(np.int64)[order],
-        event=np.concatenate([np.full(len(ft), FAIL), np.full(n_m, MAINTENANCE)]).astype(np.int8)[order],
-        cause=np.concatenate([fc, np.full(n_m, len(causes) - 1)]).astype(np.int16)[order],
-        duration_s=np.concatenate([fd, np.full(n_m, spec.maintenance_duration_h * HOUR_S)])[order],
+        node=np.concatenate([fn, mn, rn]).astype(np.int64)[order],
+        event=np.concatenate([np.full(len(ft), FAIL), np.full(n_m, MAINTENANCE),
+                              np.full(len(rt), FAIL)]).astype(np.int8)[order],
+        cause=np.concatenate([fc, np.full(n_m, len(causes) - 2), np.full(len(rt), len(causes) - 1)]
+                             ).astype(np.int16)[order],
+        duration_s=np.concatenate([fd, np.full(n_m, spec.maintenance_duration_h * HOUR_S), rd])[order],
         causes=causes,
         transient_causes=frozenset(spec.transient_causes),
         num_nodes=num_nodes,

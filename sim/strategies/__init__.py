@@ -1,8 +1,18 @@
 """Strategies: one interface (a ``sim.job.Job`` subclass with ``params_from_cfg``), one trace.
 
 Every strategy is built by ``build(kind, env, cluster, layout, ledger, scfg, calib, mtbf_s)``
-and replays the same trace. ``uses_spares(kind, scfg)`` says whether it holds the reserved
-spare pool (and is charged for it in fleet goodput).
+and replays the same trace. Every cost that more than one of them pays comes from the shared
+calibration through ``sim.costs``; ``scfg`` (the strategy's YAML) holds only its own knobs.
+``uses_spares(scfg)`` says whether it holds the reserved spare pool (and is charged for it in
+fleet goodput).
+
+| kind | where the copy lives | on a failure |
+|---|---|---|
+| ``deadpool`` | buddy's host memory, every step | hot swap a spare in |
+| ``inmem_restart`` | buddy's host memory, every step (Gemini-like) | restart the job |
+| ``checkpoint_restart`` | storage, Daly interval (async) | restart the job |
+| ``replication`` | a redundant computation on the pair node | fail over, replace |
+| ``elastic`` | other data-parallel replicas (+ storage) | drop a replica, regrow |
 """
 
 from __future__ import annotations
@@ -12,10 +22,12 @@ from typing import Mapping
 from sim.strategies.checkpoint_restart import CheckpointRestart
 from sim.strategies.deadpool import DeadPool
 from sim.strategies.elastic import Elastic
+from sim.strategies.inmem_restart import InMemoryRestart
 from sim.strategies.replication import Replication
 
 REGISTRY = {
     "deadpool": DeadPool,
+    "inmem_restart": InMemoryRestart,
     "checkpoint_restart": CheckpointRestart,
     "replication": Replication,
     "elastic": Elastic,

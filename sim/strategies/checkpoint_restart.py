@@ -1,13 +1,19 @@
 """Checkpoint/restart baseline: periodic disk checkpoints, every failure restarts the job.
 
-On an unexpected failure the job loses the work since the newest durable checkpoint, spends
-``detect_s`` noticing, takes a replacement node from the pool (waiting for a repair when the
-pool is empty) and restarts (requeue + relaunch + load). Failures during detection or restart
-start the restart over. Planned maintenance drains: an on-demand synchronous checkpoint, then
-the same restart, with no lost work.
+On an unexpected failure the job loses the work since the newest durable checkpoint (since the
+newest one taken before a silent corruption began, when that is what failed), spends the shared
+detection time for the cause, takes a replacement node from the pool (waiting for a repair
+when the pool is empty) and restarts (requeue + relaunch + load). Failures during detection or
+restart start the restart over. Planned maintenance drains: an on-demand synchronous
+checkpoint, then the same restart, with no lost work.
+
+Asynchronous checkpoints (the default) stall training for one snapshot (the same engine and
+measured cost as DeadPool's per-step snapshot: ``costs.snapshot_stall_s``) and become durable
+one synchronous-write time later; the interval is Daly's optimum for that stall, but at least
+one write time (storage holds one checkpoint in flight).
 
 Analytic expectation (asserted in tests/sim/test_daly.py): with synchronous writes, Poisson
-failures of rate 1/M, ``detect_s = 0`` and restart time R, the long-run goodput is
+failures of rate 1/M, no detection time and restart time R, the long-run goodput is
 ``tau / (M e^(R/M) (e^((tau+delta)/M) - 1))`` (Daly 2006), and the best interval is Daly's
 ``tau_opt``.
 """
@@ -25,14 +31,23 @@ from sim.schedule import Checkpoints, daly_tau_opt
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointRestartParams:
-    detect_s: float
+    detect: costs.Detection
     interval_s: float  # compute (nominal seconds) between checkpoints
     disk: costs.DiskCosts
 
 
+def checkpoint_interval_s(scfg: Mapping, d: costs.DiskCosts, mtbf_s: float) -> float:
+    """``ckpt_interval_s`` when given, else Daly-optimal for the stall (and >= one write when
+    asynchronous)."""
+    interval = scfg.get("ckpt_interval_s")
+    if interval is None:
+        interval = max(daly_tau_opt(d.stall_s, mtbf_s), d.persist_lag_s)
+    return float(interval)
+
+
 class CheckpointRestart(Job):
     def __init__(self, env, cluster, layout, ledger, p: CheckpointRestartParams):
-        super().__init__(env, cluster, layout, ledger)
+        super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
         self.ckpt = Checkpoints(p.interval_s, p.disk.stall_s, p.disk.persist_lag_s)
         self.drain_pending = False
@@ -40,10 +55,8 @@ class CheckpointRestart(Job):
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> CheckpointRestartParams:
         d = costs.disk(layout, calib, scfg["ckpt_mode"])
-        interval = scfg.get("ckpt_interval_s")
-        if interval is None:  # Daly-optimal for this scenario's job MTBF
-            interval = daly_tau_opt(d.stall_s, mtbf_s)
-        return CheckpointRestartParams(detect_s=float(scfg["detect_s"]), interval_s=float(interval), disk=d)
+        return CheckpointRestartParams(detect=costs.detection(calib),
+                                       interval_s=checkpoint_interval_s(scfg, d, mtbf_s), disk=d)
 
     def on_interrupt(self, cause) -> None:
         if not isinstance(cause, Fault):
@@ -52,13 +65,14 @@ class CheckpointRestart(Job):
         if cause.planned:
             self.drain_pending = self.drain_pending or self.W > self.ckpt.durable
         else:
-            self.rollback_to(self.ckpt.rollback(self.env.now))
-            self.detect_pending = True
+            limit = self.poison.pop(cause.node, self.W) if cause.kind == costs.SDC else float("inf")
+            self.rollback_to(self.ckpt.rollback_before(self.env.now, limit))
+            self.note_failure(cause)
             self.drain_pending = False
         self.recovering = True
 
     def recover(self):
-        yield from self.detection(self.p.detect_s)
+        yield from self.detection()
         if self.drain_pending:
             yield from self.phase("ckpt_stall", self.p.disk.write_s)
             self.ckpt.mark_durable(self.W)

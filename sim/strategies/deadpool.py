@@ -1,35 +1,42 @@
 """DeadPool: hot-swap a failed node with a spare, restore its state from its buddy's replica.
 
-Steady state: every ``snapshot_interval_steps`` steps each node snapshots its state and
-replicates it to its buddy, the next slot in a ring over nodes (``(i + 1) % n``, as the
-runtime's ``RingOverNodes``) off the critical path; what blocks the main
-thread is ``snapshot_overhead_frac`` (0 in the paper). Periodic asynchronous disk checkpoints
-exist only for the fallback below.
+Steady state: every snapshot interval (``sim.network``: one step unless replication does not
+fit) each node snapshots its state and replicates it to its buddy (``buddy_placement``: the next
+slot, as the runtime's ``ring_over_nodes``, or one rack over) off the critical path; what it costs
+training is ``Snapshots.overhead_frac`` (measured, plus network/copy backpressure). Periodic
+asynchronous disk checkpoints exist only for the fallbacks below.
 
-Per unexpected failure: detection + plan + communicator rebuild + state transfer + warm-up,
-plus recomputation of the progress since the newest replicated snapshot. Planned
-maintenance is a drained swap (no detection, no recomputation).
+Per unexpected failure: detection (by cause, shared) + plan + communicator rebuild + state
+transfer + warm-up (``Reconfig.swap_s``, shared), plus recomputation of the progress since the
+newest replicated snapshot (``Job.memory_marks``: a lag of several intervals reaches several
+snapshots back). Planned maintenance is a drained swap (no detection, no recomputation).
 
 Fallbacks, modelled explicitly:
 - a node fails while a ring neighbour's state is still unrestored (the *replication window*:
   from the neighbour's failure until its replacement has the state, including any wait for a
   spare). Either the dead node held that neighbour's only copy (its ward) or the neighbour
   held the dead node's replica (its buddy) -> restart from the newest durable disk checkpoint;
+- a silent corruption noticed late: every snapshot since it began is poisoned. If the buddy
+  still keeps a clean one (``snapshot_memory_generations``) the swap restores it, else restart
+  from the newest disk checkpoint taken before the corruption began;
 - the pool is empty -> ``on_no_spare``: ``wait`` for a repaired node (stall), or ``shrink``
   (drop the failed node's data-parallel group, as the elastic strategy does, and regrow when
   enough nodes are back).
 
+``resume()`` is the only hot-swap-specific step; ``InMemoryRestart`` replaces it by a job restart
+to separate "where the copy lives" from "hot swap vs restart".
+
 Analytic expectation (tests/sim/test_strategies.py): with ample spares and no buddy losses,
-``goodput ~= 1/(1+snapshot_overhead_frac) - (failures * (detect + swap + recompute)
-+ planned * swap) / T``.
+``goodput ~= 1/(1+overhead) - (failures * (detect + swap + recompute) + planned * swap) / T``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
-from sim import costs
+from sim import costs, placement
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
 from sim.schedule import Checkpoints
@@ -37,36 +44,38 @@ from sim.schedule import Checkpoints
 
 @dataclasses.dataclass(frozen=True)
 class DeadPoolParams:
-    hot: costs.HotSwapCosts
+    detect: costs.Detection
+    reconfig: costs.Reconfig
+    snap: costs.Snapshots
     disk: costs.DiskCosts
     disk_interval_s: float
     on_no_spare: str  # "wait" | "shrink"
+    buddy_placement: str
+    memory_restart_s: float  # job restart from host-memory copies (InMemoryRestart)
 
 
 class DeadPool(Job):
     def __init__(self, env, cluster, layout, ledger, p: DeadPoolParams):
-        super().__init__(env, cluster, layout, ledger)
+        super().__init__(env, cluster, layout, ledger, p.detect)
         if p.on_no_spare not in ("wait", "shrink"):
             raise ValueError(f"on_no_spare must be wait or shrink, got {p.on_no_spare!r}")
         self.p = p
         self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
-        if p.hot.snapshot_overhead_frac > 0:
-            self.factors["snapshot"] = 1.0 / (1.0 + p.hot.snapshot_overhead_frac)
+        if p.snap.overhead_frac > 0:
+            self.factors["snapshot"] = 1.0 / (1.0 + p.snap.overhead_frac)
         self.pending: set[int] = set()  # slots whose state now lives only on the buddy
         self.fallback = False
-        self.num_slots = layout.num_nodes
+        self.buddies = placement.ring(p.buddy_placement, layout.num_nodes, layout.nodes_per_rack)
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> DeadPoolParams:
-        return DeadPoolParams(hot=costs.hotswap(layout, calib),
-                              disk=costs.disk(layout, calib, scfg["disk_ckpt_mode"]),
+        return DeadPoolParams(detect=costs.detection(calib), reconfig=costs.reconfig(layout, calib),
+                              snap=costs.snapshots(layout, calib),
+                              disk=costs.disk_from_snapshots(layout, calib, scfg["disk_ckpt_mode"]),
                               disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
-                              on_no_spare=str(scfg["on_no_spare"]))
-
-    def neighbours(self, slot: int) -> set[int]:
-        """The buddy (holds this slot's replica) and the ward (whose replica this slot holds)."""
-        n = self.num_slots
-        return {(slot + 1) % n, (slot - 1) % n} - {slot}
+                              on_no_spare=str(scfg.get("on_no_spare", "wait")),
+                              buddy_placement=str(calib.get("buddy_placement", "adjacent")),
+                              memory_restart_s=costs.memory_restart_s(layout, calib))
 
     def on_interrupt(self, cause) -> None:
         self.recovering = True
@@ -79,19 +88,38 @@ class DeadPool(Job):
         if cause.planned:
             return  # drained: its state was handed over before it left
         self.ckpt.cancel_inflight(self.env.now)
-        if self.neighbours(slot) & self.pending and not self.fallback:
-            self.fallback = True
-            self.ledger.count("fallbacks")
-            self.rollback_to(self.ckpt.rollback(self.env.now))
+        self.note_failure(cause)
+        if cause.kind == costs.SDC:
+            self._restore_clean(self.poison.pop(cause.node, self.W))
+        elif self.buddies.neighbours(slot) & self.pending:
+            self._to_disk(math.inf)
         elif not self.fallback:
-            self.rollback_to(self.W - self.lost_since_snapshot(self.p.hot.snapshot_interval_w,
-                                                               self.p.hot.replicate_lag_s))
+            self.rollback_to(self.memory_marks(self.p.snap.interval_w, self.p.snap.lag_s)[0])
         self.mem_floor = self.W
         self.pending.add(slot)
-        self.detect_pending = True
+
+    def _restore_clean(self, limit_w: float) -> None:
+        """Restore the newest state from before progress ``limit_w``: memory if a kept snapshot
+        is that old, else disk."""
+        s = self.p.snap
+        clean = [m for m in self.memory_marks(s.interval_w, s.lag_s, s.generations) if m <= limit_w + 1e-9]
+        if clean and not self.fallback:
+            self.rollback_to(clean[0])
+        else:
+            self._to_disk(limit_w)
+
+    def _to_disk(self, limit_w: float) -> None:
+        if not self.fallback:
+            self.fallback = True
+            self.ledger.count("fallbacks")
+        self.rollback_to(self.ckpt.rollback_before(self.env.now, limit_w))
+
+    def resume(self):
+        """Training again after the vacant slots got nodes: rebuild + transfer + warm-up."""
+        yield from self.phase("reconfiguration", self.p.reconfig.swap_s)
 
     def recover(self):
-        yield from self.detection(self.p.hot.detect_s)
+        yield from self.detection()
         if self.fallback:
             yield from self.fill_vacant()
             yield from self.phase("restart", self.p.disk.restart_s)
@@ -113,13 +141,13 @@ class DeadPool(Job):
                 self.vacant.discard(slot)
                 self.ledger.count("swaps")
             # An interrupt here redoes the whole rebuild + transfer with the new failure.
-            yield from self.phase("reconfiguration", self.p.hot.swap_s)
+            yield from self.resume()
             self.pending.clear()
         regrown = 0
         while self.can_regrow():
             self.regrow_one()
             regrown += 1
         if regrown:
-            yield from self.phase("reconfiguration", self.p.hot.swap_s)
+            yield from self.phase("reconfiguration", self.p.reconfig.swap_s)
         self.background_need = self._npg if self.active_groups < len(self.group_active) else 0
         self.mem_floor = self.W

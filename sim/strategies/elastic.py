@@ -1,16 +1,29 @@
-"""Elastic baseline: shrink the data-parallel width on a failure, regrow when nodes return.
+"""Elastic baseline: drop the failed node's data-parallel replica, regrow when nodes return.
 
-A failed node takes its whole data-parallel group (``tp*pp`` GPUs) out of the job: the
-group's healthy nodes go idle in the pool, the job reconfigures (``detect_s`` + rebuild +
-``reshard_s``) and continues at ``active_groups / num_groups`` of nominal throughput (the
-shortfall is badput "degraded"). Only the partial iteration in flight is lost (the other
-replicas hold the full state). When the pool holds a group's worth of nodes (the idle
-survivors plus a repaired or rebooted node) a group is re-formed, paying rebuild + state
-transfer. Below ``min_width_frac`` of the groups the job stalls until it can regrow.
-No reserved spares by default: the elastic job is charged only for its own nodes.
+The failure unit is one data-parallel replica (``tp*pp`` GPUs, a *group*), the granularity of
+torchft's replica groups and FT-HSDP (Oobleck re-forms pipelines from templates at a similar
+grain). A failed node takes its group out of the job: the group's healthy nodes go idle in the
+pool, the job reconfigures (shared detection + plan + rebuild) and continues at
+``active_groups / num_groups`` of nominal throughput (the shortfall is badput "degraded"). When
+the pool holds a group's worth of nodes (the idle survivors plus a repaired or rebooted node) a
+group is re-formed, paying rebuild + state transfer from a live replica. Below
+``min_width_frac`` of the groups the job stalls until it can regrow. No reserved spares: the
+elastic job is charged only for its own nodes.
+
+What a lost replica loses depends on where the optimizer state lives (``optimizer_state``):
+- ``cluster``: the cluster's layout. With ZeRO-1 over all data-parallel ranks
+  (``optimizer_sharded_over_dp``) the dropped replica held the only copy of its optimizer
+  shard: the job restores from the newest durable disk checkpoint (rollback + restart, where
+  the restart re-shards over the narrower width);
+- ``replicated``: HSDP / torchft style, every replica holds the whole optimizer state: only the
+  step in flight is lost. That costs ``(bytes_per_param_state - 2) * params / (tp*pp)`` more GPU
+  memory per GPU than ZeRO-1, which this simulator does not charge.
+A silent corruption reaches every replica through the gradient all-reduce: restore from the
+newest disk checkpoint taken before it began.
 
 Analytic expectation (tests/sim/test_strategies.py): one permanent failure with repair
-time D at full width G groups costs about ``detect + reconfig + D/G`` of goodput seconds.
+time D at full width G groups, replicated optimizer, costs about ``detect + reconfig + D/G``
+of goodput seconds.
 """
 
 from __future__ import annotations
@@ -22,33 +35,47 @@ from typing import Mapping
 from sim import costs
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
+from sim.schedule import Checkpoints
+from sim.strategies.checkpoint_restart import checkpoint_interval_s
 
 
 @dataclasses.dataclass(frozen=True)
 class ElasticParams:
-    detect_s: float
-    shrink_s: float  # rebuild at the new width + re-shard data/optimizer
+    detect: costs.Detection
+    shrink_s: float  # plan + rebuild at the new width
     regrow_s: float  # rebuild + state transfer to the new group
     step_s: float
     min_groups: int
+    shard_lost: bool  # a dropped replica takes the only copy of its optimizer shard
+    disk: costs.DiskCosts
+    disk_interval_s: float
 
 
 class Elastic(Job):
     def __init__(self, env, cluster, layout, ledger, p: ElasticParams):
-        super().__init__(env, cluster, layout, ledger)
+        super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
+        self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
         self.factors["degraded"] = 1.0
         self.shrink_pending = False
+        self.restore_pending = False
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> ElasticParams:
-        hot = costs.hotswap(layout, calib)
+        rc = costs.reconfig(layout, calib)
+        where = str(scfg.get("optimizer_state", "cluster"))
+        if where not in ("cluster", "replicated"):
+            raise ValueError(f"optimizer_state must be cluster or replicated, got {where!r}")
+        d = costs.disk(layout, calib, scfg["disk_ckpt_mode"])
         return ElasticParams(
-            detect_s=float(scfg["detect_s"]),
-            shrink_s=hot.plan_s + hot.rebuild_s + float(scfg["reshard_s"]),
-            regrow_s=hot.swap_s,
+            detect=costs.detection(calib),
+            shrink_s=rc.plan_s + rc.rebuild_s,
+            regrow_s=rc.swap_s,
             step_s=layout.step_time_s,
             min_groups=max(1, math.ceil(float(scfg["min_width_frac"]) * layout.num_groups)),
+            shard_lost=where == "cluster" and layout.optimizer_sharded_over_dp and layout.dp > 1,
+            disk=d,
+            disk_interval_s=checkpoint_interval_s({"ckpt_interval_s": scfg.get("disk_ckpt_interval_s")}, d, mtbf_s),
         )
 
     def on_interrupt(self, cause) -> None:
@@ -59,14 +86,27 @@ class Elastic(Job):
         if not self.group_active[g]:
             return
         if not cause.planned:
-            step_w = self.p.step_s * self.rate
-            self.rollback_to(self.W - self.lost_since_snapshot(step_w, 0.0))
-            self.detect_pending = True
+            self.ckpt.cancel_inflight(self.env.now)
+            if cause.kind == costs.SDC:
+                limit = self.poison.pop(cause.node, self.W)
+                self.rollback_to(self.ckpt.rollback_before(self.env.now, limit))
+                self.restore_pending = True
+            elif self.p.shard_lost:
+                self.rollback_to(self.ckpt.rollback(self.env.now))
+                self.restore_pending = True
+            elif not self.restore_pending:
+                self.rollback_to(self.W - self.lost_since_snapshot(self.p.step_s * self.rate, 0.0))
+            self.note_failure(cause)
+        # planned maintenance drains: the leaving replica hands its shard over first
         self.dissolve(g)
         self.shrink_pending = True
 
     def recover(self):
-        yield from self.detection(self.p.detect_s)
+        yield from self.detection()
+        if self.restore_pending:
+            yield from self.phase("restart", self.p.disk.restart_s)
+            self.ledger.count("restarts")
+            self.restore_pending = self.shrink_pending = False
         if self.shrink_pending:
             yield from self.phase("reconfiguration", self.p.shrink_s)
             self.shrink_pending = False

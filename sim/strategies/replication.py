@@ -1,6 +1,7 @@
 """Replication baseline (Bamboo-style redundant computation).
 
-Every node's work is also computed by its buddy (slot ``i ^ 1``), in pipeline bubbles, which
+Every node's work is also computed by its buddy (its pair in ``buddy_placement``: the
+neighbouring slot, or one rack over), in pipeline bubbles, which
 costs ``redundant_compute_frac`` of throughput always (badput "redundant") and optionally
 ``redundant_gpu_frac`` extra GPUs (charged in fleet goodput; 0 for in-bubble redundancy,
 1 for full dual replicas). When one copy is lost the buddy takes over at once: detection +
@@ -8,6 +9,11 @@ costs ``redundant_compute_frac`` of throughput always (badput "redundant") and o
 "degraded") until a pool node replaces the failed one (rebuild + transfer). With an empty
 pool it keeps running degraded until a node comes back. If the buddy fails before the
 replacement is in, both copies are gone: restart from the newest durable disk checkpoint.
+A silent corruption spreads to the pair through the computation they share (and to everyone
+through the gradient all-reduce): it also restarts from a disk checkpoint taken before it began.
+Detection, the replacement's rebuild + transfer, restarts and checkpoint costs are the shared
+ones (``sim.costs``); the redundancy overhead, failover time and degraded throughput are this
+strategy's own (its YAML, with the published measurements they come from).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from sim import costs
+from sim import costs, placement
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
 from sim.schedule import Checkpoints
@@ -23,42 +29,42 @@ from sim.schedule import Checkpoints
 
 @dataclasses.dataclass(frozen=True)
 class ReplicationParams:
-    detect_s: float
+    detect: costs.Detection
     failover_s: float
     replace_s: float
     redundant_compute_frac: float
     failover_throughput_frac: float
     disk: costs.DiskCosts
     disk_interval_s: float
+    buddy_placement: str
 
 
 class Replication(Job):
     def __init__(self, env, cluster, layout, ledger, p: ReplicationParams):
-        super().__init__(env, cluster, layout, ledger)
+        super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
         self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
         self.factors["redundant"] = 1.0 / (1.0 + p.redundant_compute_frac)
         self.factors["degraded"] = 1.0
-        self.num_slots = layout.num_nodes
+        self.pairs = placement.pairs(p.buddy_placement, layout.num_nodes, layout.nodes_per_rack)
         self.failover_pending = False
         self.fallback = False
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> ReplicationParams:
-        hot = costs.hotswap(layout, calib)
         return ReplicationParams(
-            detect_s=float(scfg["detect_s"]),
+            detect=costs.detection(calib),
             failover_s=float(scfg["failover_s"]),
-            replace_s=hot.swap_s,
+            replace_s=costs.reconfig(layout, calib).swap_s,
             redundant_compute_frac=float(scfg["redundant_compute_frac"]),
             failover_throughput_frac=float(scfg["failover_throughput_frac"]),
             disk=costs.disk(layout, calib, scfg["disk_ckpt_mode"]),
             disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
+            buddy_placement=str(calib.get("buddy_placement", "adjacent")),
         )
 
     def buddy(self, slot: int) -> int:
-        b = slot ^ 1
-        return b if b < self.num_slots else slot - 1
+        return self.pairs.buddy(slot)
 
     def on_interrupt(self, cause) -> None:
         self.recovering = True
@@ -71,17 +77,21 @@ class Replication(Job):
             self.failover_pending = True
             return
         self.ckpt.cancel_inflight(self.env.now)
-        if buddy_missing and not self.fallback:
+        sdc = cause.kind == costs.SDC
+        if (buddy_missing or sdc) and not self.fallback:
             self.fallback = True
             self.ledger.count("fallbacks")
+        if sdc:
+            self.rollback_to(self.ckpt.rollback_before(self.env.now, self.poison.pop(cause.node, self.W)))
+        elif buddy_missing:
             self.rollback_to(self.ckpt.rollback(self.env.now))
         elif not self.fallback:
             self.ledger.count("absorbed")
             self.failover_pending = True
-        self.detect_pending = True
+        self.note_failure(cause)
 
     def recover(self):
-        yield from self.detection(self.p.detect_s)
+        yield from self.detection()
         if self.fallback:
             yield from self.fill_vacant()
             yield from self.phase("restart", self.p.disk.restart_s)

@@ -24,10 +24,11 @@ def layout():
 
 @pytest.fixture
 def calib():
-    """Round numbers so expected answers can be written down: swap = 0 + 20 + 5 + 0 = 25 s,
-    restart = 100 + 10 = 110 s, synchronous write = 10 s (state bytes are negligible)."""
+    """Round numbers so expected answers can be written down: detection 5 s (crash and hang),
+    swap = 0 + 20 + 5 + 0 = 25 s, restart = 100 + 10 = 110 s, synchronous write = 10 s (state
+    bytes are negligible), no snapshot overhead, corruption noticed after 600 s."""
     c = yaml.safe_load((sim.config.SIM_CONF_DIR / "calibration" / "default.yaml").read_text())
-    c.update(detect_s=5.0, plan_s=0.0, rebuild_base_s=20.0, rebuild_per_log2_gpus_s=0.0,
+    c.update(detect_crash_s=5.0, detect_hang_s=5.0, detect_sdc_s=600.0, plan_s=0.0, rebuild_base_s=20.0, rebuild_per_log2_gpus_s=0.0,
              transfer_latency_s=5.0, transfer_gbps_per_node=1e12, warmup_steps=0.0,
              snapshot_overhead_frac=0.0, snapshot_interval_steps=1, replicate_lag_steps=0.0,
              requeue_s=100.0, launch_base_s=0.0, launch_per_log2_nodes_s=0.0, ckpt_latency_s=10.0,

@@ -47,7 +47,7 @@ def test_fit_recovers_known_parameters(tmp_path):
     assert vals["rebuild_per_log2_gpus_s"] == pytest.approx(0.8, rel=1e-3)
     assert vals["transfer_latency_s"] == pytest.approx(0.2, rel=1e-3)
     assert vals["transfer_gbps_per_node"] == pytest.approx(4.0, rel=1e-3)
-    assert vals["detect_s"] == pytest.approx(2.1)
+    assert vals["detect_crash_s"] == pytest.approx(2.1)
     assert vals["warmup_steps"] == pytest.approx(0.5)
     assert vals["snapshot_overhead_frac"] == pytest.approx(0.02)
     assert vals["replicate_lag_steps"] == pytest.approx(0.5)
@@ -77,7 +77,7 @@ def test_fitted_calibration_runs_in_the_simulator(tmp_path):
     from sim import costs
     lay = Layout(num_gpus=16384, gpus_per_node=8, tp=8, pp=16, num_spares=21, model_params=405e9,
                  bytes_per_param_state=16, optimizer_sharded_over_dp=True, step_time_s=6.3)
-    hot = costs.hotswap(lay, yaml.safe_load(out.read_text()))
+    hot = costs.reconfig(lay, yaml.safe_load(out.read_text()))
     assert hot.rebuild_s == pytest.approx(1.5 + 0.8 * 14, rel=1e-3)
 
 

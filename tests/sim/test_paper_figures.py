@@ -17,7 +17,7 @@ def test_make_all_on_committed_results(tmp_path):
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     for name in ("fig01_goodput_vs_scale", "fig02_badput_breakdown", "fig03_goodput_vs_mtbf",
-                 "fig04_goodput_vs_spares"):
+                 "fig04_goodput_vs_spares", "fig06_tornado", "fig07_correlated", "fig08_spare_sizing"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
 
 

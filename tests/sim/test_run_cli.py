@@ -27,8 +27,9 @@ def test_sim_run_writes_summary_and_prints_ettr(tmp_path):
     assert p.returncode == 0, p.stderr
     df = pd.read_csv(out / "summary.csv")
     assert {"strategy", "seed", "goodput", "fleet_goodput", "failures", "planned_maintenance"} <= set(df.columns)
-    assert sorted(df.strategy.unique()) == ["checkpoint_restart", "deadpool", "elastic", "replication"]
-    assert len(df) == 8
+    assert sorted(df.strategy.unique()) == ["checkpoint_restart", "deadpool", "elastic", "inmem_restart",
+                                            "replication"]
+    assert len(df) == 10
     agg = pd.read_csv(out / "aggregate.csv")
     assert {"goodput_mean", "goodput_ci95_lo", "goodput_ci95_hi"} <= set(agg.columns)
     assert "ETTR" in p.stdout and "deadpool" in p.stdout
@@ -67,4 +68,4 @@ def test_multirun_with_joblib_and_collect(tmp_path):
     from sim.collect import collect
     df, agg = collect([str(sweep)], tmp_path / "collected")
     assert sorted(df.num_gpus.unique()) == [1024, 2048]
-    assert len(agg) == 8
+    assert len(agg) == 10

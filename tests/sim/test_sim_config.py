@@ -23,7 +23,7 @@ def compose_sim(overrides=(), hydra_cfg=False):
 
 def test_defaults_compose_and_build():
     cfg = compose_sim()
-    assert list(cfg.strategies) == ["deadpool", "checkpoint_restart", "replication", "elastic"]
+    assert list(cfg.strategies) == ["deadpool", "inmem_restart", "checkpoint_restart", "replication", "elastic"]
     assert set(cfg.strategy) == set(cfg.strategies)
     lay = Layout.from_cfg(OmegaConf.to_container(cfg.cluster))
     assert (lay.num_nodes, lay.dp, lay.nodes_per_group, lay.num_spares) == (2048, 128, 16, 21)
@@ -52,7 +52,7 @@ def test_every_group_option_composes(group, option):
 @pytest.mark.parametrize("option", STRATEGY_OPTIONS)
 def test_every_strategy_option_composes(option):
     cfg = compose_sim([f"+strategy@strategy.extra={option}", "strategies=[extra]"])
-    assert cfg.strategy.extra.kind in ("deadpool", "checkpoint_restart", "replication", "elastic")
+    assert cfg.strategy.extra.kind in ("deadpool", "inmem_restart", "checkpoint_restart", "replication", "elastic")
 
 
 @pytest.mark.parametrize("sweep", SWEEPS)

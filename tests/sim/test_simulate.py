@@ -27,9 +27,7 @@ def test_llama3_unexpected_interruptions_match_published_419(capsys):
     with capsys.disabled():
         print(f"\nllama3, 16,384 GPUs, 54 days, 20 seeds: mean unexpected interruptions {mean:.1f}")
         print(report.table(agg))
-    ettr = dict(zip(agg.strategy, agg.goodput_mean))
-    assert ettr["deadpool"] > ettr["elastic"] > ettr["checkpoint_restart"]
-    assert 0.85 < ettr["checkpoint_restart"] < 0.95  # Llama 3 reported ">90% effective training time"
+    # no ranking is asserted: rankings are results (experiments/results/sim/fair/NOTE.md)
 
 
 def test_common_random_numbers(monkeypatch):
@@ -49,7 +47,7 @@ def test_common_random_numbers(monkeypatch):
         rs = [r for r in rows if r["seed"] == seed and r["charged_spare_nodes"] > 0]
         # every event on the reserved nodes is seen once by each strategy, whatever it did
         seen = {r["failures"] + r["planned_maintenance"] + r["spare_failures"] + r["masked"] for r in rs}
-        assert len(rs) == 3 and len(seen) == 1
+        assert len(rs) == 4 and len(seen) == 1
 
 
 def test_rows_have_documented_columns():

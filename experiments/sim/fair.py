@@ -1,0 +1,74 @@
+"""The fairness table (experiments/results/sim/fair/NOTE.md): every strategy at 16,384 and
+131,072 GPUs with the new defaults, and with one change at a time reverted to its old value
+(leave-one-out: how much each change moves each strategy).
+
+    python experiments/sim/fair.py [--seeds 5] [--out experiments/results/sim/fair]
+
+Writes aggregate.csv (columns ``variant``, ``num_gpus``, per strategy) and table.md. The old
+defaults themselves come from the old code (see NOTE.md for the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from points import run_points
+
+HERE = Path(__file__).resolve().parent
+STRATS = ("deadpool", "inmem_restart", "checkpoint_restart", "replication", "elastic")
+VARIANTS = {
+    "new defaults": [],
+    "snapshot overhead 0 (old)": ["calibration.snapshot_overhead_frac=0"],
+    "detection 5 s for every cause": ["calibration.detect_crash_s=5", "calibration.detect_hang_s=5"],
+    "SDC detected at once (no poisoning)": ["calibration.sdc_causes=[]"],
+    "checkpoint/restart synchronous (old)": ["strategy.checkpoint_restart.ckpt_mode=sync"],
+    "elastic without shard loss (old)": ["strategy.elastic.optimizer_state=replicated",
+                                         "strategy.elastic.disk_ckpt_interval_s=10800"],
+    "fallback disk every 3 h (old)": [f"strategy.{s}.disk_ckpt_interval_s=10800"
+                                      for s in ("deadpool", "inmem_restart", "replication")],
+    "replication lag 1 step (old)": ["calibration.replicate_lag_steps=1.0"],
+    "full replicas, 25 GB/s NIC": ["calibration.replicate=full", "cluster.nic_gbps_per_node=25"],
+    "all of the old values above": ["calibration.snapshot_overhead_frac=0", "calibration.detect_crash_s=5",
+                                    "calibration.detect_hang_s=5", "calibration.sdc_causes=[]",
+                                    "strategy.checkpoint_restart.ckpt_mode=sync",
+                                    "strategy.elastic.optimizer_state=replicated",
+                                    "strategy.elastic.disk_ckpt_interval_s=10800",
+                                    "calibration.replicate_lag_steps=1.0"]
+                                   + [f"strategy.{s}.disk_ckpt_interval_s=10800"
+                                      for s in ("deadpool", "inmem_restart", "replication")],
+}
+
+
+def table(agg: pd.DataFrame) -> str:
+    lines = []
+    for n, g in agg.groupby("num_gpus"):
+        lines += [f"\n### {n:,} GPUs: ETTR / fleet goodput (mean of seeds)\n",
+                  "| variant | " + " | ".join(STRATS) + " |", "|---|" + "---|" * len(STRATS)]
+        for v in VARIANTS:
+            d = g[g.variant == v].set_index("strategy")
+            cells = [f"{d.loc[s, 'goodput_mean']:.4f} / {d.loc[s, 'fleet_goodput_mean']:.4f}" for s in STRATS]
+            lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", default=str(HERE.parents[1] / "experiments" / "results" / "sim" / "fair"))
+    a = ap.parse_args()
+    frames = []
+    for gpus in (16384, 131072):
+        points = [({"variant": v}, o) for v, o in VARIANTS.items()]
+        base = [f"cluster.num_gpus={gpus}", "duration_days=54", f"seeds={a.seeds}", "progress=false"]
+        frames.append(run_points(points, base, Path(a.out) / f"gpus{gpus}", keys=("variant",)))
+    agg = pd.concat(frames, ignore_index=True)
+    agg.to_csv(Path(a.out) / "aggregate.csv", index=False)
+    (Path(a.out) / "table.md").write_text(table(agg))
+    print(table(agg))
+
+
+if __name__ == "__main__":
+    main()

@@ -511,7 +511,7 @@ class Coordinator:
 
     def _run(self) -> None:
         self.wait_warm()
-        poll = 0.005
+        poll = 0.01  # detection latency of a process exit; the store round trips it costs
         while True:
             found = self.detect()
             if found is not None:

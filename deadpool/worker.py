@@ -81,10 +81,13 @@ class Heartbeat(threading.Thread):
                 if self.store is None:
                     self.store = self.open_store()
                 self.beat(n)
-                # a process the coordinator declared dead must not come back (e.g. after SIGCONT)
-                if self.store.check([fence]) and self._sealed(fence):
+                # a process the coordinator declared dead must not come back (e.g. after SIGCONT);
+                # checked every 4th beat: store round trips share the cores with training
+                if n % 4 == 1 and self.store.check([fence]) and self._sealed(fence):
                     os.kill(os.getpid(), signal.SIGKILL)
-                coord = self.store.get(Keys.COORD_HB) if self.store.check([Keys.COORD_HB]) else None
+                # once the coordinator's key exists it always does: one round trip, not two
+                coord = (self.store.get(Keys.COORD_HB)
+                         if last_coord is not None or self.store.check([Keys.COORD_HB]) else None)
                 if coord != last_coord:
                     last_coord, t_coord = coord, time.monotonic()
                     self.seen_coordinator = True
@@ -152,6 +155,7 @@ class Worker:
     def wait_plan(self, generation: int) -> Plan | None:
         key = Keys.plan(generation)
         waited = t0 = time.monotonic()
+        n = 0
         while True:
             if self.lost.is_set():
                 raise CoordinatorLost("the coordinator stopped answering")
@@ -160,13 +164,17 @@ class Worker:
             if generation == 0 and time.monotonic() - t0 > float(self.ft["startup_timeout_s"]):
                 raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"
                                    " s: is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?")
-            if self.store.check([Keys.JOB_STOP]):
+            n += 1
+            if n % 10 == 0 and self.store.check([Keys.JOB_STOP]):
                 return None
             if self.trainer.rank is None and time.monotonic() - waited > 0.05:
                 waited = time.monotonic()  # an idle spare: idle-phase faults key on the job's step
                 if self.store.check([Keys.JOB_STEP]):
                     self.injector.fire(int(self.store.get(Keys.JOB_STEP)), "idle")
-            time.sleep(0.005)
+            # one store round trip per 10 ms: an idle spare shares cores with training ranks
+            # (TCPStore.wait with a timeout would block instead, but a timed-out wait leaves the
+            # client's socket expecting a reply it no longer reads)
+            time.sleep(0.01)
 
     def run(self) -> int:
         """Follow the coordinator's plans until the job ends; returns the exit code."""

@@ -97,10 +97,13 @@ def protection(rows: list[dict], skip: int, num_steps: int) -> dict:
     for r in rows:
         if r["step"] > skip and r.get("protection_lag_steps") is not None:
             lag_by_step[r["step"]] = max(lag_by_step.get(r["step"], 0), r["protection_lag_steps"])
-        snaps[r["rank"]] = snaps.get(r["rank"], 0) + bool(r.get("snapshot"))
-    intervals = [r.get("snapshot_interval") for r in rows if r.get("snapshot_interval")]
+        if r["step"] > skip:
+            snaps[r["rank"]] = snaps.get(r["rank"], 0) + bool(r.get("snapshot"))
+    intervals = [r["snapshot_interval"] for r in rows
+                 if r["step"] > skip and r.get("snapshot_interval")]
     lags = list(lag_by_step.values())
-    return {"snapshots_per_step": statistics.mean(snaps.values()) / num_steps if snaps else 0.0,
+    return {"snapshots_per_step": statistics.mean(snaps.values()) / (num_steps - skip)
+            if snaps else 0.0,
             "lag_median": statistics.median(lags) if lags else None,
             "lag_max": max(lags) if lags else None,
             "interval_final": intervals[-1] if intervals else None,

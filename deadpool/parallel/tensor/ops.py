@@ -20,6 +20,7 @@ is the identity, so the same layers run unsharded.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 
 
@@ -105,4 +106,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     gradient of the local slice is ``softmax - one_hot(target)`` restricted to that slice. The
     saved softmax is reused in place as the gradient (backward runs once). No ignore index.
     """
+    if tp_size(comm) == 1:  # the whole vocabulary is here: torch's fused kernel
+        return F.cross_entropy(logits.float(), targets, reduction="none")
     return _VocabParallelCE.apply(logits, targets, vocab_start, comm)

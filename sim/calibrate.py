@@ -21,8 +21,11 @@ Fits (scipy):
 - ``snapshot_overhead_frac``: from an in-run A/B run (snapshots in alternate blocks of steps) when
   one is given: median step time after a snapshot / without - 1. Otherwise median per-step
   ``snapshot_blocked_s`` / median ``step_time_s`` (a lower bound: it misses contention).
-- ``replicate_lag_steps``: ``snapshot.replicate_s_median / step_time_s``.
-- ``snapshot_interval_steps``: the runs' ``snapshot.interval_steps`` (must agree).
+- ``replicate_lag_steps``, ``snapshot_interval_steps``: from the runtime's per-step record when the
+  runs have it (``protection_lag_steps``, ``snapshot_interval`` in metrics.jsonl: the interval the
+  snapshot schedule chose, and the lag beyond the snapshot step, the median of the job's lag
+  minus half an interval); else ``snapshot.replicate_s_median / step_time_s`` and the runs'
+  configured ``snapshot.interval_steps`` (must agree).
 """
 
 from __future__ import annotations
@@ -84,7 +87,25 @@ def load_run(run_dir: str | Path) -> dict:
         ab = _ab_overhead(rows)
         if ab is not None:
             s["_ab_overhead"] = ab
+        lag = _protection(rows)
+        if lag is not None:
+            s["_protection_lag"], s["_interval"] = lag
     return s
+
+
+def _protection(rows: list[dict]) -> tuple[float, float] | None:
+    """The job's measured protection lag and snapshot interval (runs whose trainer records
+    ``protection_lag_steps``): per step the largest lag over ranks (the newest step every rank
+    has replicated), then the median over steps; the interval likewise."""
+    lag: dict[int, int] = {}
+    interval: dict[int, int] = {}
+    for r in rows:
+        if r.get("protection_lag_steps") is not None and r.get("snapshot_interval"):
+            lag[r["step"]] = max(lag.get(r["step"], 0), int(r["protection_lag_steps"]))
+            interval[r["step"]] = int(r["snapshot_interval"])
+    if len(lag) < 5:
+        return None
+    return statistics.median(lag.values()), statistics.median(interval.values())
 
 
 def _ab_overhead(rows: list[dict]) -> float | None:
@@ -183,15 +204,27 @@ def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
             src["snapshot_overhead_frac"] = (f"median snapshot_blocked_s / step_time_s over {len(snap)} runs "
                                              f"(metrics.jsonl where present, else summary.json; a lower "
                                              f"bound) ({names})")
-        lag = [float(r["snapshot"]["replicate_s_median"]) / float(r["step_time_s"]) for r in snap
-               if float(r["step_time_s"]) > 0]
-        vals["replicate_lag_steps"] = statistics.median(lag)
-        src["replicate_lag_steps"] = f"median replicate_s_median / step_time_s over {len(lag)} runs ({names})"
-        intervals = {int(r["snapshot"]["interval_steps"]) for r in snap}
-        if len(intervals) > 1:
-            raise CalibrationError(f"runs disagree on snapshot.interval_steps: {sorted(intervals)}")
-        vals["snapshot_interval_steps"] = intervals.pop()
-        src["snapshot_interval_steps"] = f"snapshot.interval_steps of the runs ({names})"
+        measured = [r for r in snap if "_protection_lag" in r]
+        if measured:  # the runtime's own record: lag behind the newest step, interval it chose
+            # the lag counts from the newest snapshot step, which is itself up to an interval
+            # old; the simulator's lag is the replication delay beyond the snapshot step
+            lag = [max(0.0, r["_protection_lag"] - r["_interval"] / 2) for r in measured]
+            vals["replicate_lag_steps"] = statistics.median(lag)
+            src["replicate_lag_steps"] = (f"median over runs of (protection_lag_steps - interval/2), "
+                                          f"from metrics.jsonl of {len(measured)} runs ({names})")
+            vals["snapshot_interval_steps"] = statistics.median(r["_interval"] for r in measured)
+            src["snapshot_interval_steps"] = (f"median snapshot_interval the runtime chose, from "
+                                              f"metrics.jsonl of {len(measured)} runs ({names})")
+        else:
+            lag = [float(r["snapshot"]["replicate_s_median"]) / float(r["step_time_s"]) for r in snap
+                   if float(r["step_time_s"]) > 0]
+            vals["replicate_lag_steps"] = statistics.median(lag)
+            src["replicate_lag_steps"] = f"median replicate_s_median / step_time_s over {len(lag)} runs ({names})"
+            intervals = {int(r["snapshot"]["interval_steps"]) for r in snap}
+            if len(intervals) > 1:
+                raise CalibrationError(f"runs disagree on snapshot.interval_steps: {sorted(intervals)}")
+            vals["snapshot_interval_steps"] = intervals.pop()
+            src["snapshot_interval_steps"] = f"snapshot.interval_steps of the runs ({names})"
     return vals, src
 
 

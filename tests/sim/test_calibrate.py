@@ -103,3 +103,26 @@ def test_ab_overhead_classifies_each_step_by_the_previous_steps_snapshot():
                      "step_time_s": 1.1 if prev_took else 1.0})
     assert abs(_ab_overhead(rows) - 0.1) < 1e-9
     assert _ab_overhead([{"rank": 0, "step": 1, "snapshot": True, "step_time_s": 1.0}]) is None
+
+
+def test_measured_protection_lag_and_interval_come_from_the_runtime_record(tmp_path):
+    """The runtime records per rank and step how far the newest replicated snapshot lags and the
+    interval its schedule chose: the calibration takes the job's lag (largest over ranks) and
+    that interval, not the configured one."""
+    d = write_run(tmp_path / "r", 2, metrics=False)
+    with open(d / "metrics.jsonl", "w") as f:
+        for step in range(1, 33):
+            for rank in range(2):
+                lag = (step - 1) % 4 + 1 + (2 if rank == 1 else 0)  # rank 1 lags 2 steps more
+                f.write(json.dumps(dict(step=step, rank=rank, step_time_s=0.5, snapshot_blocked_s=0.0,
+                                        snapshot=step % 4 == 0, protection_lag_steps=lag,
+                                        snapshot_interval=4)) + "\n")
+    out = tmp_path / "m.yaml"
+    calibrate.main([str(d), "--name", "m", "--out", str(out)])
+    text = out.read_text()
+    vals = yaml.safe_load(text)
+    assert vals["snapshot_interval_steps"] == 4
+    # job lag per step = rank 1's: 3..6, median 4.5; minus half an interval
+    assert vals["replicate_lag_steps"] == pytest.approx(2.5)
+    assert "protection_lag_steps" in next(l for l in text.splitlines()
+                                          if l.startswith("replicate_lag_steps"))

@@ -41,6 +41,7 @@ from deadpool.planner import plan_resume
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.auth import AuthError
 from deadpool.protocol import Keys, Plan, RankStatus, Seal
+from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims, Topology
 from deadpool.watchdog import Liveness
 
@@ -67,6 +68,7 @@ class Coordinator:
         self.cfg = cfg
         self.seal = Seal(secret)
         self.ft = cfg["ft"]
+        self.strategy = strategy_of(self.ft)
         self.store = store
         self.launcher = launcher
         self.log = log
@@ -242,6 +244,12 @@ class Coordinator:
         self._finish_pending(interrupted=True)  # still open: that recovery never completed
         for rank in failed:
             self.launcher.kill(self.members.ranks[rank])
+        if not self.strategy.recovers:  # ft=none: the failure ends the job
+            self._stop(g + 1, {"generation": g + 1, "failed_rank": _one_or_list(sorted(failed)),
+                               "detected_by": failed[min(failed)] if failed else "collective_error",
+                               "detect_s": None, "t_detect": t_detect},
+                       f"rank(s) {sorted(failed)} failed and ft.strategy=none recovers nothing")
+            return
         statuses = self._collect_statuses(failed, keys)
         bad = self._collect_bad_sources(keys)
         dead = set(failed)

@@ -28,6 +28,7 @@ from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot_schedule import SnapshotSchedule
+from deadpool.strategies import strategy_of
 
 
 def validate(cfg: dict) -> None:
@@ -36,6 +37,7 @@ def validate(cfg: dict) -> None:
     validate_layout(cfg)
     if int(cfg["num_steps"]) < 1:
         raise ValueError("num_steps must be >= 1")
+    strategy_of(ft)  # raises on an unknown strategy or a contradicting knob
     SnapshotSchedule(int(ft["snapshot_interval_steps"]), int(ft["max_snapshot_lag_steps"]),
                      every=int(ft["snapshot_adapt_every_steps"]),
                      adaptive=bool(ft["snapshot_adaptive"]),

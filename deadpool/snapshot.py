@@ -328,6 +328,20 @@ class SnapshotEngine:
             return True
         return False
 
+    def wait_done(self, step: int, abort_check) -> None:
+        """Block until snapshot ``step`` is copied and replicated (``ft=sync_snapshot``); the wait
+        counts as blocked time. ``abort_check`` must raise once the generation is aborted."""
+        t0 = last = time.perf_counter()
+        while self.done_step < step:
+            self._raise_copy_error()
+            if self._repl is not None and self._repl.stopped:
+                break  # replication failed: the coordinator is told and aborts the generation
+            if time.perf_counter() - last > 0.01:
+                abort_check()
+                last = time.perf_counter()
+            time.sleep(0.0002)
+        self.blocked_s += time.perf_counter() - t0
+
     def in_flight(self) -> bool:
         """A snapshot's copy or replication has not finished yet."""
         return self.done_step < self.taken_step

@@ -33,6 +33,7 @@ from deadpool.parallel.pipeline.schedule import run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.snapshot import SnapshotEngine
 from deadpool.snapshot_schedule import SnapshotSchedule
+from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
 
@@ -52,6 +53,7 @@ class Trainer:
         # many steps, so on/off step times are compared inside one run; 0 = every interval
         self.ab_block = int(cfg["ft"]["snapshot_ab_block_steps"])
         ft = cfg["ft"]
+        self.strategy = strategy_of(ft)
         # which steps are snapshotted (widened when the snapshot cycle outlasts the steps between)
         self.schedule = SnapshotSchedule(
             int(ft["snapshot_interval_steps"]), int(ft.get("max_snapshot_lag_steps", 8)),
@@ -202,6 +204,9 @@ class Trainer:
             if took:
                 self.engine.snapshot(self.step, self.header(), abort_check=comm.raise_if_aborted,
                                      on_block=lambda: at(self.step, "snapshot_backpressure"))
+                if self.strategy.sync_snapshot:  # on the critical path: copied and replicated now
+                    at(self.step, "snapshot_sync")
+                    self.engine.wait_done(self.step, comm.raise_if_aborted)
             if persist and self.step % persist == 0:
                 self.persist(self.step)
             self.schedule.end_of_step(self.step, comm.raise_if_aborted)

@@ -29,7 +29,7 @@ What is counted, and why (all sizes in GiB = 2**30 bytes; ``gpu_gb`` means GiB t
   for CPU processes: the interpreter and torch).
 
 Host memory per rank (pinned on CUDA), from ``deadpool.snapshot``: a local ring of
-``num_local_slots`` (2: a double buffer) snapshots of the rank's full state (parameters + its
+``num_local_slots`` (3 by default; 2 is a double buffer) snapshots of the rank's full state (parameters + its
 optimizer shard), the ward's ``replica_buffers`` (2: the newest protected replica and the one
 arriving) receive buffers of what is replicated (the optimizer shard only with
 ``replicate="unique"`` and a sharded optimizer, because the parameters come back from a
@@ -102,7 +102,7 @@ def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: in
 
 
 def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbatches: int,
-             precision: str = "fp32", num_local_slots: int = 2, replica_buffers: int = 2,
+             precision: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
              replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0) -> dict:
     """Memory of the worst rank of a layout, in bytes.
 
@@ -175,7 +175,7 @@ def check_fits(cfg: dict) -> None:
     mb = num_microbatches(cfg)
     cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
     est = estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),
-                   microbatches=mb, num_local_slots=int(ft.get("num_local_slots", 2)),
+                   microbatches=mb, num_local_slots=int(ft.get("num_local_slots", 3)),
                    replicate=ft.get("replicate", "unique"),
                    persist=bool(ft.get("persist_interval_steps")),
                    overhead_gb=0.25 if cpu and not mem else 1.0)

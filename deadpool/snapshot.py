@@ -262,9 +262,12 @@ class SnapshotEngine:
         if self.persister is not None:
             self.persister.close()
 
-    def _next_slot(self) -> "Slot":
-        """The slot holding the oldest snapshot (or none): the next one to write."""
-        return min(self.slots, key=lambda s: s.step)
+    def _next_slot(self, step: int) -> "Slot":
+        """The slot to write ``step`` into: the one already holding ``step`` (a snapshot taken
+        again, e.g. after a restore: two slots of one step would leave no older one to reuse),
+        else the one holding the oldest snapshot (or none)."""
+        same = [s for s in self.slots if s.step == step]
+        return same[0] if same else min(self.slots, key=lambda s: s.step)
 
     # -- main thread: take a snapshot -------------------------------------------------------------
     def snapshot(self, step: int, header: dict, abort_check=None, on_block=None) -> None:
@@ -275,7 +278,7 @@ class SnapshotEngine:
         ``on_block`` is called once if the call has to wait (backpressure).
         """
         self._raise_copy_error()
-        slot = self._next_slot()
+        slot = self._next_slot(step)
         t0 = last_check = time.perf_counter()
         blocked = False
         while True:
@@ -574,7 +577,7 @@ class SnapshotEngine:
     def install(self, step: int, buf: torch.Tensor, header: bytes, crc: tuple) -> dict:
         """Load a received state live and keep it as the local snapshot of ``step``."""
         self.drain()
-        slot = self._next_slot()
+        slot = self._next_slot(step)
         with self._lock:
             slot.flat, slot.step, slot.header, slot.crc = buf, step, header, crc
             slot.released.set()

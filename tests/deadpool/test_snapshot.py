@@ -227,3 +227,14 @@ def test_checksum_sees_a_single_flipped_byte():
     h = checksum(buf)
     buf[12345] ^= 1
     assert checksum(buf) != h
+
+
+def test_a_step_snapshotted_again_reuses_its_slot():
+    """After a restore the step just loaded is snapshotted again: it must replace its own slot,
+    not fill the other one (two slots of one step leave none that may be overwritten)."""
+    model, opt = make_state(0)
+    eng = SnapshotEngine(state_tensors(model, opt), num_local_slots=2)
+    eng.snapshot(11, {"step": 11})
+    eng.snapshot(12, {"step": 12})
+    eng.snapshot(12, {"step": 12})
+    assert eng.local_steps() == [11, 12]

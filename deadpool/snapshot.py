@@ -193,13 +193,11 @@ def decode_header(b: bytes) -> dict:
 class SnapshotEngine:
     """Owns the local snapshot ring, the ward's replicas, and the copier / replication threads."""
 
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]], *, interval: int = 1,
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], *,
                  num_local_slots: int = 3, chunk_bytes: int = 4 << 20, device: str = "cpu",
                  fault_hook=None, background_nice: int = 0, verify: str = "lazy",
                  num_shared: int = 0, replicate: str = "full",
                  max_bytes_per_s: float | None = None):
-        if interval < 1:
-            raise ValueError("ft.snapshot_interval_steps must be >= 1")
         if num_local_slots < 2:
             raise ValueError("ft.num_local_slots must be >= 2 (one being written, one to roll back to)")
         self.tensors = [t for _, t in tensors]
@@ -217,7 +215,6 @@ class SnapshotEngine:
         # what the buddy receives every snapshot ("none": nobody needs a replica)
         self.repl_region = "all" if replicate == "full" or split == 0 else (
             "unique" if split < n else "none")
-        self.interval = interval
         self.chunk_bytes = max(1 << 16, int(chunk_bytes))
         self.max_bytes_per_s = max_bytes_per_s
         self.device = device
@@ -703,7 +700,6 @@ class _Replicator(threading.Thread):
             t0 = time.perf_counter()
             try:
                 got = {}
-
                 store = store or self.store_factory()
 
                 def buffer(nbytes):
@@ -748,12 +744,10 @@ class _Replicator(threading.Thread):
             self.engine.last_replicate_s = time.perf_counter() - t0
             self.engine.done_step = slot.step
             self.engine.last_cycle_s = time.perf_counter() - slot.taken_at
-            store = store or self.store_factory()
             if int(store.add(self.comm.keys.repl_done(slot.step), 1)) >= self.comm.topo.dims.world_size:
                 with self.engine._lock:
                     self.engine._protected = max(self.engine._protected, slot.step)
             if not self.protected_reported:
-                store = store or self.store_factory()
                 keys = self.comm.keys
                 store.set(keys.protected(self.comm.topo.rank), repr(time.time()))
                 store.add(keys.protected_count, 1)

@@ -102,8 +102,8 @@ class Trainer:
         shared = [(n, t) for n, t, sh in state if sh and dims.dp > 1]
         unique = [(n, t) for n, t, sh in state if not (sh and dims.dp > 1)]
         self.engine = SnapshotEngine(
-            shared + unique, interval=ft["snapshot_interval_steps"],
-            num_local_slots=ft["num_local_slots"], chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
+            shared + unique, num_local_slots=ft["num_local_slots"],
+            chunk_bytes=int(ft["replication_chunk_mb"] * 2**20),
             device=self.device, fault_hook=self.injector.fire,
             background_nice=int(ft["snapshot_nice"]), verify=ft["replica_verify"],
             num_shared=len(shared), replicate=ft.get("replicate", "unique"),

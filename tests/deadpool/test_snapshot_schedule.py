@@ -8,7 +8,7 @@ from deadpool.snapshot_schedule import SnapshotSchedule
 from tests.deadpool.helpers import client, master_store, run_threads
 
 
-def feed(s, step, active=None, quiet=None, cycle=None, n=16):
+def feed(s, active=None, quiet=None, cycle=None, n=16):
     for _ in range(n):
         if active is not None:
             s.observe(active, True, cycle)
@@ -31,32 +31,32 @@ def test_levels_and_bad_settings():
 def test_a_cycle_longer_than_a_step_widens_to_cover_it():
     s = SnapshotSchedule(1, 8)
     assert s.wanted() == 1  # nothing measured yet
-    feed(s, 0, active=0.1, cycle=0.25)  # 1.25 x 0.25 / 0.1 = 3.1 steps
+    feed(s, active=0.1, cycle=0.25)  # 1.25 x 0.25 / 0.1 = 3.1 steps
     assert s.wanted() == 4
     s2 = SnapshotSchedule(1, 8)
-    feed(s2, 0, active=0.1, cycle=2.0)  # 25 steps: capped at the widest, the engine then blocks
+    feed(s2, active=0.1, cycle=2.0)  # 25 steps: capped at the widest, the engine then blocks
     assert s2.wanted() == 8
     s3 = SnapshotSchedule(1, 8)
-    feed(s3, 0, active=0.1, cycle=0.05)
+    feed(s3, active=0.1, cycle=0.05)
     assert s3.wanted() == 1
 
 
 def test_measured_cost_widens_until_under_target_and_narrows_with_margin():
     s = SnapshotSchedule(1, 8, overhead_target=0.02)
-    feed(s, 0, active=0.110, quiet=0.100, cycle=0.02)  # 10 % on half the steps: 5 % at k = 1
+    feed(s, active=0.110, quiet=0.100, cycle=0.02)  # 10 % on half the steps: 5 % at k = 1
     assert s.overhead() == pytest.approx(0.05)
     assert s.wanted() == 4  # 5 % / 4 = 1.25 % <= 2 %; 2.5 % at k = 2 is too much
     s.interval = 4          # adopted; now cost measured at k = 4 is 5 % / 4
     s2 = SnapshotSchedule(1, 8, overhead_target=0.02)
     s2.interval = 4
-    feed(s2, 0, active=0.1025, quiet=0.100, cycle=0.02)  # 1.25 % at k = 4
+    feed(s2, active=0.1025, quiet=0.100, cycle=0.02)  # 1.25 % at k = 4
     assert s2.wanted() == 4  # k = 2 would give 2.5 % > target / 2: stays
     s3 = SnapshotSchedule(1, 8, overhead_target=0.02)
     s3.interval = 4
-    feed(s3, 0, active=0.1002, quiet=0.100, cycle=0.02)
+    feed(s3, active=0.1002, quiet=0.100, cycle=0.02)
     assert s3.wanted() == 1  # the cost vanished: back to every step
     s4 = SnapshotSchedule(1, 8, overhead_target=0.02)
-    feed(s4, 0, active=0.2, n=20)  # no quiet step measured: cost unknown, cycle fits
+    feed(s4, active=0.2, n=20)  # no quiet step measured: cost unknown, cycle fits
     assert s4.overhead() is None and s4.wanted() == 1
 
 
@@ -78,7 +78,7 @@ def test_ranks_adopt_the_widest_wanted_interval_at_the_next_decision():
     def rank_fn(r):
         s = SnapshotSchedule(1, 8, every=8)
         s.start(client(master.port), Keys(3), n)
-        feed(s, 0, active=0.1, cycle=wants[r])
+        feed(s, active=0.1, cycle=wants[r])
         seen = []
         for step in range(1, 25):
             s.end_of_step(step, lambda: None)

@@ -64,7 +64,10 @@ class Membership:
 
 
 class Coordinator:
-    def __init__(self, cfg: dict, store, launcher, log=print, secret: str | None = None):
+    def __init__(self, cfg: dict, store, launcher, log=print, secret: str | None = None,
+                 restart: dict | None = None):
+        """``restart``: the record of the failure this job was relaunched for (ft=checkpoint_
+        restart, ``job.run_job``); completed from the relaunched processes' start-up timings."""
         self.cfg = cfg
         self.seal = Seal(secret)
         self.ft = cfg["ft"]
@@ -81,14 +84,15 @@ class Coordinator:
         self.replicates = bool(self.ft["snapshot"]) and (self.sharded or self.replica_has_shared)
         n = self.dims.world_size
         self.members = Membership(ranks={r: r for r in range(n)},
-                                  spares=list(range(n, n + int(self.ft["num_spares"]))))
+                                  spares=list(range(n, n + int(self.ft["num_spares"]))),
+                                  generation=int(cfg.get("_first_generation", 0)))
         self.spare_policy = make_policy(SPARE_POLICIES, self.ft["spare_policy"])
         self.live = Liveness(float(self.ft["heartbeat_timeout_s"]),
                              float(self.ft["heartbeat_hard_timeout_s"]),
                              float(self.ft["progress_timeout_s"]))
         self.bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) copies found corrupt
         self.recoveries: list[dict] = []
-        self.pending: dict | None = None
+        self.pending: dict | None = restart
         self.outcome = "running"
         self.message = ""
         self.finals: dict[int, dict] = {}  # rank -> final digest record, once the job is done
@@ -165,8 +169,12 @@ class Coordinator:
                 raise JobFailed(f"slots {sorted(waiting)} not warm after {self.ft['startup_timeout_s']} s")
             time.sleep(0.01)
         self._read_heartbeats(force=True)
-        self._write_plan(Plan(0, "train", dict(self.members.ranks), resume_step=0,
-                              sources={r: {"kind": "live", "holder": r} for r in self.members.ranks}))
+        plan = Plan(self.gen, "train", dict(self.members.ranks), resume_step=0,
+                    sources={r: {"kind": "live", "holder": r} for r in self.members.ranks})
+        self._write_plan(plan)
+        if self.pending is not None:  # a relaunch: its cost runs until this plan's first step
+            self.pending.update(generation=self.gen, t_plan=plan.t_written,
+                                start_s=plan.t_written - self.pending["t_relaunch"])
 
     def _joined(self, slot: int) -> bool:
         """The process of ``slot`` announced itself with the job's secret."""
@@ -245,10 +253,14 @@ class Coordinator:
         for rank in failed:
             self.launcher.kill(self.members.ranks[rank])
         if not self.strategy.recovers:  # ft=none: the failure ends the job
-            self._stop(g + 1, {"generation": g + 1, "failed_rank": _one_or_list(sorted(failed)),
-                               "detected_by": failed[min(failed)] if failed else "collective_error",
-                               "detect_s": None, "t_detect": t_detect},
-                       f"rank(s) {sorted(failed)} failed and ft.strategy=none recovers nothing")
+            rec = {"generation": g + 1, "failed_rank": _one_or_list(sorted(failed)),
+                   "detected_by": failed[min(failed)] if failed else "collective_error",
+                   "detect_s": None, "t_detect": t_detect}
+            if self.strategy.restarts:
+                self._restart(g, rec, failed)
+                return
+            self._stop(g + 1, rec, f"rank(s) {sorted(failed)} failed and ft.strategy="
+                                   f"{self.strategy.name} recovers nothing")
             return
         statuses = self._collect_statuses(failed, keys)
         bad = self._collect_bad_sources(keys)
@@ -373,6 +385,28 @@ class Coordinator:
         rec.update(resume_step=S, steps_recomputed=decision.steps_recomputed, fallback="disk")
         return decision
 
+    def _restart(self, g: int, rec: dict, failed: dict[int, str]) -> None:
+        """ft=checkpoint_restart: the job ends here; ``job.run_job`` tears every process down and
+        relaunches the job from the newest complete checkpoint (the record says which)."""
+        faults = [json.loads(self.store.get(Keys.fault(slot)))
+                  for r, slot in self.members.ranks.items()
+                  if r in failed and self.store.check([Keys.fault(slot)])]
+        t_kill = min([f["t"] for f in faults] + [rec["t_detect"]])
+        step = checkpoint.latest_complete_step(self.ft["checkpoint_dir"]) or 0
+        rec.update(fault=faults[0]["kind"] if faults else "unknown", t_kill=t_kill,
+                   detect_s=rec["t_detect"] - t_kill, failed_at_step=self._job_step,
+                   resume_step=step, steps_recomputed=max(0, self._job_step - step),
+                   fallback="restart")
+        self.outcome = "restart"
+        self.message = (f"rank(s) {sorted(failed)} failed: relaunching every process from the "
+                        f"checkpoint of step {step}" if step else
+                        f"rank(s) {sorted(failed)} failed before any complete checkpoint: "
+                        "relaunching every process from step 0")
+        self.log(f"[coordinator] {self.message}")
+        self._write_plan(Plan(g + 1, "stop", {}, -1, reason=self.message))
+        self.members.generation = g + 1
+        self.recoveries.append(rec)
+
     def _stop(self, generation: int, rec: dict, reason: str) -> None:
         self.outcome, self.message = "unrecoverable", reason
         self.log(f"[coordinator] cannot recover: {reason}")
@@ -494,6 +528,12 @@ class Coordinator:
                 "regrouped (no rank lost)"
             if rec.get("fallback") == "disk":
                 rec["outcome"] = "restarted from disk"
+            if rec.get("fallback") == "restart":  # the whole job relaunched (a restart's record)
+                rec["outcome"] = "relaunched from checkpoint"
+                rec["load_s"] = rec.pop("rollback_s")  # the checkpoint load
+                # interpreter start -> module running, and importing torch + deadpool
+                rec["exec_s"] = max(t["exec"] for t in timings) - rec["t_relaunch"]
+                rec["imports_s"] = max(t["imported"] - t["exec"] for t in timings)
         self.recoveries.append(rec)
         self.pending = None
         if not interrupted:

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from deadpool import auth
+from deadpool import auth, checkpoint
 from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator, JobFailed
 from deadpool.faults import FaultEvent
@@ -111,17 +111,48 @@ def run_job(cfg: dict, log=print) -> dict:
         log(f"[deadpool] placement warning: {warning}")
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    # the secret goes to the processes through their environment (local) or a 0600 file (SLURM),
-    # never into job.json or a log; the coordinator only sees the job's namespace (deadpool/auth.py)
-    secret = auth.new_secret() if cfg["launcher"]["name"] == "local" else auth.load_secret()
     master = auth.serve_store(cfg["launcher"]["host"], int(cfg["launcher"]["port"]))
+    t0 = time.time()
+    history: list[dict] = []  # recoveries of earlier launches (ft=checkpoint_restart)
+    restart = None
+    for attempt in range(int(cfg["ft"].get("max_restarts", 0)) + 1):
+        coord, store = _launch(cfg, master, run_dir, log, restart)
+        history.extend(coord.recoveries)
+        if coord.outcome != "restart":
+            break
+        restart = history.pop()  # completed by the relaunch's coordinator
+        if cfg["launcher"]["name"] != "local":  # srun / torchrun relaunch (e.g. a Slurm requeue)
+            coord.outcome = "unrecoverable"
+            coord.message += (f"; relaunch the job with ft.resume_from={cfg['ft']['checkpoint_dir']}"
+                              " (processes are started by the launcher, not by this coordinator)")
+            history.append(restart)
+            break
+        restart["t_relaunch"] = time.time()
+        restart["teardown_s"] = restart["t_relaunch"] - restart["t_detect"]
+        cfg = _relaunch_cfg(cfg, store, first_generation=coord.gen + 1)
+        log(f"[deadpool] relaunch {attempt + 1}: every process restarts from "
+            f"{cfg['ft']['resume_from'] or 'step 0'}")
+    else:
+        coord.outcome = "failed"
+        coord.message = f"{cfg['ft']['max_restarts']} relaunches used up (ft.max_restarts)"
+        history.append(restart)
+    coord.recoveries = history
+    return write_outputs(cfg, coord, run_dir, wall_s=time.time() - t0)
+
+
+def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
+    """Start every process of the job and coordinate it until it ends; returns the coordinator
+    and the launch's store namespace."""
+    # the secret goes to the processes through their environment (local) or a 0600 file (SLURM),
+    # never into job.json or a log; the coordinator only sees the job's namespace (deadpool/auth.py).
+    # A relaunch gets a fresh secret, hence a fresh namespace: nothing of the last launch is seen.
+    secret = auth.new_secret() if cfg["launcher"]["name"] == "local" else auth.load_secret()
     store = auth.namespaced(master, secret)
     cfg = dict(cfg, _store={"host": cfg["launcher"]["host"], "port": master.port})
     job_json = run_dir / "job.json"
     job_json.write_text(json.dumps(cfg, indent=1))
     n_workers = cfg["parallel"]["dp"] * cfg["parallel"]["tp"] * cfg["parallel"]["pp"]
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
-    t0 = time.time()
     if cfg["launcher"]["name"] == "local":
         launcher = LocalLauncher(run_dir, job_json, secret)
         launcher.start(slots)
@@ -131,7 +162,7 @@ def run_job(cfg: dict, log=print) -> dict:
         launcher = ExternalLauncher(store, secret)
         log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{master.port}; waiting for "
             f"{len(slots)} processes (job file {job_json})")
-    coord = Coordinator(cfg, store, launcher, log=log, secret=secret)
+    coord = Coordinator(cfg, store, launcher, log=log, secret=secret, restart=restart)
     try:
         coord.run()
     except JobFailed as e:
@@ -139,5 +170,21 @@ def run_job(cfg: dict, log=print) -> dict:
         for s in slots:
             launcher.kill(s)
     finally:
+        if coord.outcome == "restart":  # torn down at once, as torchrun does: disk is what counts
+            for s in slots:
+                launcher.kill(s)
         launcher.wait_all(timeout_s=30)
-    return write_outputs(cfg, coord, run_dir, wall_s=time.time() - t0)
+    return coord, store
+
+
+def _relaunch_cfg(cfg: dict, store, first_generation: int) -> dict:
+    """The config of a relaunch: from the newest complete checkpoint (the original
+    ``ft.resume_from`` if none was written), generations numbered on, and without the faults that
+    already fired (a relaunched process must not replay its predecessor's kill)."""
+    ft = cfg["ft"]
+    resume = ft["checkpoint_dir"] if checkpoint.latest_complete_step(ft["checkpoint_dir"]) \
+        is not None else ft["resume_from"]
+    events = [ev for ev in cfg["faults"]["events"]
+              if not store.check([FaultEvent.from_cfg(ev).key])]
+    return dict(cfg, ft=dict(ft, resume_from=resume), faults=dict(cfg["faults"], events=events),
+                _first_generation=first_generation)

@@ -56,7 +56,7 @@ class LocalLauncher:
             local_env = dict(env, LOCAL_RANK=str(local_rank(slot)))
             self.procs[slot] = subprocess.Popen(
                 [sys.executable, "-m", "deadpool.worker", "--job", str(self.job_json), "--slot", str(slot)],
-                stdout=open(log, "w"), stderr=subprocess.STDOUT, env=local_env,
+                stdout=open(log, "a"), stderr=subprocess.STDOUT, env=local_env,  # "a": relaunches
                 start_new_session=True)
 
     def poll(self, slot: int) -> int | None:

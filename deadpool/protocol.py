@@ -48,6 +48,10 @@ class Keys:
     def repl_done(self, step: int) -> str:
         return f"{self._p}repl_done/{step}"
 
+    def checkpoint_interval(self, rank: int) -> str:
+        """A rank's proposed disk checkpoint interval (ft.persist_interval_steps=auto)."""
+        return f"{self._p}ckpt_interval/{rank}"
+
     def failed(self, rank: int) -> str:
         return f"{self._p}failed/{rank}"
 

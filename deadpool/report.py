@@ -77,11 +77,14 @@ def print_report(summary: dict, log=print) -> None:
     if summary["message"]:
         log(f"[deadpool] {summary['message']}")
     for rec in summary["recoveries"]:
+        to = ("every process relaunched" if rec.get("fallback") == "restart"
+              else f"spare slot {rec.get('spare_slot')}")
         log(f"[deadpool] recovery (gen {rec['generation']}): rank {rec['failed_rank']} "
-            f"({rec['fault']}, detected by {rec['detected_by']}) -> spare slot {rec.get('spare_slot')}; "
+            f"({rec.get('fault')}, detected by {rec['detected_by']}) -> {to}; "
             f"resumed at step {rec['resume_step']}, {rec['steps_recomputed']} step(s) recomputed; "
             f"{rec.get('outcome')}")
-        parts = ["detect_s", "plan_s", "build_s", "rebuild_s", "transfer_s", "rollback_s", "first_step_s"]
+        parts = ["detect_s", "teardown_s", "plan_s", "exec_s", "imports_s", "build_s", "rebuild_s",
+                 "transfer_s", "rollback_s", "load_s", "first_step_s"]
         log("           " + "  ".join(f"{k[:-2]} {rec[k] * 1e3:.0f} ms" for k in parts
                                       if rec.get(k) is not None))
         for k in ("kill_to_training_s", "kill_to_first_step_s", "kill_to_protected_s"):

@@ -9,9 +9,13 @@ fails. The trainer and the coordinator ask the job's ``Strategy`` instead of bra
     sync_snapshot  the same snapshots, but the training thread waits for each one's copy and
                    replication before the next step (no overlap); the same hot-swap
     none           nothing: the overhead reference; a failure ends the job cleanly
+    checkpoint_restart
+                   periodic torch.distributed.checkpoint writes (synchronous, or async_save
+                   overlapping training), interval fixed or Young/Daly from ``ft.mtbf_s``; a
+                   failure tears the whole job down and relaunches every process from the newest
+                   complete checkpoint (what torchrun / a Slurm requeue do; ``job.run_job``)
 
-Checkpoint/restart (relaunch every process from the last disk checkpoint) and elastic shrink are
-not runtime strategies yet; the simulator models both (``sim/strategies``).
+Elastic shrink is not a runtime strategy yet; the simulator models it (``sim/strategies``).
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ class Strategy:
     name: str
     recovers: bool       # a failure is hot-swapped (else the job ends, outcome "unrecoverable")
     sync_snapshot: bool  # each snapshot is copied and replicated before the next step starts
+    restarts: bool = False  # a failure relaunches every process from the newest disk checkpoint
 
 
-STRATEGIES = {s.name: s for s in (Strategy("deadpool", recovers=True, sync_snapshot=False),
-                                  Strategy("sync_snapshot", recovers=True, sync_snapshot=True),
-                                  Strategy("none", recovers=False, sync_snapshot=False))}
+STRATEGIES = {s.name: s for s in (
+    Strategy("deadpool", recovers=True, sync_snapshot=False),
+    Strategy("sync_snapshot", recovers=True, sync_snapshot=True),
+    Strategy("none", recovers=False, sync_snapshot=False),
+    Strategy("checkpoint_restart", recovers=False, sync_snapshot=False, restarts=True))}
 
 
 def strategy_of(ft: dict) -> Strategy:
@@ -40,5 +47,28 @@ def strategy_of(ft: dict) -> Strategy:
     if s.sync_snapshot and not ft["snapshot"]:
         raise ValueError("ft=sync_snapshot needs ft.snapshot=true")
     if not s.recovers and int(ft["num_spares"]) > 0:
-        raise ValueError("ft=none recovers nothing: it takes no spares (ft.num_spares=0)")
+        raise ValueError(f"ft={name} hot-swaps nothing: it takes no spares (ft.num_spares=0)")
+    if s.restarts:
+        if ft["snapshot"]:
+            raise ValueError("ft=checkpoint_restart takes no in-memory snapshots (ft.snapshot=false)")
+        every = ft["persist_interval_steps"]
+        if every == "auto":
+            if not ft.get("mtbf_s") or float(ft["mtbf_s"]) <= 0:
+                raise ValueError("ft.persist_interval_steps=auto (Young/Daly) needs ft.mtbf_s > 0")
+        elif not isinstance(every, int) or every < 1:
+            raise ValueError("ft=checkpoint_restart needs ft.persist_interval_steps >= 1 or 'auto', "
+                             f"got {every!r}")
+        if int(ft.get("max_restarts", 0)) < 0:
+            raise ValueError("ft.max_restarts must be >= 0")
+    elif ft["persist_interval_steps"] == "auto":
+        raise ValueError("ft.persist_interval_steps=auto is for ft=checkpoint_restart")
     return s
+
+
+def young_daly_steps(cost_s: float, mtbf_s: float, step_s: float) -> int:
+    """Checkpoint interval in steps minimising expected lost time: Young's first-order optimum
+    tau = sqrt(2 * delta * M) (Daly's higher-order correction changes it by < 10 % while
+    delta < M / 50), for a checkpoint costing ``cost_s`` on the critical path, a job MTBF of
+    ``mtbf_s`` and steps of ``step_s``; at least 1."""
+    tau = (2.0 * max(cost_s, 1e-6) * mtbf_s) ** 0.5
+    return max(1, round(tau / max(step_s, 1e-9)))

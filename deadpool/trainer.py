@@ -47,7 +47,12 @@ class Trainer:
         self.device = cfg["device"]
         self.corpus = SyntheticCorpus(cfg["model"]["vocab_size"], cfg["seed"])
         self.snapshots_on = bool(cfg["ft"]["snapshot"])
-        self.persist_every = int(cfg["ft"]["persist_interval_steps"] or 0)
+        # disk checkpoints every N steps; 'auto' (ft=checkpoint_restart): Young/Daly, decided
+        # after a first measured checkpoint (see persist_due / _decide_interval)
+        every = cfg["ft"]["persist_interval_steps"]
+        self.persist_auto = every == "auto"
+        self.persist_every = 0 if self.persist_auto else int(every or 0)
+        self._ckpt_buf: torch.Tensor | None = None  # host staging copy for async checkpoints
         self.microbatches = num_microbatches(cfg)
         # measurement aid (experiments/bench_runtime.py): snapshot only in alternate blocks of this
         # many steps, so on/off step times are compared inside one run; 0 = every interval
@@ -109,7 +114,7 @@ class Trainer:
             num_shared=len(shared), replicate=ft.get("replicate", "unique"),
             max_bytes_per_s=(float(ft["replication_max_mb_per_s"]) * 2**20
                              if ft.get("replication_max_mb_per_s") else None))
-        if self.persist_every:
+        if self.persist_every or self.persist_auto:
             self.engine.persister = checkpoint.AsyncPersister(ft["checkpoint_dir"],
                                                              nice=int(ft["snapshot_nice"]))
             self.engine.persist_world = dims.world_size
@@ -162,7 +167,7 @@ class Trainer:
         if self.engine.persister is not None:
             self.engine.persister.rank = self.rank
         # without per-step snapshots to write from, the training thread persists itself
-        persist = self.persist_every if not self.engine.persist_every else 0
+        persist = not self.engine.persist_every
         first = True
         at, fire = self.position.set, self.injector.fire
         while self.step < cfg["num_steps"]:
@@ -207,21 +212,27 @@ class Trainer:
                 if self.strategy.sync_snapshot:  # on the critical path: copied and replicated now
                     at(self.step, "snapshot_sync")
                     self.engine.wait_done(self.step, comm.raise_if_aborted)
-            if persist and self.step % persist == 0:
-                self.persist(self.step)
+            ckpt_s = None
+            if persist and self.persist_due(self.step):
+                t_ckpt = time.perf_counter()
+                at(self.step, "checkpoint")
+                self.persist(self.step, wait=self.persist_auto and not self.persist_every)
+                ckpt_s = time.perf_counter() - t_ckpt
+                if self.persist_auto and not self.persist_every:
+                    self._decide_interval(comm, ckpt_s, t_ckpt - t0)
             self.schedule.end_of_step(self.step, comm.raise_if_aborted)
             dt = time.perf_counter() - t0
             cycle = None
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
             self.schedule.observe(dt, busy or cycle is not None, cycle)
-            self.log(comm, loss, dt, self.engine.blocked_s - blocked0, took)
+            self.log(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s)
             if first and on_first_step is not None:
                 on_first_step()
             first = False
 
     def log(self, comm, loss: float | None, step_time_s: float, blocked_s: float,
-            snapshot: bool) -> None:
+            snapshot: bool, checkpoint_s: float | None = None) -> None:
         """One metrics record per rank and step; the loss exists on the last pipeline stage (its
         data-parallel rank's micro-batch mean). Rank (last stage, dp 0, tp 0) prints progress."""
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
@@ -233,6 +244,9 @@ class Trainer:
                "protection_lag_steps": (self.step - self.engine.done_step
                                         if self.snapshots_on and self.engine.done_step >= 0 else None),
                "snapshot_interval": self.schedule.interval if self.snapshots_on else None,
+               # a disk checkpoint taken by the training thread at this step: its time on the
+               # critical path (async: the host copy, and waiting for the previous write)
+               "checkpoint_s": checkpoint_s,
                "t": time.time()}
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg["log_every_steps"])
@@ -244,10 +258,58 @@ class Trainer:
             print(line, flush=True)
             self.progress(line)
 
-    def persist(self, step: int) -> None:
-        """Write this rank's live state to disk now (snapshots off: nothing else to write from)."""
-        p = self.cfg["parallel"]
-        checkpoint.save_rank_state(self.cfg["ft"]["checkpoint_dir"], step, self.rank,
-                                   self.state_dict(), self.header())
-        checkpoint.write_meta(self.cfg["ft"]["checkpoint_dir"], step, p["dp"] * p["tp"] * p["pp"],
-                              "periodic")
+    # -- disk checkpoints without snapshots (ft=checkpoint_restart, or persist with snapshots off) --
+    YOUNG_DALY_PROBE_STEP = 2  # 'auto': the first checkpoint, measured (step 1 includes warm-up)
+
+    def persist_due(self, step: int) -> bool:
+        if self.persist_every:
+            return step % self.persist_every == 0
+        return self.persist_auto and step == self.YOUNG_DALY_PROBE_STEP
+
+    def persist(self, step: int, wait: bool = False) -> None:
+        """Write this rank's live state to disk as the checkpoint of ``step``.
+
+        ``ft.persist_async`` (default): copy the state into a host staging buffer on this thread
+        (what ``dcp.async_save``'s default stager does), then write it with ``dcp.async_save`` on
+        an upload thread while training goes on; the previous write must be done first, since
+        its buffer is reused. Otherwise ``dcp.save`` on this thread. ``wait``: block until the
+        write is on disk (to measure it)."""
+        ft, p = self.cfg["ft"], self.cfg["parallel"]
+        world = p["dp"] * p["tp"] * p["pp"]
+        if not ft.get("persist_async", True):
+            checkpoint.save_rank_state(ft["checkpoint_dir"], step, self.rank, self.state_dict(),
+                                       self.header())
+            checkpoint.write_meta(ft["checkpoint_dir"], step, world, "periodic")
+            return
+        persister, layout = self.engine.persister, self.engine.layout
+        persister.wait()  # raises CheckpointWriteError for a failed previous write
+        if self._ckpt_buf is None:
+            self._ckpt_buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+        for dst, src in zip(layout.views(self._ckpt_buf), self.engine.tensors):
+            dst.copy_(src.detach())
+        persister.rank = self.rank
+        persister.submit(step, layout.state_dict(self._ckpt_buf), self.header(), world)
+        if wait:
+            persister.wait()
+
+    def _decide_interval(self, comm, ckpt_s: float, step_s: float) -> None:
+        """Young/Daly interval from this probe: each rank proposes one, all adopt the widest
+        (every rank must checkpoint the same steps). Asynchronous checkpoints cost only their
+        copy on the critical path, but a write must finish within an interval."""
+        ft = self.cfg["ft"]
+        from deadpool.strategies import young_daly_steps
+        write_s = self.engine.persister.last_write_s or ckpt_s
+        cost = ckpt_s - write_s if ft.get("persist_async", True) else ckpt_s
+        mine = max(young_daly_steps(max(cost, 0.0), float(ft["mtbf_s"]), step_s),
+                   int(write_s // max(step_s, 1e-9)) + 1 if ft.get("persist_async", True) else 1)
+        store, keys, world = comm.store, comm.keys, comm.topo.dims.world_size
+        store.set(keys.checkpoint_interval(self.rank), str(mine))
+        want = [keys.checkpoint_interval(r) for r in range(world)]
+        while not store.check(want):
+            comm.raise_if_aborted()
+            time.sleep(0.002)
+        self.persist_every = max(int(store.get(k)) for k in want)
+        if self.rank == 0:
+            print(f"[rank 0] checkpoint interval {self.persist_every} steps (Young/Daly: checkpoint "
+                  f"{cost * 1e3:.1f} ms on the critical path, write {write_s * 1e3:.1f} ms, step "
+                  f"{step_s * 1e3:.1f} ms, MTBF {float(ft['mtbf_s']):.0f} s)", flush=True)

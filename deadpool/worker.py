@@ -15,6 +15,10 @@ Run as ``python -m deadpool.worker --job <run_dir>/job.json --slot N``; the laun
 
 from __future__ import annotations
 
+import time
+
+T_EXEC = time.time()  # this module starts executing: the interpreter is up, torch not imported yet
+
 import argparse
 import faulthandler
 import signal
@@ -22,7 +26,6 @@ import json
 import os
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -134,6 +137,9 @@ class Worker:
         self.has_state = False  # holds a rank's state (live step meaningful)
         self._idle_build_store = None
         self.prev_comm: Communicator | None = None  # the last aborted generation's (groups kept)
+        # a job relaunched from disk (ft=checkpoint_restart) continues the generation numbers
+        self.first_gen = int(cfg.get("_first_generation", 0))
+        self.t_imported = time.time()
         if slot >= self.dims.world_size:
             # a warm spare pre-builds a stage (rank 0's, undrawn) so that taking any rank later
             # costs only allocating that rank's tensors, not the first-use imports and set-up
@@ -161,7 +167,8 @@ class Worker:
                 raise CoordinatorLost("the coordinator stopped answering")
             if self.store.check([key]):
                 return Plan.from_json(self.seal.unwrap(key, self.store.get(key)))
-            if generation == 0 and time.monotonic() - t0 > float(self.ft["startup_timeout_s"]):
+            if generation == self.first_gen and \
+                    time.monotonic() - t0 > float(self.ft["startup_timeout_s"]):
                 raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"
                                    " s: is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?")
             n += 1
@@ -179,7 +186,7 @@ class Worker:
     def run(self) -> int:
         """Follow the coordinator's plans until the job ends; returns the exit code."""
         try:
-            gen = 0
+            gen = self.first_gen
             plan = self.wait_plan(gen)
             while plan is not None:
                 rank = plan.rank_of_slot(self.slot)
@@ -217,10 +224,12 @@ class Worker:
         """
         tr, keys = self.trainer, Keys(plan.generation)
         timing = {"plan_seen": now()}
+        if plan.generation == self.first_gen:  # the process's own start-up (a relaunch's cost)
+            timing.update(exec=T_EXEC, imported=self.t_imported)
         if tr.rank != rank:
             # a process starting the job holds every rank's step-0 state (init is a pure function
             # of the seed); a spare taking a rank later holds nothing of it yet
-            self.has_state = plan.generation == 0 and not self.ft["resume_from"]
+            self.has_state = plan.generation == self.first_gen and not self.ft["resume_from"]
         tr.rank, tr.generation = rank, plan.generation
         self.injector.set_rank(rank)
         topo = Topology(self.dims, rank, plan.generation, self.ft["buddy_policy"])
@@ -228,7 +237,8 @@ class Worker:
         try:
             self.position.set(plan.resume_step, "build")
             # a spare builds its rank's stage now, undrawn when its state will come by transfer
-            fresh = plan.generation == 0 or plan.sources.get(rank, {}).get("kind") == "init"
+            fresh = plan.generation == self.first_gen or \
+                plan.sources.get(rank, {}).get("kind") == "init"
             built_s = tr.build(self.dims, rank, init=fresh)
             if built_s:
                 timing["built"] = now()
@@ -281,13 +291,15 @@ class Worker:
         """Bring this rank to ``plan.resume_step`` from the source the plan names."""
         tr = self.trainer
         S = plan.resume_step
-        if plan.generation == 0:
+        if plan.generation == self.first_gen:
             resume = self.ft["resume_from"]
+            timing["transferred"] = now()
             if resume:
                 self.load_disk(checkpoint.latest_step_dir(resume), rank)
+            timing["rolled_back"] = now()  # the checkpoint load
             self.has_state = True
-            tr.snapshot_now()
-            timing["transferred"] = timing["rolled_back"] = now()
+            if self.ft["snapshot"]:
+                tr.snapshot_now()
             return
         sends, recvs = self.transfers(plan, rank)
         mine = plan.sources[rank]

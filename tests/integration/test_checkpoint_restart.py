@@ -1,0 +1,77 @@
+"""ft=checkpoint_restart with real processes: periodic DCP checkpoints (async and synchronous,
+fixed and Young/Daly interval); a SIGKILL tears the job down and relaunches every process from
+the newest complete checkpoint, which resumes bitwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deadpool.job import run_job
+from deadpool.report import compare_final_states
+from tests.conftest import compose_train
+
+BASE = ["model=tiny", "parallel=dp4", "num_steps=16", "log_every_steps=0"]
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+def test_checkpoint_restart_refuses_bad_knobs(tmp_path):
+    for bad, msg in ((["ft.num_spares=1"], "no spares"), (["ft.snapshot=true"], "snapshots"),
+                     (["ft.persist_interval_steps=0"], "persist_interval_steps"),
+                     (["ft.persist_interval_steps=auto"], "mtbf_s")):
+        with pytest.raises(ValueError, match=msg):
+            run_job(compose_train(BASE + ["ft=checkpoint_restart"] + bad, tmp_path), log=quiet)
+    with pytest.raises(ValueError, match="auto"):
+        run_job(compose_train(BASE + ["ft.persist_interval_steps=auto"], tmp_path), log=quiet)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_", [True, False], ids=["async_save", "sync_save"])
+def test_a_kill_relaunches_everything_from_the_checkpoint_bitwise(tmp_path, async_):
+    ref = tmp_path / "ref"
+    assert run_job(compose_train(BASE + ["ft=none"], ref), log=quiet)["outcome"] == "completed"
+    run = tmp_path / "cr"
+    s = run_job(compose_train(BASE + ["ft=checkpoint_restart", "ft.persist_interval_steps=4",
+                                      f"ft.persist_async={str(async_).lower()}",
+                                      "faults=kill_mid_step", "faults.events.0.step=10"], run),
+                log=quiet)
+    assert s["outcome"] == "completed", s["message"]
+    (rec,) = s["recoveries"]
+    assert rec["outcome"] == "relaunched from checkpoint"
+    # the checkpoint of step 8 is complete by step 10 (a write takes well under a step here)
+    assert rec["resume_step"] == 8 and rec["failed_at_step"] == 10 and rec["steps_recomputed"] == 2
+    for k in ("detect_s", "teardown_s", "start_s", "exec_s", "imports_s", "build_s", "load_s",
+              "first_step_s", "kill_to_first_step_s"):
+        assert rec[k] is not None and rec[k] >= 0, k
+    assert rec["kill_to_first_step_s"] >= rec["start_s"] + rec["load_s"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # steps 9 and 10 were computed twice: once before the kill, once after the relaunch
+    assert {r["generation"] for r in rows if r["step"] == 9 and r["rank"] == 0} == {0, 2}
+    assert all(r["checkpoint_s"] is not None for r in rows if r["step"] % 4 == 0)
+    equal, why = compare_final_states(run, ref)
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_young_daly_interval_is_measured_and_agreed(tmp_path):
+    # checkpoints of the tiny model take milliseconds: with an MTBF of 1 h, tau = sqrt(2 d M) is
+    # a few seconds, i.e. tens of ~0.1 s steps; with an MTBF of 0.01 s it is below a step
+    for mtbf, lo, hi in ((3600, 5, 10_000), (0.01, 1, 1)):
+        run = tmp_path / f"m{mtbf}"
+        s = run_job(compose_train(BASE + ["ft=checkpoint_restart", "ft.persist_interval_steps=auto",
+                                          f"ft.mtbf_s={mtbf}", "ft.persist_async=false"], run),
+                    log=quiet)
+        assert s["outcome"] == "completed"
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        ckpt = sorted({r["step"] for r in rows if r["checkpoint_s"] is not None})
+        assert ckpt[0] == 2  # the measured probe
+        gaps = {b - a for a, b in zip(ckpt[1:], ckpt[2:])} | ({ckpt[1]} if len(ckpt) > 1 else set())
+        for r in range(4):  # every rank checkpointed the same steps
+            assert sorted(x["step"] for x in rows if x["rank"] == r and x["checkpoint_s"]
+                          is not None) == ckpt
+        if hi == 1:
+            assert ckpt == list(range(2, 17))
+        else:
+            assert all(lo <= g for g in gaps), (ckpt, gaps)

@@ -215,12 +215,20 @@ def save_rank_state(root, step: int, rank: int, state: dict[str, torch.Tensor], 
     return final
 
 
-def write_meta(root, step: int, world_size: int, reason: str) -> None:
-    """Write ``step_<S>/meta.json`` atomically (any number of ranks may write it for one step)."""
+def write_meta(root, step: int, world_size: int, reason: str, layout: dict | None = None) -> None:
+    """Write ``step_<S>/meta.json`` atomically (any number of ranks may write it for one step).
+    ``layout``: the parallel degrees it was written at (``{"dp", "tp", "pp"}``), for a load at
+    another data-parallel width (``reshard_rank_state``)."""
     p = Path(root) / f"step_{step}"
     p.mkdir(parents=True, exist_ok=True)
-    _write_file_atomic(p / META_FILE, json.dumps({"step": step, "world_size": world_size,
-                                                  "reason": reason}))
+    meta = {"step": step, "world_size": world_size, "reason": reason}
+    if layout is not None:
+        meta["layout"] = layout
+    _write_file_atomic(p / META_FILE, json.dumps(meta))
+
+
+def read_meta(step_dir) -> dict:
+    return json.loads((Path(step_dir) / META_FILE).read_text())
 
 
 def is_complete(step_dir: Path) -> bool:
@@ -328,6 +336,15 @@ def load_rank_state(step_dir: Path, rank: int, state: dict[str, torch.Tensor]) -
         if rng is not None:
             header["rng_cpu"] = encode_rng_state(rng)
     return header
+
+
+def read_rank_state(step_dir: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Rank ``rank``'s tensors as written (shapes from DCP's metadata), and its header."""
+    d = Path(step_dir) / f"rank_{rank}"
+    meta = _SafeFileSystemReader(d).read_metadata()
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items()}
+    return state, load_rank_state(step_dir, rank, state)
 
 
 # -- asynchronous periodic checkpoints ----------------------------------------------------------

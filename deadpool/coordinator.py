@@ -324,7 +324,7 @@ class Coordinator:
                 self._stop(g + 1, rec, f"{decision.reason}; no warm spare left to restart from "
                                        f"the disk checkpoint at step {decision.resume_step}")
                 return
-            self._checkpoint_and_stop(g + 1, decision, rec, "no warm spare left", t_detect)
+            self._no_spare(g + 1, decision, rec, dead, t_detect)
             return
         swap = self.cfg["faults"].get("swap_routes")
         if swap and all(int(r) in decision.sources for r in swap):  # fault injection (see conf)
@@ -359,6 +359,63 @@ class Coordinator:
         self._wait_checkpoint(plan)
         rec.update(outcome="checkpoint_and_stop", plan_s=plan.t_written - t_detect)
         self.recoveries.append(rec)
+
+    def _no_spare(self, generation: int, decision, rec: dict, dead: set[int], t_detect: float):
+        """A rank has no process and no spare is left: the consistent state (every rank's, from
+        memory) goes to disk, then ``ft.on_no_spare``: ``elastic`` - ``job.run_job`` relaunches
+        the job without the dead ranks' data-parallel replicas (the smallest unit containing them;
+        global batch kept, ``parallel.global_dp``); ``checkpoint_restart`` - it relaunches every
+        process at the same width; ``checkpoint_and_stop`` - the job stops there."""
+        action = self.ft["on_no_spare"]
+        dropped = sorted({self.dims.coords(d)["dp"] for d in dead})
+        if action == "elastic" and self.dims.dp - len(dropped) < 1:
+            self.log(f"[coordinator] elastic: no data-parallel replica would be left; stopping")
+            action = "checkpoint_and_stop"
+        self._checkpoint_and_stop(generation, decision, rec, "no warm spare left", t_detect)
+        if action == "checkpoint_and_stop" or self.outcome != "checkpoint_and_stop":
+            return
+        rec.pop("outcome", None)
+        if action == "elastic":
+            rec.update(fallback="shrink", dropped_dp=dropped, dp=self.dims.dp - len(dropped))
+            self.outcome = "shrink"
+            self.message = (f"no warm spare left: continuing without data-parallel replica(s) "
+                            f"{dropped} (dp {self.dims.dp} -> {rec['dp']}) from step "
+                            f"{decision.resume_step}")
+        else:
+            rec.update(fallback="restart", failed_at_step=self._job_step)
+            self.outcome = "restart"
+            self.message = (f"no warm spare left: relaunching every process from step "
+                            f"{decision.resume_step}")
+        self.log(f"[coordinator] {self.message}")
+
+    def _grow(self) -> None:
+        """An elastic job below its full width regrows once a replacement is available
+        (``ft.elastic_regrow_after_s`` after the shrink, standing in for a repaired node joining):
+        a planned regroup writes the consistent state, and ``job.run_job`` relaunches at full
+        width."""
+        g, t = self.gen, time.time()
+        keys = Keys(g)
+        self.store.set(keys.abort, self.seal.wrap(keys.abort, "regrow"))
+        self._finish_pending(force=True)
+        self._finish_pending(interrupted=True)
+        failed: dict[int, str] = {}
+        statuses = self._collect_statuses(failed, keys)
+        if failed:  # somebody died meanwhile: an ordinary recovery
+            self.recover(failed, t)
+            return
+        topo = Topology(self.dims, 0, g, self.ft["buddy_policy"])
+        decision = plan_resume(statuses, list(range(self.dims.world_size)), self.dims.state_peers,
+                               topo.buddy, tuple(self.ft["state_sources"]), self.bad,
+                               sharded=self.sharded, replica_has_shared=self.replica_has_shared)
+        rec = {"generation": g + 1, "failed_rank": None, "detected_by": "regrow", "fault": "none",
+               "t_kill": t, "t_detect": t, "detect_s": 0.0, "resume_step": decision.resume_step,
+               "steps_recomputed": decision.steps_recomputed}
+        self._checkpoint_and_stop(g + 1, decision, rec, "regrow", t)
+        if self.outcome == "checkpoint_and_stop":
+            rec.pop("outcome", None)
+            rec.update(fallback="grow", dp=int(self.cfg["_full_dp"]))
+            self.outcome, self.message = "grow", f"regrowing to dp={self.cfg['_full_dp']}"
+            self.log(f"[coordinator] {self.message} from step {decision.resume_step}")
 
     def _disk_fallback(self, decision, rec):
         """No consistent copy of some rank in memory: restart every rank from the newest
@@ -462,13 +519,15 @@ class Coordinator:
             self._tick = time.monotonic()
             time.sleep(0.01)
         checkpoint.write_meta(self.ft["checkpoint_dir"], plan.resume_step, self.dims.world_size,
-                              plan.reason)
+                              plan.reason, layout={"dp": self.dims.dp, "tp": self.dims.tp,
+                                                   "pp": self.dims.pp})
         self.outcome = "checkpoint_and_stop"
         self.message = (f"stopping ({plan.reason}): state of step {plan.resume_step} "
                         f"written to {self.ft['checkpoint_dir']}/step_{plan.resume_step}; resume with "
                         f"ft.resume_from={self.ft['checkpoint_dir']}"
                         + (" and more ft.num_spares" if "spare" in plan.reason else ""))
-        self.log(f"[coordinator] {self.message}")
+        if self.ft["on_no_spare"] == "checkpoint_and_stop" or "spare" not in plan.reason:
+            self.log(f"[coordinator] {self.message}")  # (else the job goes on: said by the caller)
 
     def _reusable_groups(self, statuses, replaced, generation: int) -> list[str]:
         """``ft.rebuild=affected``: groups survivors may keep (``comm.reusable_groups``); on NCCL
@@ -528,8 +587,10 @@ class Coordinator:
                 "regrouped (no rank lost)"
             if rec.get("fallback") == "disk":
                 rec["outcome"] = "restarted from disk"
-            if rec.get("fallback") == "restart":  # the whole job relaunched (a restart's record)
-                rec["outcome"] = "relaunched from checkpoint"
+            if rec.get("fallback") in ("restart", "shrink", "grow"):  # the whole job relaunched
+                rec["outcome"] = {"restart": "relaunched from checkpoint",
+                                  "shrink": f"shrunk to dp={rec.get('dp')}",
+                                  "grow": f"regrown to dp={rec.get('dp')}"}[rec["fallback"]]
                 rec["load_s"] = rec.pop("rollback_s")  # the checkpoint load
                 # interpreter start -> module running, and importing torch + deadpool
                 rec["exec_s"] = max(t["exec"] for t in timings) - rec["t_relaunch"]
@@ -580,6 +641,12 @@ class Coordinator:
                 continue
             self._finish_pending()
             self._print_progress()
+            if self.cfg.get("_grow_at") is not None and time.time() >= self.cfg["_grow_at"] \
+                    and self.pending is None:
+                self._grow()
+                if self.outcome != "running":
+                    break
+                continue
             keys = Keys(self.gen)
             if int(self.store.add(keys.finished_count, 0)) >= self.dims.world_size:
                 self.store.set(Keys.JOB_DONE, "1")

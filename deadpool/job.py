@@ -49,8 +49,17 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.heartbeat_timeout_s must exceed 2 x ft.heartbeat_interval_s")
     if ft["heartbeat_hard_timeout_s"] < ft["heartbeat_timeout_s"]:
         raise ValueError("ft.heartbeat_hard_timeout_s must be >= ft.heartbeat_timeout_s")
-    if ft["on_no_spare"] not in ("checkpoint_and_stop",):
-        raise ValueError("ft.on_no_spare must be 'checkpoint_and_stop' (elastic shrink is not built yet)")
+    if ft["on_no_spare"] not in ("elastic", "checkpoint_restart", "checkpoint_and_stop"):
+        raise ValueError("ft.on_no_spare must be elastic, checkpoint_restart or checkpoint_and_stop, "
+                         f"got {ft['on_no_spare']!r}")
+    if ft["on_no_spare"] != "checkpoint_and_stop" and not ft["snapshot"] and ft["num_spares"]:
+        raise ValueError(f"ft.on_no_spare={ft['on_no_spare']} writes the state from memory: it needs "
+                         "ft.snapshot=true")
+    gdp = p.get("global_dp")
+    if gdp is not None and int(gdp) < int(p["dp"]):
+        raise ValueError(f"parallel.global_dp={gdp} must be >= parallel.dp={p['dp']}")
+    if ft.get("elastic_regrow_after_s") is not None and float(ft["elastic_regrow_after_s"]) < 0:
+        raise ValueError("ft.elastic_regrow_after_s must be >= 0 or null")
     if ft["progress_timeout_s"] <= ft["heartbeat_timeout_s"]:
         raise ValueError("ft.progress_timeout_s must exceed ft.heartbeat_timeout_s")
     if ft["coordinator_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:
@@ -118,7 +127,7 @@ def run_job(cfg: dict, log=print) -> dict:
     for attempt in range(int(cfg["ft"].get("max_restarts", 0)) + 1):
         coord, store = _launch(cfg, master, run_dir, log, restart)
         history.extend(coord.recoveries)
-        if coord.outcome != "restart":
+        if coord.outcome not in ("restart", "shrink", "grow"):
             break
         restart = history.pop()  # completed by the relaunch's coordinator
         if cfg["launcher"]["name"] != "local":  # srun / torchrun relaunch (e.g. a Slurm requeue)
@@ -129,9 +138,9 @@ def run_job(cfg: dict, log=print) -> dict:
             break
         restart["t_relaunch"] = time.time()
         restart["teardown_s"] = restart["t_relaunch"] - restart["t_detect"]
-        cfg = _relaunch_cfg(cfg, store, first_generation=coord.gen + 1)
+        cfg = _relaunch_cfg(cfg, store, coord.gen + 1, restart, log)
         log(f"[deadpool] relaunch {attempt + 1}: every process restarts from "
-            f"{cfg['ft']['resume_from'] or 'step 0'}")
+            f"{cfg['ft']['resume_from'] or 'step 0'} at dp={cfg['parallel']['dp']}")
     else:
         coord.outcome = "failed"
         coord.message = f"{cfg['ft']['max_restarts']} relaunches used up (ft.max_restarts)"
@@ -177,14 +186,31 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     return coord, store
 
 
-def _relaunch_cfg(cfg: dict, store, first_generation: int) -> dict:
+def _relaunch_cfg(cfg: dict, store, first_generation: int, rec: dict, log) -> dict:
     """The config of a relaunch: from the newest complete checkpoint (the original
-    ``ft.resume_from`` if none was written), generations numbered on, and without the faults that
-    already fired (a relaunched process must not replay its predecessor's kill)."""
-    ft = cfg["ft"]
+    ``ft.resume_from`` if none was written), generations numbered on, without the faults that
+    already fired (a relaunched process must not replay its predecessor's kill), and at the
+    record's data-parallel width (an elastic shrink or regrow) with the global batch kept."""
+    ft, par = cfg["ft"], dict(cfg["parallel"])
     resume = ft["checkpoint_dir"] if checkpoint.latest_complete_step(ft["checkpoint_dir"]) \
         is not None else ft["resume_from"]
-    events = [ev for ev in cfg["faults"]["events"]
-              if not store.check([FaultEvent.from_cfg(ev).key])]
+    extra = {"_first_generation": first_generation}
+    if rec.get("fallback") in ("shrink", "grow"):
+        full = int(cfg.get("_full_dp") or par["dp"])
+        par.update(dp=int(rec["dp"]), global_dp=int(par.get("global_dp") or par["dp"]))
+        extra["_full_dp"] = full
+        regrow = ft.get("elastic_regrow_after_s")
+        extra["_grow_at"] = (time.time() + float(regrow)
+                             if rec["fallback"] == "shrink" and regrow is not None else None)
+    world = par["dp"] * par["tp"] * par["pp"]
+    events = []
+    for ev in cfg["faults"]["events"]:
+        if store.check([FaultEvent.from_cfg(ev).key]):
+            continue  # fired
+        if (ev.get("rank") is not None and int(ev["rank"]) >= world) or \
+                (ev.get("slot") is not None and int(ev["slot"]) >= world + int(ft["num_spares"])):
+            log(f"[deadpool] fault {ev} names a rank or slot the narrower job has not: dropped")
+            continue
+        events.append(ev)
     return dict(cfg, ft=dict(ft, resume_from=resume), faults=dict(cfg["faults"], events=events),
-                _first_generation=first_generation)
+                parallel=par, **extra)

@@ -77,8 +77,10 @@ def print_report(summary: dict, log=print) -> None:
     if summary["message"]:
         log(f"[deadpool] {summary['message']}")
     for rec in summary["recoveries"]:
-        to = ("every process relaunched" if rec.get("fallback") == "restart"
-              else f"spare slot {rec.get('spare_slot')}")
+        to = {"restart": "every process relaunched",
+              "shrink": f"dp={rec.get('dp')} without replica(s) {rec.get('dropped_dp')}",
+              "grow": f"dp={rec.get('dp')}"}.get(rec.get("fallback"),
+                                                f"spare slot {rec.get('spare_slot')}")
         log(f"[deadpool] recovery (gen {rec['generation']}): rank {rec['failed_rank']} "
             f"({rec.get('fault')}, detected by {rec['detected_by']}) -> {to}; "
             f"resumed at step {rec['resume_step']}, {rec['steps_recomputed']} step(s) recomputed; "

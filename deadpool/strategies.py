@@ -14,8 +14,11 @@ fails. The trainer and the coordinator ask the job's ``Strategy`` instead of bra
                    overlapping training), interval fixed or Young/Daly from ``ft.mtbf_s``; a
                    failure tears the whole job down and relaunches every process from the newest
                    complete checkpoint (what torchrun / a Slurm requeue do; ``job.run_job``)
-
-Elastic shrink is not a runtime strategy yet; the simulator models it (``sim/strategies``).
+    elastic        no spares: a failure drops the dead rank's data-parallel replica and the job
+                   goes on narrower with the same global batch, regrowing later (the state comes
+                   from the same in-memory snapshots; every process is relaunched at the new
+                   width, as torchelastic does). DeadPool falls back to it when its spares run
+                   out (``ft.on_no_spare``)
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ STRATEGIES = {s.name: s for s in (
     Strategy("deadpool", recovers=True, sync_snapshot=False),
     Strategy("sync_snapshot", recovers=True, sync_snapshot=True),
     Strategy("none", recovers=False, sync_snapshot=False),
-    Strategy("checkpoint_restart", recovers=False, sync_snapshot=False, restarts=True))}
+    Strategy("checkpoint_restart", recovers=False, sync_snapshot=False, restarts=True),
+    Strategy("elastic", recovers=True, sync_snapshot=False))}
 
 
 def strategy_of(ft: dict) -> Strategy:
@@ -48,6 +52,8 @@ def strategy_of(ft: dict) -> Strategy:
         raise ValueError("ft=sync_snapshot needs ft.snapshot=true")
     if not s.recovers and int(ft["num_spares"]) > 0:
         raise ValueError(f"ft={name} hot-swaps nothing: it takes no spares (ft.num_spares=0)")
+    if name == "elastic" and (int(ft["num_spares"]) or ft["on_no_spare"] != "elastic"):
+        raise ValueError("ft=elastic shrinks instead of swapping: ft.num_spares=0, ft.on_no_spare=elastic")
     if s.restarts:
         if ft["snapshot"]:
             raise ValueError("ft=checkpoint_restart takes no in-memory snapshots (ft.snapshot=false)")

@@ -158,11 +158,26 @@ class Trainer:
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
+    def batch(self, step: int, batches: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's inputs and targets of ``step``: the batches of data-parallel ranks
+        ``batches`` (one, unless an elastic job runs narrower than its global batch)."""
+        cfg = self.cfg
+        parts = [self.corpus.batch(step, i, cfg["batch_size"], cfg["seq_len"]) for i in batches]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
     # -- the loop ---------------------------------------------------------------------------------
     def train(self, comm: Communicator, on_first_step=None) -> None:
         """Train until ``num_steps``. Raises ``Aborted`` / ``CollectiveError`` on a failure."""
         cfg = self.cfg
-        dp_rank = comm.topo.coords["dp"]
+        dp_rank, dp = comm.topo.coords["dp"], comm.topo.dims.dp
+        # the global batch is parallel.global_dp ranks' batches (default: dp). An elastic job that
+        # lost a data-parallel replica keeps it: rank d computes the batches of every d' = d mod
+        # dp, and the summed gradients are divided by global_dp (same sequences, same mean).
+        global_dp = int(cfg["parallel"].get("global_dp") or dp)
+        batches = [i for i in range(global_dp) if i % dp == dp_rank]
+        self.opt.grad_div = global_dp
         self.schedule.start(comm.store, comm.keys, comm.topo.dims.world_size)
         if self.engine.persister is not None:
             self.engine.persister.rank = self.rank
@@ -180,15 +195,16 @@ class Trainer:
             fire(s, "step_start")
             # gradients of an aborted step must not leak into its replay; gradient buckets are
             # reduced over dp from backward hooks as soon as they are complete
-            self.opt.begin_step(comm, self.microbatches)
-            x, y = self.corpus.batch(s, dp_rank, cfg["batch_size"], cfg["seq_len"])
+            self.opt.begin_step(comm, self.microbatches * len(batches))
+            x, y = self.batch(s, batches)
 
             def phase(name, s=s):  # every micro-batch op of the schedule
                 at(s, name)
                 fire(s, name)
 
             loss = run_1f1b(self.stage, comm, x.to(self.device), y.to(self.device),
-                            self.microbatches, hook=phase)
+                            self.microbatches * len(batches), hook=phase,
+                            loss_div=self.microbatches if len(batches) > 1 else None)
             fire(s, "mid_step")
             at(s, "allreduce")
             self.opt.reduce_grads(comm, on_posted=lambda: fire(s, "allreduce"))

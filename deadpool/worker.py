@@ -370,6 +370,10 @@ class Worker:
         replica holds only its unique tensors; its parameters come from a data-parallel peer's
         directory of the same step (``shared_from`` in its header)."""
         tr = self.trainer
+        layout = checkpoint.read_meta(step_dir).get("layout")
+        if layout is not None and int(layout["dp"]) != self.dims.dp:
+            self.load_resharded(step_dir, rank, layout)
+            return
         header = checkpoint.read_header(step_dir, rank)
         if header.get("shared_from") is None:
             tr.apply_header(checkpoint.load_rank_state(step_dir, rank, tr.state_dict()))
@@ -385,6 +389,28 @@ class Worker:
                                f"{header['shared_from']}")
         tr.apply_header(checkpoint.load_rank_state(
             step_dir, rank, {k: v for k, v in state.items() if k not in shared}))
+
+    def load_resharded(self, step_dir: Path, rank: int, layout: dict) -> None:
+        """Load a checkpoint written at another data-parallel width (an elastic job that shrank
+        or regrows): this stage's state from every old data-parallel rank, re-cut for this
+        rank's shard (``zero.reshard_state``)."""
+        from deadpool.parallel.data.zero import reshard_state
+
+        tr, c = self.trainer, self.dims.coords(rank)
+        if (int(layout["tp"]), int(layout["pp"])) != (self.dims.tp, self.dims.pp):
+            raise ValueError(f"{step_dir} was written at tp={layout['tp']}, pp={layout['pp']}; "
+                             f"only the data-parallel width may change (tp={self.dims.tp}, "
+                             f"pp={self.dims.pp})")
+        old = ParallelDims(int(layout["dp"]), self.dims.tp, self.dims.pp, self.dims.tp)
+        states, header = [], None
+        for d in range(old.dp):
+            st, hdr = checkpoint.read_rank_state(step_dir, old.rank_of(c["pp"], d, c["tp"]))
+            states.append(st)
+            header = header or hdr
+        new = reshard_state(states, tr.opt.numel, self.dims.dp, c["dp"], tr.opt.shard)
+        for name, t in tr.state_dict().items():
+            t.copy_(new[name].reshape(t.shape))
+        tr.apply_header(header)
 
     def write_replica(self, root, step: int, owner: int, flat, header: bytes) -> None:
         """Write a held replica of ``owner`` (whose stage may differ from this rank's: its layout

@@ -87,7 +87,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     base = ["model=tiny", "parallel=dp4", f"num_steps={args.steps}", "log_every_steps=0",
             "ft.replication_chunk_mb=0.5", "ft.progress_timeout_s=3", "ft.status_timeout_s=4",
-            "ft.persist_interval_steps=4"]
+            "ft.persist_interval_steps=4", "ft.on_no_spare=checkpoint_and_stop"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="deadpool-campaign-") as tmp:
         ref = Path(tmp) / "ref"

@@ -74,6 +74,7 @@ def test_warm_spare_replaces_failed_rank_and_state_matches_failure_free(
 def test_no_spare_left_writes_a_dcp_checkpoint_that_resumes_to_the_same_state(reference, tmp_path):
     stopped = tmp_path / "stopped"
     summary = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.num_spares=0",
+                                            "ft.on_no_spare=checkpoint_and_stop",
                                             "ft.persist_interval_steps=5"], stopped), log=quiet)
     assert summary["outcome"] == "checkpoint_and_stop"
     assert "no warm spare" in summary["message"]

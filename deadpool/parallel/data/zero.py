@@ -77,6 +77,40 @@ def state_nbytes(numel: int, dp_size: int, shard: bool, itemsize: int = 4) -> di
     return {"shared": params + 2 * padded * itemsize + _STEP_BYTES, "unique": 0}
 
 
+def reshard_state(old: list[dict[str, torch.Tensor]], numel: int, dp_size: int, dp_rank: int,
+                  shard: bool) -> dict[str, torch.Tensor]:
+    """The state (``state_tensors`` names) of data-parallel rank ``dp_rank`` of ``dp_size`` from
+    the states of every data-parallel rank of the same stage written at another width, in their
+    dp order (``old``; a rank written from a sharded replica may lack ``params``). AdamW's
+    moments are elementwise, so re-cutting the concatenated shards is exact: concatenate the old
+    shards (or take a whole copy), drop the old padding, pad for the new width, cut this rank's
+    shard. Used when an elastic job changes its data-parallel width."""
+    def full(name):
+        if _sharded(old, name, numel):
+            return torch.cat([st[name].reshape(-1) for st in old])[:numel]
+        return old[0][name].reshape(-1)[:numel]
+
+    def cut(t, keep_all):
+        padded = torch.zeros(_padded(numel, dp_size), dtype=t.dtype)
+        padded[:numel] = t
+        if keep_all:
+            return padded
+        n = padded.numel() // dp_size
+        return padded[dp_rank * n:(dp_rank + 1) * n].clone()
+
+    params = next(st["params"] for st in old if "params" in st)
+    out = {"params": cut(params.reshape(-1)[:numel], True)}
+    for name in ("exp_avg", "exp_avg_sq"):
+        out[name] = cut(full(name), not shard)
+    out["step"] = old[0]["step"].clone()
+    return out
+
+
+def _sharded(old, name, numel) -> bool:
+    """The old states hold ``name`` as shards (several ranks, each less than the whole)."""
+    return len(old) > 1 and old[0][name].numel() < numel
+
+
 class ZeroOptimizer:
     """ZeRO-1 AdamW over one flat parameter buffer (see the module docstring).
 
@@ -100,6 +134,9 @@ class ZeroOptimizer:
                 raise ValueError("all parameters must be float32 on one device "
                                  f"(got {p.dtype} on {p.device})")
         self.dp_size, self.dp_rank, self.shard = dp_size, dp_rank, shard
+        # the summed gradients are divided by this: the data-parallel width, or the number of
+        # batches in the global batch when an elastic job computes several per rank (trainer.py)
+        self.grad_div = dp_size
         self.numel = sum(p.numel() for p in self.params)
         self.padded_numel = _padded(self.numel, dp_size)
         self.shard_numel = self.padded_numel // dp_size
@@ -206,7 +243,7 @@ class ZeroOptimizer:
             on_posted()
         for w in waits:
             comm.wait(w)
-        self._grad_shard.div_(self.dp_size)
+        self._grad_shard.div_(self.grad_div)
 
     def step(self, comm) -> None:
         """AdamW on the owned shard, then all-gather the shards into ``flat_params`` (abortable;

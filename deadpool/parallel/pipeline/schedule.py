@@ -79,15 +79,19 @@ def _recv(comm, group: str, shape, like: torch.Tensor) -> torch.Tensor:
 
 
 def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
-             hook=None) -> float | None:
+             hook=None, loss_div: int | None = None) -> float | None:
     """Forward and backward of this rank's local batch ``(b, t)`` through the pipeline.
 
     Returns the mean loss over micro-batches on the last stage, ``None`` elsewhere. ``hook(phase)``
     runs before every micro-batch op: "pp_warmup" (warm-up forward), "forward" (other forwards),
     "backward" (steady-state backwards; all of them when pp == 1), "pp_cooldown" (cool-down).
-    Raises ``Aborted`` (from any wait) if the generation is aborted meanwhile.
+    Raises ``Aborted`` (from any wait) if the generation is aborted meanwhile. Each micro-batch's
+    loss is divided by ``loss_div`` (default: the number of micro-batches, i.e. gradients of the
+    mean loss); an elastic rank computing several data-parallel ranks' batches passes the
+    micro-batches per batch, so its gradients are the sum of those batches' mean-loss gradients.
     """
     m = num_microbatches
+    div = m if loss_div is None else loss_div
     b, t = tokens.shape
     if m < 1 or b % m:
         raise ValueError(f"{m} micro-batches do not divide the local batch of {b}")
@@ -110,7 +114,7 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
         out = stage(inp, comm, tgt_mb[i] if stage.is_last else None)
         if stage.is_last:
             losses.append(out.detach())
-            out = out / m
+            out = out / div
         else:
             sends.post(out, "pp_send_fwd")
         live.append((inp, out))

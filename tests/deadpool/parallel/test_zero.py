@@ -279,3 +279,33 @@ def test_bucket_edges_cover_the_buffer_from_the_end_and_respect_cuts():
     edges = bucket_edges(100, 4, bucket_bytes=120, first_bucket_bytes=40, cuts=[50])
     assert edges == [(90, 100), (60, 90), (50, 60), (20, 50), (0, 20)]
     assert bucket_edges(7, 4, 1 << 20, 1 << 20, []) == [(0, 7)]
+
+
+@pytest.mark.parametrize("old_dp,new_dp", [(4, 3), (3, 4), (4, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("shard", [True, False])
+def test_reshard_state_is_the_state_of_the_new_width(old_dp, new_dp, shard):
+    from deadpool.parallel.data.zero import _padded, reshard_state
+
+    numel = 103
+    g = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(numel, generator=g) for k in ("params", "exp_avg", "exp_avg_sq")}
+
+    def states(dp):
+        sharded = shard and dp > 1
+        out = []
+        for r in range(dp):
+            n = _padded(numel, dp)
+            st = {}
+            for k, v in full.items():
+                t = torch.zeros(n)
+                t[:numel] = v
+                st[k] = t if k == "params" or not sharded else t[r * n // dp:(r + 1) * n // dp].clone()
+            st["step"] = torch.tensor(7.0)
+            out.append(st)
+        return out
+
+    old, want = states(old_dp), states(new_dp)
+    for r in range(new_dp):
+        got = reshard_state(old, numel, new_dp, r, shard and new_dp > 1)
+        for k in want[r]:
+            assert torch.equal(got[k], want[r][k]), (r, k)

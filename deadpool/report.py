@@ -44,6 +44,7 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
     n_params = next((f["model_params"] for f in finals.values()), None)
     p = cfg["parallel"]
     summary = {
+        "strategy": cfg["ft"].get("strategy", "deadpool"),
         "outcome": coord.outcome,
         "message": coord.message,
         "world_size": coord.dims.world_size,

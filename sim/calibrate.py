@@ -21,6 +21,13 @@ Fits (scipy):
 - ``snapshot_overhead_frac``: from an in-run A/B run (snapshots in alternate blocks of steps) when
   one is given: median step time after a snapshot / without - 1. Otherwise median per-step
   ``snapshot_blocked_s`` / median ``step_time_s`` (a lower bound: it misses contention).
+- checkpoint/restart's relaunch, from recoveries that relaunched the whole job (``ft=checkpoint_
+  restart``, or a fallback): ``requeue_s`` = median ``teardown_s`` (kill everything, free the
+  slots); ``launch_base_s + launch_per_log2_nodes_s * log2(world_size)`` ~ ``start_s + rebuild_s +
+  first_step_s`` (processes started, torch imported, model built, groups up, first step) with
+  ``curve_fit`` over >= 2 world sizes; ``ckpt_latency_s`` = median ``load_s`` (a small model's
+  load is latency). Hot-swap fits use hot-swapped recoveries only, snapshot fits ft=deadpool
+  runs only (``summary.json``'s ``strategy``).
 - ``replicate_lag_steps``, ``snapshot_interval_steps``: from the runtime's per-step record when the
   runs have it (``protection_lag_steps``, ``snapshot_interval`` in metrics.jsonl: the interval the
   snapshot schedule chose, and the lag beyond the snapshot step, the median of the job's lag
@@ -46,7 +53,9 @@ import sim.config
 
 FITTED = ("detect_crash_s", "plan_s", "rebuild_base_s", "rebuild_per_log2_gpus_s", "transfer_latency_s",
           "transfer_gbps_per_node", "warmup_steps", "snapshot_overhead_frac",
-          "snapshot_interval_steps", "replicate_lag_steps")
+          "snapshot_interval_steps", "replicate_lag_steps", "requeue_s", "launch_base_s",
+          "launch_per_log2_nodes_s", "ckpt_latency_s")
+RELAUNCHED = ("restart", "shrink", "grow")  # a recovery record's "fallback": the job relaunched
 
 
 class CalibrationError(ValueError):
@@ -125,8 +134,38 @@ def _ab_overhead(rows: list[dict]) -> float | None:
     return statistics.median(on) / statistics.median(off) - 1.0
 
 
+def _swapped(x: dict) -> bool:
+    return x.get("fallback") not in RELAUNCHED and x.get("outcome") != "unrecoverable"
+
+
 def _recs(runs, key) -> list[tuple[dict, dict]]:
-    return [(r, x) for r in runs for x in r["recoveries"] if x.get(key) is not None]
+    """(run, recovery) pairs of hot-swap recoveries that measured ``key``."""
+    return [(r, x) for r in runs for x in r["recoveries"] if x.get(key) is not None and _swapped(x)]
+
+
+def _fit_relaunch(runs, vals, src, names) -> None:
+    rl = [(r, x) for r in runs for x in r["recoveries"]
+          if x.get("fallback") == "restart" and x.get("start_s") is not None]
+    if not rl:
+        return
+    vals["requeue_s"] = statistics.median(float(x["teardown_s"]) for _, x in rl)
+    src["requeue_s"] = f"median teardown_s of {len(rl)} relaunches ({names})"
+    vals["ckpt_latency_s"] = statistics.median(float(x["load_s"]) for _, x in rl)
+    src["ckpt_latency_s"] = f"median load_s of {len(rl)} relaunches ({names})"
+    ws = np.array([float(r["dp"] * r["tp"] * r["pp"]) for r, _ in rl])
+    y = np.array([float(x["start_s"]) + float(x["rebuild_s"]) + float(x["first_step_s"]) for _, x in rl])
+    if len(set(ws.tolist())) >= 2 and len(rl) >= 3:
+        (a, b), _ = curve_fit(lambda w, a, b: a + b * np.log2(w), ws, y,
+                              p0=[1.0, 1.0], bounds=([0.0, 0.0], [np.inf, np.inf]))
+        vals["launch_base_s"], vals["launch_per_log2_nodes_s"] = float(a), float(b)
+        src["launch_base_s"] = src["launch_per_log2_nodes_s"] = (
+            f"curve_fit start_s + rebuild_s + first_step_s ~ a + b*log2(world_size) on {len(rl)} "
+            f"relaunches, world sizes {sorted(set(int(w) for w in ws))} ({names})")
+    else:
+        b = float(vals["launch_per_log2_nodes_s"])
+        vals["launch_base_s"] = max(0.0, float(np.median(y - b * np.log2(ws))))
+        src["launch_base_s"] = (f"median of start_s + rebuild_s + first_step_s - {b}*log2(world_size)"
+                                f" over {len(rl)} relaunches at one world size ({names}); slope kept")
 
 
 def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
@@ -134,7 +173,9 @@ def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
     vals = dict(base)
     src = {k: f"copied from base calibration '{base.get('name', 'default')}' (not measured)" for k in base}
     names = ", ".join(Path(r["_dir"]).name for r in runs)
-    recs = [x for r in runs for x in r["recoveries"]]
+    _fit_relaunch(runs, vals, src, names)
+    recs = [x for r in runs for x in r["recoveries"] if _swapped(x)]
+    runs = [r for r in runs if r.get("strategy", "deadpool") == "deadpool"] or runs
 
     for key, rec_key in (("detect_crash_s", "detect_s"), ("plan_s", "plan_s")):
         xs = [float(x[rec_key]) for x in recs if x.get(rec_key) is not None]

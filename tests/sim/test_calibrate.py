@@ -126,3 +126,30 @@ def test_measured_protection_lag_and_interval_come_from_the_runtime_record(tmp_p
     assert vals["replicate_lag_steps"] == pytest.approx(2.5)
     assert "protection_lag_steps" in next(l for l in text.splitlines()
                                           if l.startswith("replicate_lag_steps"))
+
+
+def test_relaunch_costs_are_fitted_from_checkpoint_restart_runs_only(tmp_path):
+    # hot-swap runs, plus checkpoint/restart runs whose relaunch costs 3 + 2*log2(world size)
+    dirs = [write_run(tmp_path / f"ws{w}", w) for w in (4, 8, 16)]
+    for w in (2, 4, 8):
+        d = tmp_path / f"cr{w}"
+        d.mkdir()
+        recs = [dict(failed_rank=1, fault="kill", detected_by="exit", resume_step=10,
+                     steps_recomputed=2, detect_s=0.05, fallback="restart", teardown_s=0.4,
+                     start_s=2.0 + 2.0 * math.log2(w), rebuild_s=0.5, first_step_s=0.5,
+                     load_s=0.03 * w, outcome="relaunched from checkpoint",
+                     kill_to_first_step_s=20.0)]
+        (d / "summary.json").write_text(json.dumps(dict(
+            strategy="checkpoint_restart", world_size=w, num_spares=0, dp=w, tp=1, pp=1, steps=40,
+            step_time_s=0.5, snapshot=dict(enabled=False, interval_steps=1), recoveries=recs)))
+        dirs.append(d)
+    out = tmp_path / "m.yaml"
+    calibrate.main([str(d) for d in dirs] + ["--out", str(out)])
+    vals = yaml.safe_load(out.read_text())
+    assert vals["launch_base_s"] == pytest.approx(3.0, rel=1e-3)
+    assert vals["launch_per_log2_nodes_s"] == pytest.approx(2.0, rel=1e-3)
+    assert vals["requeue_s"] == pytest.approx(0.4)
+    assert vals["ckpt_latency_s"] == pytest.approx(0.12)
+    # the relaunches' detection (0.05 s) and warm-up do not leak into the hot-swap fits
+    assert vals["detect_crash_s"] == pytest.approx(2.1)
+    assert vals["rebuild_base_s"] == pytest.approx(1.5, rel=1e-3)

@@ -1,0 +1,193 @@
+"""Every runtime strategy on the same job and fault schedules, side by side (CPU, small model).
+
+    python experiments/compare_strategies.py [--steps 40] [--out experiments/results/runtime/strategies]
+
+Strategies (``ft=``): none, deadpool, sync_snapshot, checkpoint_restart (async DCP writes every
+``--ckpt_every`` steps), elastic. Schedules (``--schedules``):
+
+    free    no failure: the failure-free step time, as a ratio to ft=none measured in this run
+    kills   SIGKILLs of ranks 1 and 2 at fixed steps (``--kills``), mid-step
+    burst   two ranks killed in the same step (ranks 1 and 3)
+
+DeadPool and sync_snapshot hold ``--spares`` warm spares (2: a burst of two is hot-swapped;
+with fewer, DeadPool falls back to elastic). For each run the table gives:
+
+    ratio      median failure-free step time / ft=none's (free schedule only)
+    lost/fail  (training window - the strategy's failure-free window) / failures: everything a
+               failure costs, from the kill to being back at speed, recomputed steps included
+    detect, recover, recompute  the runtime's own breakdown, summed over the run's failures
+               (recover: kill -> first step again minus detection; recompute: steps rolled back
+               x the failure-free step time)
+    goodput    num_steps x ft=none's step time / training window (the first step's start to the
+               last step's end), per GPU held: x workers / (workers + spares)
+
+Writes ``table.csv`` and keeps every run's ``summary.json``, ``metrics.jsonl`` and ``job.json``
+under ``<out>/<schedule>/<strategy>/`` (``sim.calibrate`` and ``paper_figures`` read them).
+``--world_sizes`` also runs DeadPool and checkpoint/restart with one kill at other data-parallel
+widths (``<out>/scale/dp<N>/<strategy>/``), so the calibration fits slopes over world size.
+Takes ~8 minutes on 2 cores with the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.common import keep, metrics, run  # noqa: E402
+
+STRATEGIES = ("none", "deadpool", "sync_snapshot", "checkpoint_restart", "elastic")
+
+
+def schedule_events(name: str, kills: list[int]) -> list[dict]:
+    if name == "free":
+        return []
+    if name == "kills":
+        return [{"rank": 1 + i % 3, "step": s, "phase": "mid_step", "kind": "kill"}
+                for i, s in enumerate(kills)]
+    if name == "burst":
+        s = kills[0]
+        return [{"rank": 1, "step": s, "phase": "mid_step", "kind": "kill"},
+                {"rank": 3, "step": s, "phase": "mid_step", "kind": "kill"}]
+    raise ValueError(f"unknown schedule {name!r}")
+
+
+def overrides(strategy: str, args, dp: int) -> list[str]:
+    o = [f"ft={strategy}", "model=tiny", f"parallel.dp={dp}", f"num_steps={args.steps}",
+         "log_every_steps=0"]
+    if strategy in ("deadpool", "sync_snapshot"):
+        o += [f"ft.num_spares={args.spares}", "ft.persist_interval_steps=0"]
+    elif strategy == "checkpoint_restart":
+        o += [f"ft.persist_interval_steps={args.ckpt_every}"]
+    elif strategy == "elastic":
+        o += ["ft.persist_interval_steps=0"]
+    return o
+
+
+def fmt_events(events: list[dict]) -> str:
+    return "faults.events=[" + ",".join(
+        "{rank:%d,step:%d,phase:%s,kind:%s}" % (e["rank"], e["step"], e["phase"], e["kind"])
+        for e in events) + "]"
+
+
+def window(rows: list[dict], num_steps: int) -> float | None:
+    """The first step's start to the last step's end (None if the job never finished)."""
+    ends = [r["t"] for r in rows if r["step"] == num_steps]
+    if not ends:
+        return None
+    return max(ends) - min(r["t"] - r["step_time_s"] for r in rows)
+
+
+def step_time(rows: list[dict]) -> float:
+    """Median step time of the first generation (the first step includes warm-up)."""
+    return statistics.median(r["step_time_s"] for r in rows if r["generation"] == 0 and r["step"] > 1)
+
+
+def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path) -> dict:
+    events = schedule_events(sched, args.kills)
+    rd = tmp / sched / strategy
+    t0 = time.time()
+    s = run(overrides(strategy, args, dp) + [fmt_events(events)], rd)
+    keep(rd, out / strategy, "", files=("summary.json", "metrics.jsonl", "job.json"))
+    rows = metrics(rd)
+    print(f"  {sched:6s} {strategy:19s} dp={dp} {s['outcome']:14s} {time.time() - t0:5.1f} s",
+          flush=True)
+    return {"summary": s, "rows": rows, "failures": len(events)}
+
+
+def table_rows(results: dict, args) -> list[dict]:
+    ref = results["free"]["none"]
+    t_none = step_time(ref["rows"])
+    out = []
+    for sched, by in results.items():
+        for strategy, r in by.items():
+            s, rows = r["summary"], r["rows"]
+            free = results["free"].get(strategy)
+            w = window(rows, args.steps)
+            w_free = window(free["rows"], args.steps) if free else None
+            recs = [x for x in s["recoveries"] if x.get("outcome") != "interrupted by another failure"]
+            spares, workers = int(s.get("num_spares", 0)), int(args.dp)  # held from the start
+            row = {"schedule": sched, "strategy": strategy, "outcome": s["outcome"],
+                   "failures": r["failures"], "gpus_held": workers + spares,
+                   "step_time_s": round(step_time(rows), 5),
+                   "ratio_vs_none": round(step_time(rows) / t_none, 3) if sched == "free" else None,
+                   "window_s": round(w, 3) if w else None,
+                   "lost_per_failure_s": (round((w - w_free) / r["failures"], 3)
+                                          if w and w_free and r["failures"] else None),
+                   "detect_s": round(sum(x.get("detect_s") or 0 for x in recs), 3) if recs else None,
+                   "recover_s": round(sum((x.get("kill_to_first_step_s") or 0) - (x.get("detect_s") or 0)
+                                          for x in recs), 3) if recs else None,
+                   "recompute_s": round(sum((x.get("steps_recomputed") or 0) for x in recs)
+                                        * step_time(free["rows"] if free else rows), 3) if recs else None,
+                   "steps_recomputed": sum((x.get("steps_recomputed") or 0) for x in recs),
+                   "goodput": round(args.steps * t_none / w, 3) if w else 0.0}
+            row["goodput_per_gpu_held"] = round(row["goodput"] * workers / row["gpus_held"], 3)
+            out.append(row)
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["schedule", "strategy", "outcome", "gpus_held", "ratio_vs_none", "lost_per_failure_s",
+            "detect_s", "recover_s", "recompute_s", "goodput", "goodput_per_gpu_held"]
+    w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(w[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str("-" if r[c] is None else r[c]).ljust(w[c]) for c in cols))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--kills", type=int, nargs="+", default=[12, 26], help="steps of the kills")
+    ap.add_argument("--spares", type=int, default=2)
+    ap.add_argument("--ckpt_every", type=int, default=10, help="checkpoint_restart's interval (steps)")
+    ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
+    ap.add_argument("--schedules", nargs="+", default=["free", "kills", "burst"])
+    ap.add_argument("--world_sizes", type=int, nargs="*", default=[2, 3],
+                    help="extra data-parallel widths for deadpool and checkpoint_restart, one kill")
+    ap.add_argument("--out", default="experiments/results/runtime/strategies")
+    args = ap.parse_args(argv)
+    if "free" not in args.schedules or "none" not in args.strategies:
+        ap.error("the table is relative to ft=none's failure-free run: keep 'free' and 'none'")
+    out = Path(args.out)
+    results: dict[str, dict] = {}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="deadpool-strategies-") as tmp:
+        tmp = Path(tmp)
+        for sched in args.schedules:
+            results[sched] = {}
+            for strategy in args.strategies:
+                if strategy == "none" and sched != "free" and results.get("kills", {}).get("none"):
+                    continue  # one failed ft=none run says it all
+                results[sched][strategy] = run_one(strategy, sched, args, args.dp, tmp,
+                                                   out / sched)
+        for dp in args.world_sizes:
+            one = argparse.Namespace(**{**vars(args), "kills": [args.kills[0]]})
+            for strategy in ("deadpool", "checkpoint_restart"):
+                rd = tmp / f"scale{dp}" / strategy
+                ev = [{"rank": 1, "step": args.kills[0], "phase": "mid_step", "kind": "kill"}]
+                s = run(overrides(strategy, one, dp) + [fmt_events(ev)], rd)
+                keep(rd, out / "scale" / f"dp{dp}" / strategy, "",
+                     files=("summary.json", "metrics.jsonl", "job.json"))
+                print(f"  scale  {strategy:19s} dp={dp} {s['outcome']}", flush=True)
+    rows = table_rows(results, args)
+    print_table(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "table.csv", "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print(f"wrote {out / 'table.csv'} and the run directories under {out} "
+          f"({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

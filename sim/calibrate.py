@@ -172,7 +172,7 @@ def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
     """Returns (values, sources) for every key of ``base``."""
     vals = dict(base)
     src = {k: f"copied from base calibration '{base.get('name', 'default')}' (not measured)" for k in base}
-    names = ", ".join(Path(r["_dir"]).name for r in runs)
+    names = ", ".join("/".join(Path(r["_dir"]).parts[-2:]) for r in runs)
     _fit_relaunch(runs, vals, src, names)
     recs = [x for r in runs for x in r["recoveries"] if _swapped(x)]
     runs = [r for r in runs if r.get("strategy", "deadpool") == "deadpool"] or runs

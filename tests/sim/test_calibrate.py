@@ -153,3 +153,21 @@ def test_relaunch_costs_are_fitted_from_checkpoint_restart_runs_only(tmp_path):
     # the relaunches' detection (0.05 s) and warm-up do not leak into the hot-swap fits
     assert vals["detect_crash_s"] == pytest.approx(2.1)
     assert vals["rebuild_base_s"] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_shipped_strategy_runs_calibrate_restart_and_swap_over_three_world_sizes(tmp_path):
+    # the run directories experiments/compare_strategies.py keeps (CPU, tiny model)
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2] / "experiments/results/runtime/strategies"
+    dirs = [root / s / k for k in ("deadpool", "checkpoint_restart")
+            for s in ("kills", "burst", "scale/dp2", "scale/dp3")]
+    out = tmp_path / "c.yaml"
+    calibrate.main([str(d) for d in dirs] + ["--out", str(out)])
+    text = out.read_text()
+    for key in ("launch_per_log2_nodes_s", "rebuild_per_log2_gpus_s"):
+        line = next(x for x in text.splitlines() if x.startswith(key + ":"))
+        assert "world sizes [2, 3, 4]" in line, line  # a slope fitted, not assumed
+    vals = yaml.safe_load(text)
+    # a relaunch (new processes, imports, model build) costs far more than a hot swap's rebuild
+    assert vals["launch_base_s"] + vals["launch_per_log2_nodes_s"] * 2 > \
+        10 * (vals["rebuild_base_s"] + vals["rebuild_per_log2_gpus_s"] * 2)

@@ -5,14 +5,18 @@
 Strategies (``ft=``): none, deadpool, sync_snapshot, checkpoint_restart (async DCP writes every
 ``--ckpt_every`` steps), elastic. Schedules (``--schedules``):
 
-    free    no failure: the failure-free step time, as a ratio to ft=none measured in this run
+    free    no failure: the failure-free step time, as a ratio to ft=none measured in this run.
+            Run ``--free_rounds`` times, the strategies interleaved in a rotated order each round;
+            the ratio is the median over rounds of (step time / that round's ft=none step time),
+            so slow phases of a shared host hit every strategy alike
     kills   SIGKILLs of ranks 1 and 2 at fixed steps (``--kills``), mid-step
     burst   two ranks killed in the same step (ranks 1 and 3)
 
 DeadPool and sync_snapshot hold ``--spares`` warm spares (2: a burst of two is hot-swapped;
 with fewer, DeadPool falls back to elastic). For each run the table gives:
 
-    ratio      median failure-free step time / ft=none's (free schedule only)
+    ratio      median over rounds of the failure-free step time / ft=none's (free schedule only;
+               ratio_min, ratio_max: the spread over rounds)
     lost/fail  (training window - the strategy's failure-free window) / failures: everything a
                failure costs, from the kill to being back at speed, recomputed steps included
     detect, recover, recompute  the runtime's own breakdown, summed over the run's failures
@@ -22,10 +26,11 @@ with fewer, DeadPool falls back to elastic). For each run the table gives:
                last step's end), per GPU held: x workers / (workers + spares)
 
 Writes ``table.csv`` and keeps every run's ``summary.json``, ``metrics.jsonl`` and ``job.json``
-under ``<out>/<schedule>/<strategy>/`` (``sim.calibrate`` and ``paper_figures`` read them).
+under ``<out>/<schedule>/<strategy>/`` (``sim.calibrate``, ``sim.replay`` and ``paper_figures``
+read them); the extra free rounds keep ``summary.json`` under ``<out>/free/round<k>/<strategy>/``.
 ``--world_sizes`` also runs DeadPool and checkpoint/restart with one kill at other data-parallel
 widths (``<out>/scale/dp<N>/<strategy>/``), so the calibration fits slopes over world size.
-Takes ~8 minutes on 2 cores with the defaults.
+Takes ~20 minutes on 2 cores with the defaults (120 steps, 3 free rounds).
 """
 
 from __future__ import annotations
@@ -90,12 +95,12 @@ def step_time(rows: list[dict]) -> float:
     return statistics.median(r["step_time_s"] for r in rows if r["generation"] == 0 and r["step"] > 1)
 
 
-def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path) -> dict:
+def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path, files=None) -> dict:
     events = schedule_events(sched, args.kills)
     rd = tmp / sched / strategy
     t0 = time.time()
     s = run(overrides(strategy, args, dp) + [fmt_events(events)], rd)
-    keep(rd, out / strategy, "", files=("summary.json", "metrics.jsonl", "job.json"))
+    keep(rd, out / strategy, "", files=files or ("summary.json", "metrics.jsonl", "job.json"))
     rows = metrics(rd)
     print(f"  {sched:6s} {strategy:19s} dp={dp} {s['outcome']:14s} {time.time() - t0:5.1f} s",
           flush=True)
@@ -105,8 +110,11 @@ def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path) -> d
 def table_rows(results: dict, args) -> list[dict]:
     ref = results["free"]["none"]
     t_none = step_time(ref["rows"])
+    rounds = [{k: v["summary"]["step_time_s"] for k, v in r.items()} for r in results.get("free_rounds", [])]
     out = []
     for sched, by in results.items():
+        if sched == "free_rounds":
+            continue
         for strategy, r in by.items():
             s, rows = r["summary"], r["rows"]
             free = results["free"].get(strategy)
@@ -117,7 +125,7 @@ def table_rows(results: dict, args) -> list[dict]:
             row = {"schedule": sched, "strategy": strategy, "outcome": s["outcome"],
                    "failures": r["failures"], "gpus_held": workers + spares,
                    "step_time_s": round(step_time(rows), 5),
-                   "ratio_vs_none": round(step_time(rows) / t_none, 3) if sched == "free" else None,
+                   "ratio_vs_none": None, "ratio_min": None, "ratio_max": None,
                    "window_s": round(w, 3) if w else None,
                    "lost_per_failure_s": (round((w - w_free) / r["failures"], 3)
                                           if w and w_free and r["failures"] else None),
@@ -129,12 +137,17 @@ def table_rows(results: dict, args) -> list[dict]:
                    "steps_recomputed": sum((x.get("steps_recomputed") or 0) for x in recs),
                    "goodput": round(args.steps * t_none / w, 3) if w else 0.0}
             row["goodput_per_gpu_held"] = round(row["goodput"] * workers / row["gpus_held"], 3)
+            if sched == "free":
+                ratios = [rd[strategy] / rd["none"] for rd in rounds if strategy in rd and "none" in rd]
+                row["ratio_vs_none"] = round(statistics.median(ratios), 3)
+                row["ratio_min"], row["ratio_max"] = round(min(ratios), 3), round(max(ratios), 3)
             out.append(row)
     return out
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ["schedule", "strategy", "outcome", "gpus_held", "ratio_vs_none", "lost_per_failure_s",
+    cols = ["schedule", "strategy", "outcome", "gpus_held", "ratio_vs_none", "ratio_min", "ratio_max",
+            "lost_per_failure_s",
             "detect_s", "recover_s", "recompute_s", "goodput", "goodput_per_gpu_held"]
     w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.ljust(w[c]) for c in cols))
@@ -144,9 +157,11 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--dp", type=int, default=4)
-    ap.add_argument("--kills", type=int, nargs="+", default=[12, 26], help="steps of the kills")
+    ap.add_argument("--kills", type=int, nargs="+", default=[32, 76], help="steps of the kills")
+    ap.add_argument("--free_rounds", type=int, default=3,
+                    help="failure-free rounds, strategies interleaved (ratio: median over rounds)")
     ap.add_argument("--spares", type=int, default=2)
     ap.add_argument("--ckpt_every", type=int, default=10, help="checkpoint_restart's interval (steps)")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
@@ -162,7 +177,20 @@ def main(argv=None) -> None:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="deadpool-strategies-") as tmp:
         tmp = Path(tmp)
+        results["free_rounds"] = []
+        for k in range(max(1, args.free_rounds)):
+            order = args.strategies[k % len(args.strategies):] + args.strategies[:k % len(args.strategies)]
+            print(f"free round {k + 1}/{args.free_rounds}: {' '.join(order)}", flush=True)
+            got = {}
+            for strategy in order:
+                dest = out / "free" if k == 0 else out / "free" / f"round{k}"
+                got[strategy] = run_one(strategy, "free", args, args.dp, tmp / f"r{k}", dest,
+                                        files=None if k == 0 else ("summary.json",))
+            results["free_rounds"].append(got)
+        results["free"] = results["free_rounds"][0]
         for sched in args.schedules:
+            if sched == "free":
+                continue
             results[sched] = {}
             for strategy in args.strategies:
                 if strategy == "none" and sched != "free" and results.get("kills", {}).get("none"):

@@ -24,10 +24,15 @@ Fits (scipy):
 - checkpoint/restart's relaunch, from recoveries that relaunched the whole job (``ft=checkpoint_
   restart``, or a fallback): ``requeue_s`` = median ``teardown_s`` (kill everything, free the
   slots); ``launch_base_s + launch_per_log2_nodes_s * log2(world_size)`` ~ ``start_s + rebuild_s +
-  first_step_s`` (processes started, torch imported, model built, groups up, first step) with
-  ``curve_fit`` over >= 2 world sizes; ``ckpt_latency_s`` = median ``load_s`` (a small model's
-  load is latency). Hot-swap fits use hot-swapped recoveries only, snapshot fits ft=deadpool
+  first_step_s`` (processes started, torch imported, model built, groups up, first step):
+  ``+ launch_per_node_s * world_size`` too when >= 3 world sizes (non-negative ``lsq_linear``),
+  ``curve_fit`` of the log term alone over 2; ``ckpt_latency_s`` = median ``load_s`` (a small model's
+  load is latency). Elastic shrinks and regrows relaunch the same way and join this fit, at the
+  width they relaunch at. Hot-swap fits use hot-swapped recoveries only, snapshot fits ft=deadpool
   runs only (``summary.json``'s ``strategy``).
+- ``width_scaling_exponent``: from runs that continued at a reduced data-parallel width (elastic,
+  global batch kept): per reduced generation ``log(speed) / log(width / full width)`` with
+  speed = median step time at full width / at the reduced one; the median over generations.
 - ``replicate_lag_steps``, ``snapshot_interval_steps``: from the runtime's per-step record when the
   runs have it (``protection_lag_steps``, ``snapshot_interval`` in metrics.jsonl: the interval the
   snapshot schedule chose, and the lag beyond the snapshot step, the median of the job's lag
@@ -54,7 +59,7 @@ import sim.config
 FITTED = ("detect_crash_s", "plan_s", "rebuild_base_s", "rebuild_per_log2_gpus_s", "transfer_latency_s",
           "transfer_gbps_per_node", "warmup_steps", "snapshot_overhead_frac",
           "snapshot_interval_steps", "replicate_lag_steps", "requeue_s", "launch_base_s",
-          "launch_per_log2_nodes_s", "ckpt_latency_s")
+          "launch_per_log2_nodes_s", "launch_per_node_s", "ckpt_latency_s", "width_scaling_exponent")
 RELAUNCHED = ("restart", "shrink", "grow")  # a recovery record's "fallback": the job relaunched
 
 
@@ -76,6 +81,8 @@ def load_run(run_dir: str | Path) -> dict:
         if key not in s:
             raise CalibrationError(f"{p}: missing key {key!r}")
     s["_dir"] = str(d)
+    if "strategy" not in s and (d / "job.json").exists():  # runs written before summary named it
+        s["strategy"] = json.loads((d / "job.json").read_text()).get("ft", {}).get("strategy", "deadpool")
     m = d / "metrics.jsonl"
     if m.exists():
         blocked, steps, rows = [], [], []
@@ -99,7 +106,33 @@ def load_run(run_dir: str | Path) -> dict:
         lag = _protection(rows)
         if lag is not None:
             s["_protection_lag"], s["_interval"] = lag
+        s["_width_exponents"] = _width_exponents(rows)
     return s
+
+
+def _width_exponents(rows: list[dict]) -> list[float]:
+    """``log(speed) / log(w / W)`` for each generation that ran at a narrower data-parallel width
+    w than the first generation's W (ranks per generation; the global batch is kept, so a step
+    does the same work): speed = median step time of generation 0 / of that generation, each
+    without its first step."""
+    by_gen: dict[int, list[dict]] = {}
+    for r in rows:
+        by_gen.setdefault(int(r.get("generation", 0)), []).append(r)
+    if 0 not in by_gen:
+        return []
+
+    def width_and_step(rs):
+        first = min(r["step"] for r in rs)
+        steps = [float(r["step_time_s"]) for r in rs if r["step"] > first]
+        return len({r.get("rank") for r in rs}), (statistics.median(steps) if len(steps) >= 3 else None)
+
+    full, t_full = width_and_step(by_gen[0])
+    out = []
+    for g, rs in sorted(by_gen.items()):
+        w, t = width_and_step(rs)
+        if g and 0 < w < full and t and t_full:
+            out.append(math.log(t_full / t) / math.log(w / full))
+    return out
 
 
 def _protection(rows: list[dict]) -> tuple[float, float] | None:
@@ -145,27 +178,37 @@ def _recs(runs, key) -> list[tuple[dict, dict]]:
 
 def _fit_relaunch(runs, vals, src, names) -> None:
     rl = [(r, x) for r in runs for x in r["recoveries"]
-          if x.get("fallback") == "restart" and x.get("start_s") is not None]
+          if x.get("fallback") in RELAUNCHED and x.get("start_s") is not None]
     if not rl:
         return
     vals["requeue_s"] = statistics.median(float(x["teardown_s"]) for _, x in rl)
     src["requeue_s"] = f"median teardown_s of {len(rl)} relaunches ({names})"
     vals["ckpt_latency_s"] = statistics.median(float(x["load_s"]) for _, x in rl)
     src["ckpt_latency_s"] = f"median load_s of {len(rl)} relaunches ({names})"
-    ws = np.array([float(r["dp"] * r["tp"] * r["pp"]) for r, _ in rl])
+    # an elastic relaunch records the width it relaunched at; a restart keeps the run's
+    ws = np.array([float(x.get("dp") or r["dp"]) * r["tp"] * r["pp"] for r, x in rl])
     y = np.array([float(x["start_s"]) + float(x["rebuild_s"]) + float(x["first_step_s"]) for _, x in rl])
-    if len(set(ws.tolist())) >= 2 and len(rl) >= 3:
+    sizes = sorted(set(int(w) for w in ws))
+    if len(sizes) >= 3 and len(rl) >= 4:
+        res = lsq_linear(np.column_stack([np.ones_like(ws), np.log2(ws), ws]), y, bounds=(0.0, np.inf))
+        a, b, c = (float(v) for v in res.x)
+        vals["launch_base_s"], vals["launch_per_log2_nodes_s"], vals["launch_per_node_s"] = a, b, c
+        src["launch_base_s"] = src["launch_per_log2_nodes_s"] = src["launch_per_node_s"] = (
+            f"lsq_linear start_s + rebuild_s + first_step_s ~ a + b*log2(world_size) + c*world_size, "
+            f">= 0, on {len(rl)} relaunches, world sizes {sizes} ({names})")
+    elif len(sizes) >= 2 and len(rl) >= 3:
         (a, b), _ = curve_fit(lambda w, a, b: a + b * np.log2(w), ws, y,
                               p0=[1.0, 1.0], bounds=([0.0, 0.0], [np.inf, np.inf]))
         vals["launch_base_s"], vals["launch_per_log2_nodes_s"] = float(a), float(b)
         src["launch_base_s"] = src["launch_per_log2_nodes_s"] = (
             f"curve_fit start_s + rebuild_s + first_step_s ~ a + b*log2(world_size) on {len(rl)} "
-            f"relaunches, world sizes {sorted(set(int(w) for w in ws))} ({names})")
+            f"relaunches, world sizes {sizes} ({names}); per-node term kept from base")
     else:
         b = float(vals["launch_per_log2_nodes_s"])
-        vals["launch_base_s"] = max(0.0, float(np.median(y - b * np.log2(ws))))
-        src["launch_base_s"] = (f"median of start_s + rebuild_s + first_step_s - {b}*log2(world_size)"
-                                f" over {len(rl)} relaunches at one world size ({names}); slope kept")
+        c = float(vals.get("launch_per_node_s", 0.0))
+        vals["launch_base_s"] = max(0.0, float(np.median(y - b * np.log2(ws) - c * ws)))
+        src["launch_base_s"] = (f"median of start_s + rebuild_s + first_step_s - {b}*log2(world_size) - "
+                                f"{c}*world_size over {len(rl)} relaunches at one world size ({names}); slopes kept")
 
 
 def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
@@ -175,6 +218,11 @@ def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
     names = ", ".join("/".join(Path(r["_dir"]).parts[-2:]) for r in runs)
     _fit_relaunch(runs, vals, src, names)
     recs = [x for r in runs for x in r["recoveries"] if _swapped(x)]
+    wexp = [e for r in runs for e in r.get("_width_exponents", [])]
+    if wexp:
+        vals["width_scaling_exponent"] = statistics.median(wexp)
+        src["width_scaling_exponent"] = (f"median log(speed)/log(width ratio) over {len(wexp)} reduced-width "
+                                         f"generations ({names})")
     runs = [r for r in runs if r.get("strategy", "deadpool") == "deadpool"] or runs
 
     for key, rec_key in (("detect_crash_s", "detect_s"), ("plan_s", "plan_s")):

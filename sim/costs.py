@@ -10,7 +10,9 @@ same for everyone (``conf/sim/calibration/<name>.yaml`` holds the values and the
   DeadPool's hot swap, elastic shrink/regrow and a replica's replacement all pay it;
 - the per-step snapshot engine (``Snapshots``): measured main-thread overhead plus what
   ``sim.network`` charges when replication does not fit, the effective interval and lag;
-- job restart: ``requeue_s + launch_base_s + launch_per_log2_nodes_s * log2(num_nodes) + load``,
+- job restart: ``requeue_s + launch_base_s + launch_per_log2_nodes_s * log2(num_nodes) +
+  launch_per_node_s * num_nodes + load`` (the linear term: launch work that serialises over
+  nodes, e.g. every process importing from one shared file system),
   where load comes from storage (``ckpt_latency_s + state_bytes_total / (storage_read_gbps*1e9)``)
   or from peers' host memory (the transfer above);
 - disk checkpoints (``DiskCosts``): synchronous write ``ckpt_latency_s + state_bytes_total /
@@ -114,10 +116,19 @@ def snapshot_stall_s(layout: Layout, c: Mapping) -> float:
     return float(c["snapshot_overhead_frac"]) * layout.step_time_s + max(0.0, d2h - layout.step_time_s)
 
 
-def relaunch_s(layout: Layout, c: Mapping) -> float:
-    """Requeue and relaunch every process (NCCL init included), before any state is loaded."""
+def relaunch_s(layout: Layout, c: Mapping, num_nodes: int | None = None) -> float:
+    """Requeue and relaunch every process (NCCL init included), before any state is loaded;
+    ``num_nodes`` (default: the layout's) is the width the job relaunches at."""
+    n = layout.num_nodes if num_nodes is None else num_nodes
     return (float(c["requeue_s"]) + float(c["launch_base_s"])
-            + float(c["launch_per_log2_nodes_s"]) * math.log2(max(layout.num_nodes, 1)))
+            + float(c["launch_per_log2_nodes_s"]) * math.log2(max(n, 1))
+            + float(c.get("launch_per_node_s", 0.0)) * n)
+
+
+def width_exponent(c: Mapping) -> float:
+    """Throughput at a reduced data-parallel width w of W is (w/W)**this of full width, global
+    batch kept (1: linear, every rank on its own GPU; measured lower where ranks share cores)."""
+    return float(c.get("width_scaling_exponent", 1.0))
 
 
 def storage_load_s(layout: Layout, c: Mapping) -> float:

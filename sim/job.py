@@ -56,6 +56,9 @@ class Job:
         self.group_active = [True] * layout.num_groups
         self.active_groups = layout.num_groups
         self._npg = npg
+        # throughput at a reduced data-parallel width w of G groups, global batch kept:
+        # (w/G)**width_exponent of full (calibration ``width_scaling_exponent``; 1 = linear)
+        self.width_exponent = 1.0
         self._seg_t0: float | None = None
         self._phase: tuple[str, float] | None = None
         self._wake: simpy.Event | None = None
@@ -255,7 +258,7 @@ class Job:
         return self.active_groups < len(self.group_active) and self.cluster.pool_size() >= self._npg
 
     def _set_width(self) -> None:
-        self.factors["degraded"] = self.active_groups / len(self.group_active)
+        self.factors["degraded"] = (self.active_groups / len(self.group_active)) ** self.width_exponent
 
     # -- pool notifications -----------------------------------------------------------------
     def _pool_changed(self) -> None:

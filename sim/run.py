@@ -5,7 +5,7 @@ writes ``summary.csv`` (one row per strategy and seed) and ``aggregate.csv`` (me
 CI per strategy) at the top of the Hydra run directory, then prints the ETTR table.
 
     python -m sim.run trace=llama3 cluster.num_gpus=16384 duration_days=54 seeds=20
-    python -m sim.run -m sweep=scale hydra/launcher=sim_joblib
+    python -m sim.run -m experiment=sim_scale hydra/launcher=sim_joblib
 """
 
 from __future__ import annotations

@@ -7,5 +7,5 @@ cd "$(dirname "$0")/../.."
 sweep=${1:?usage: run_local.sh <scale|mtbf|spares> [overrides]}; shift
 PY=${PY:-.venv/bin/python}
 dir=multirun/sim/$sweep/$(date +%Y-%m-%d_%H-%M-%S)
-"$PY" -m sim.run sweep="$sweep" hydra/launcher=sim_joblib hydra.sweep.dir="$dir" "$@"
+"$PY" -m sim.run experiment="sim_$sweep" hydra/launcher=sim_joblib hydra.sweep.dir="$dir" "$@"
 "$PY" -m sim.collect "$dir" --out "experiments/results/sim/$sweep"

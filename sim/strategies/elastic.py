@@ -18,8 +18,18 @@ What a lost replica loses depends on where the optimizer state lives (``optimize
 - ``replicated``: HSDP / torchft style, every replica holds the whole optimizer state: only the
   step in flight is lost. That costs ``(bytes_per_param_state - 2) * params / (tp*pp)`` more GPU
   memory per GPU than ZeRO-1, which this simulator does not charge.
+- ``replica``: the runtime's ``ft=elastic``: ZeRO-1 over all ranks, but the snapshot engine keeps
+  every shard on a buddy as well, so the dropped shard is restored from there and only the step
+  in flight is lost (the rollback of ``replicated``, without its memory cost).
 A silent corruption reaches every replica through the gradient all-reduce: restore from the
 newest disk checkpoint taken before it began.
+
+How the width changes (``shrink``):
+- ``in_place`` (torchft replica groups, FT-HSDP): survivors keep their processes; plan + rebuild;
+- ``relaunch`` (torchelastic, and the runtime's ``ft=elastic`` today): the consistent state is
+  written to storage and every process relaunches at the new width and loads it (write +
+  ``costs.relaunch_s`` at the new width + storage load), for a shrink and for a regrow.
+Throughput at reduced width follows the calibration's ``width_scaling_exponent``.
 
 Analytic expectation (tests/sim/test_strategies.py): one permanent failure with repair
 time D at full width G groups, replicated optimizer, costs about ``detect + reconfig + D/G``
@@ -42,13 +52,15 @@ from sim.strategies.checkpoint_restart import checkpoint_interval_s
 @dataclasses.dataclass(frozen=True)
 class ElasticParams:
     detect: costs.Detection
-    shrink_s: float  # plan + rebuild at the new width
+    shrink_s: float  # plan + rebuild at the new width (shrink=in_place)
     regrow_s: float  # rebuild + state transfer to the new group
     step_s: float
     min_groups: int
     shard_lost: bool  # a dropped replica takes the only copy of its optimizer shard
     disk: costs.DiskCosts
     disk_interval_s: float
+    width_exponent: float = 1.0
+    relaunch_s: tuple[float, ...] | None = None  # shrink=relaunch: cost by active groups after it
 
 
 class Elastic(Job):
@@ -56,6 +68,7 @@ class Elastic(Job):
         super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
         self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.width_exponent = p.width_exponent
         self.factors["degraded"] = 1.0
         self.shrink_pending = False
         self.restore_pending = False
@@ -64,9 +77,17 @@ class Elastic(Job):
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> ElasticParams:
         rc = costs.reconfig(layout, calib)
         where = str(scfg.get("optimizer_state", "cluster"))
-        if where not in ("cluster", "replicated"):
-            raise ValueError(f"optimizer_state must be cluster or replicated, got {where!r}")
+        if where not in ("cluster", "replicated", "replica"):
+            raise ValueError(f"optimizer_state must be cluster, replicated or replica, got {where!r}")
+        shrink = str(scfg.get("shrink", "in_place"))
+        if shrink not in ("in_place", "relaunch"):
+            raise ValueError(f"shrink must be in_place or relaunch, got {shrink!r}")
         d = costs.disk(layout, calib, scfg["disk_ckpt_mode"])
+        relaunch = None
+        if shrink == "relaunch":
+            npg = layout.nodes_per_group
+            relaunch = tuple(d.write_s + costs.relaunch_s(layout, calib, g * npg) + costs.storage_load_s(layout, calib)
+                             for g in range(layout.num_groups + 1))
         return ElasticParams(
             detect=costs.detection(calib),
             shrink_s=rc.plan_s + rc.rebuild_s,
@@ -76,6 +97,8 @@ class Elastic(Job):
             shard_lost=where == "cluster" and layout.optimizer_sharded_over_dp and layout.dp > 1,
             disk=d,
             disk_interval_s=checkpoint_interval_s({"ckpt_interval_s": scfg.get("disk_ckpt_interval_s")}, d, mtbf_s),
+            width_exponent=costs.width_exponent(calib),
+            relaunch_s=relaunch,
         )
 
     def on_interrupt(self, cause) -> None:
@@ -108,7 +131,8 @@ class Elastic(Job):
             self.ledger.count("restarts")
             self.restore_pending = self.shrink_pending = False
         if self.shrink_pending:
-            yield from self.phase("reconfiguration", self.p.shrink_s)
+            cost = self.p.shrink_s if self.p.relaunch_s is None else self.p.relaunch_s[self.active_groups]
+            yield from self.phase("reconfiguration", cost)
             self.shrink_pending = False
         grew = 0
         while self.can_regrow() or self.active_groups < self.p.min_groups:
@@ -117,6 +141,7 @@ class Elastic(Job):
             self.regrow_one()
             grew += 1
         if grew:
-            yield from self.phase("reconfiguration", self.p.regrow_s)
+            cost = self.p.regrow_s if self.p.relaunch_s is None else self.p.relaunch_s[self.active_groups]
+            yield from self.phase("reconfiguration", cost)
         self.background_need = self._npg if self.active_groups < len(self.group_active) else 0
         self.mem_floor = self.W

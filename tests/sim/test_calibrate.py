@@ -148,11 +148,47 @@ def test_relaunch_costs_are_fitted_from_checkpoint_restart_runs_only(tmp_path):
     vals = yaml.safe_load(out.read_text())
     assert vals["launch_base_s"] == pytest.approx(3.0, rel=1e-3)
     assert vals["launch_per_log2_nodes_s"] == pytest.approx(2.0, rel=1e-3)
+    assert vals["launch_per_node_s"] == pytest.approx(0.0, abs=1e-6)
     assert vals["requeue_s"] == pytest.approx(0.4)
     assert vals["ckpt_latency_s"] == pytest.approx(0.12)
     # the relaunches' detection (0.05 s) and warm-up do not leak into the hot-swap fits
     assert vals["detect_crash_s"] == pytest.approx(2.1)
     assert vals["rebuild_base_s"] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_launch_per_process_term_and_elastic_relaunches_at_their_width(tmp_path):
+    """Relaunch cost 1 + 0.5*log2(w) + 2*w, measured by checkpoint/restart runs at width 2 and 4
+    and by an elastic run whose shrink relaunched at width 3 (its record says dp=3): the linear
+    term is fitted; the elastic run's reduced-width steps give the width exponent."""
+    def cost(w):
+        return 1.0 + 0.5 * math.log2(w) + 2.0 * w
+    dirs = []
+    for name, w, relaunch_w, fallback in (("cr2", 2, 2, "restart"), ("cr4", 4, 4, "restart"),
+                                          ("el4", 4, 3, "shrink"), ("cr4b", 4, 4, "restart")):
+        d = tmp_path / name
+        d.mkdir()
+        rec = dict(failed_rank=1, fault="kill", detected_by="exit", resume_step=10, steps_recomputed=0,
+                   detect_s=0.05, fallback=fallback, teardown_s=0.1, start_s=cost(relaunch_w) - 1.0,
+                   rebuild_s=0.5, first_step_s=0.5, load_s=0.02, kill_to_first_step_s=10.0)
+        if fallback == "shrink":
+            rec["dp"] = relaunch_w
+        (d / "summary.json").write_text(json.dumps(dict(
+            strategy="elastic" if fallback == "shrink" else "checkpoint_restart", world_size=w, num_spares=0,
+            dp=relaunch_w, tp=1, pp=1, steps=40, step_time_s=0.5,
+            snapshot=dict(enabled=False, interval_steps=1), recoveries=[rec])))
+        if fallback == "shrink":  # 4 ranks at 0.4 s/step, then 3 ranks at 0.4 * (3/4)**-0.5 s/step
+            rows = [dict(step=s, rank=r, generation=0, step_time_s=0.4) for s in range(1, 11) for r in range(4)]
+            rows += [dict(step=s, rank=r, generation=2, step_time_s=0.4 / (3 / 4) ** 0.5)
+                     for s in range(11, 21) for r in range(3)]
+            (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+        dirs.append(d)
+    out = tmp_path / "m.yaml"
+    calibrate.main([str(d) for d in dirs] + ["--out", str(out)])
+    vals = yaml.safe_load(out.read_text())
+    assert vals["launch_base_s"] == pytest.approx(1.0, abs=1e-3)
+    assert vals["launch_per_log2_nodes_s"] == pytest.approx(0.5, abs=1e-3)
+    assert vals["launch_per_node_s"] == pytest.approx(2.0, abs=1e-3)
+    assert vals["width_scaling_exponent"] == pytest.approx(0.5, abs=1e-6)
 
 
 def test_shipped_strategy_runs_calibrate_restart_and_swap_over_three_world_sizes(tmp_path):
@@ -164,10 +200,10 @@ def test_shipped_strategy_runs_calibrate_restart_and_swap_over_three_world_sizes
     out = tmp_path / "c.yaml"
     calibrate.main([str(d) for d in dirs] + ["--out", str(out)])
     text = out.read_text()
-    for key in ("launch_per_log2_nodes_s", "rebuild_per_log2_gpus_s"):
+    for key in ("launch_per_log2_nodes_s", "launch_per_node_s", "rebuild_per_log2_gpus_s"):
         line = next(x for x in text.splitlines() if x.startswith(key + ":"))
         assert "world sizes [2, 3, 4]" in line, line  # a slope fitted, not assumed
     vals = yaml.safe_load(text)
     # a relaunch (new processes, imports, model build) costs far more than a hot swap's rebuild
-    assert vals["launch_base_s"] + vals["launch_per_log2_nodes_s"] * 2 > \
+    assert vals["launch_base_s"] + vals["launch_per_log2_nodes_s"] * 2 + vals["launch_per_node_s"] * 4 > \
         10 * (vals["rebuild_base_s"] + vals["rebuild_per_log2_gpus_s"] * 2)

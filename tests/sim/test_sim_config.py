@@ -12,7 +12,7 @@ from sim.layout import Layout
 GROUPS = {g: sorted(p.stem for p in (sim.config.SIM_CONF_DIR / g).glob("*.yaml"))
           for g in ("trace", "cluster", "calibration")}
 STRATEGY_OPTIONS = sorted(p.stem for p in (sim.config.SIM_CONF_DIR / "strategy").glob("*.yaml"))
-SWEEPS = sorted(p.stem for p in (sim.config.REPO_ROOT / "experiments" / "sim" / "sweep").glob("*.yaml"))
+SWEEPS = ("sim_scale", "sim_mtbf", "sim_spares")
 LAUNCHERS = sorted(p.stem for p in (sim.config.SIM_CONF_DIR / "hydra" / "launcher").glob("*.yaml"))
 
 
@@ -57,7 +57,7 @@ def test_every_strategy_option_composes(option):
 
 @pytest.mark.parametrize("sweep", SWEEPS)
 def test_every_sweep_composes(sweep):
-    cfg = compose_sim([f"sweep={sweep}"], hydra_cfg=True)
+    cfg = compose_sim([f"experiment={sweep}"], hydra_cfg=True)
     assert cfg.hydra.sweeper.params
 
 

@@ -242,3 +242,28 @@ def test_addremove_trace_replays(tmp_path, layout, calib, strategy_cfgs):
     assert r["goodput"] == pytest.approx((T - 5 - 25) / T, abs=1e-6)
     r = run("elastic", strategy_cfgs("elastic"), calib, layout(), tr)
     assert (r["shrinks"], r["regrows"]) == (1, 1)  # node 10 joins the idle survivor at 200 s
+
+
+def test_elastic_relaunch_shrink_pays_a_relaunch_at_the_new_width(layout, calib, strategy_cfgs, handmade):
+    """shrink=relaunch (the runtime's ft=elastic): write (10 s) + requeue 100 + launch at the
+    new width (3 groups = 6 nodes: 2 s/log2 node + 1 s/node) + load 10, then 3/4 width; the
+    regrow at 4000 relaunches at 8 nodes."""
+    c = calib | {"launch_per_log2_nodes_s": 2.0, "launch_per_node_s": 1.0}
+    s = strategy_cfgs("elastic") | {"shrink": "relaunch", "optimizer_state": "replica"}
+    tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
+    r = run("elastic", s, c, layout(), tr)
+    import math
+    shrink = 10 + 100 + 2 * math.log2(6) + 6 + 10
+    regrow = 10 + 100 + 2 * 3 + 8 + 10
+    assert (r["shrinks"], r["regrows"], r["restarts"]) == (1, 1, 0)
+    assert badput_s(r, "reconfiguration") == pytest.approx(shrink + regrow)
+    assert r["goodput"] == pytest.approx((1000 + 0.75 * (3000 - 5 - shrink) + T - 4000 - regrow) / T, abs=1e-6)
+    with pytest.raises(ValueError, match="shrink must be"):
+        run("elastic", s | {"shrink": "sideways"}, c, layout(), tr)
+
+
+@pytest.mark.parametrize("exponent, speed", [(1.0, 0.75), (0.0, 1.0), (-0.5, 0.75 ** -0.5)])
+def test_reduced_width_speed_follows_the_width_exponent(layout, calib, strategy_cfgs, handmade, exponent, speed):
+    tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
+    r = run("elastic", strategy_cfgs("elastic"), calib | {"width_scaling_exponent": exponent}, layout(), tr)
+    assert r["goodput"] == pytest.approx((1000 + speed * 2975 + T - 4025) / T, abs=1e-6)

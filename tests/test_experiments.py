@@ -1,0 +1,87 @@
+"""Every conf/experiment/<name>.yaml: deltas only, a "Run as:" line, composes, and runs at a tiny
+size (runtime experiments through the runtime with real processes, simulator ones through
+sim.simulate) with the overrides its "Run as:" line gives."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import sim.config
+from deadpool.job import run_job
+from deadpool.train import compose_config
+from sim.simulate import run_scenario
+
+EXPERIMENTS = sorted(p.stem for p in (sim.config.CONF_DIR / "experiment").glob("*.yaml"))
+COMMANDS = {"runtime": "python -m deadpool.train", "sim": "python -m sim.run"}
+
+
+def kind(name: str) -> str:
+    return "sim" if name.startswith("sim_") else "runtime"
+
+
+def run_as_overrides(name: str) -> list[str]:
+    """The Hydra overrides of the first ``python -m ...`` command on the file's "Run as:" lines."""
+    text = (sim.config.CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("#")]
+    start = next(i for i, ln in enumerate(lines) if "Run as:" in ln)
+    comment = " ".join(ln.lstrip("# ") for ln in lines[start:start + 3])
+    cmd = COMMANDS[kind(name)]
+    assert cmd in comment, f"{name}: the Run as: line does not give a `{cmd}` command"
+    rest = comment.split(cmd, 1)[1]
+    rest = re.split(r"[),]|\s\(", rest)[0]
+    overrides = [t for t in rest.split() if "=" in t and not t.startswith("hydra")]
+    assert f"experiment={name}" in overrides, f"{name}: Run as: does not select experiment={name}"
+    return overrides
+
+
+def test_there_are_runtime_and_simulator_experiments():
+    assert {kind(n) for n in EXPERIMENTS} == {"runtime", "sim"}
+    assert "cpu_hotswap" in EXPERIMENTS  # make demo
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_deltas_only_with_a_run_as_line(name):
+    text = (sim.config.CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    assert text.startswith("# @package _global_\n"), name
+    assert "Run as:" in text
+    run_as_overrides(name)
+
+
+def compose_sim(overrides):
+    with initialize_config_dir(version_base="1.3", config_dir=str(sim.config.CONF_DIR)):
+        return OmegaConf.to_container(compose("sim", overrides=overrides), resolve=True)
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if kind(n) == "sim"])
+def test_simulator_experiment_runs_tiny(name):
+    c = compose_sim(run_as_overrides(name) + ["seeds=1", "duration_days=1", "progress=false"])
+    rows = run_scenario(c, progress=False)
+    assert {r["strategy"] for r in rows} == set(c["strategies"])
+    assert all(0.0 <= r["goodput"] <= 1.0 for r in rows)
+
+
+def shrink(cfg: dict, steps: int) -> dict:
+    """The same experiment at ``steps`` steps; fault steps scaled into the shorter run."""
+    n = int(cfg["num_steps"])
+    if n > steps:
+        for e in cfg["faults"]["events"]:
+            e["step"] = max(2, min(steps - 2, round(e["step"] * steps / n)))
+        cfg["num_steps"] = steps
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if kind(n) == "runtime"])
+def test_runtime_experiment_runs_tiny(name, tmp_path):
+    cfg = compose_config(run_as_overrides(name), tmp_path / name)
+    cfg = shrink(cfg, 10)
+    s = run_job(cfg, log=lambda *a, **k: None)
+    assert s["outcome"] == "completed", s.get("message")
+    assert (Path(cfg["run_dir"]) / "metrics.jsonl").exists()
+    if cfg["faults"]["events"]:
+        assert s["recoveries"], "the experiment's faults fired no recovery"

@@ -4,7 +4,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: demo test test-fast bench sim figures clean
+.PHONY: demo test test-fast bench sim figures reproduce clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -26,7 +26,11 @@ sim: $(STAMP)
 	$(PY) -m sim.run
 
 figures: $(STAMP)
-	$(PY) paper_figures/make_all.py
+	$(PY) -m paper_figures
+
+# make reproduce [reproduce.scale=small]: rerun every measurement and sweep, then draw (conf/reproduce.yaml)
+reproduce: $(STAMP)
+	$(PY) -m experiments.reproduce reproduce.scale=$(or $(reproduce.scale),full)
 
 bench: $(STAMP)
 	$(PY) experiments/bench_runtime.py

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# A real single-node Slurm cluster on this machine, to try the DeadPool templates on a laptop and
+# to run the Slurm integration test (tests/integration/test_slurm.py):
+#
+#   experiments/slurm/local_cluster.sh start     # installs slurm-wlm + munge if missing (root), starts
+#                                                # munged, slurmctld and slurmd on localhost
+#   eval "$(experiments/slurm/local_cluster.sh env)"   # SLURM_CONF for sinfo / sbatch / srun
+#   experiments/slurm/local_cluster.sh status
+#   experiments/slurm/local_cluster.sh stop
+#
+# Everything (slurm.conf, state, spool, logs) lives in $DEADPOOL_SLURM_DIR (default
+# /tmp/deadpool-slurm). The node declares $DEADPOOL_SLURM_CPUS CPUs (default 32) whatever the
+# machine has (SlurmdParameters=config_overrides) and the partition oversubscribes them, so a
+# 2-core laptop can run a 5-task job. No cgroups (proctrack/linuxproc, task/none), no accounting,
+# no systemd: the daemons are started directly.
+set -euo pipefail
+DIR=${DEADPOOL_SLURM_DIR:-/tmp/deadpool-slurm}
+CPUS=${DEADPOOL_SLURM_CPUS:-32}
+CONF=$DIR/etc/slurm.conf
+HOST=$(hostname -s)
+
+install() {
+    if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then
+        return
+    fi
+    if [ "$(id -u)" != 0 ]; then
+        echo "Slurm is not installed: run as root, or install the Debian/Ubuntu packages slurm-wlm and munge" >&2
+        exit 1
+    fi
+    echo "[local_cluster] installing slurm-wlm and munge ..."
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null \
+        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null; }
+}
+
+write_conf() {
+    mkdir -p "$DIR/etc" "$DIR/state" "$DIR/spool" "$DIR/log"
+    cat > "$CONF" <<CONF
+# written by experiments/slurm/local_cluster.sh
+ClusterName=deadpool-local
+SlurmctldHost=$HOST(127.0.0.1)
+SlurmUser=$(id -un)
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+SlurmctldPort=${DEADPOOL_SLURMCTLD_PORT:-6817}
+SlurmdPort=${DEADPOOL_SLURMD_PORT:-6818}
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/slurmctld.pid
+SlurmdPidFile=$DIR/slurmd.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+# a task's death must not end the step (srun --kill-on-bad-exit=0 in the templates says it too)
+KillOnBadExit=0
+# 0: srun waits for every task, however long after the first one ended
+WaitTime=0
+InactiveLimit=0
+MinJobAge=300
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
+PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+CONF
+}
+
+start_munge() {
+    if pgrep -x munged >/dev/null; then return; fi
+    if [ ! -s /etc/munge/munge.key ]; then
+        mkdir -p /etc/munge
+        dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
+    fi
+    mkdir -p /run/munge /var/log/munge /var/lib/munge
+    if id munge >/dev/null 2>&1; then
+        chown munge:munge /etc/munge/munge.key /run/munge /var/log/munge /var/lib/munge
+        chmod 0400 /etc/munge/munge.key
+        runuser -u munge -- /usr/sbin/munged
+    else
+        /usr/sbin/munged --force
+    fi
+}
+
+status() {
+    SLURM_CONF=$CONF sinfo -h -o "%N %t %c" 2>/dev/null
+}
+
+start() {
+    install
+    write_conf
+    start_munge
+    pgrep -f "slurmctld -f $CONF" >/dev/null || /usr/sbin/slurmctld -f "$CONF"
+    pgrep -f "slurmd -f $CONF" >/dev/null || /usr/sbin/slurmd -f "$CONF"
+    for _ in $(seq 60); do
+        state=$(status | awk '{print $2}')
+        if [ "$state" = idle ] || [ "$state" = mix ] || [ "$state" = alloc ]; then
+            echo "[local_cluster] up: node $HOST ($CPUS CPUs, oversubscribed), partition local; SLURM_CONF=$CONF"
+            return
+        fi
+        sleep 1
+    done
+    echo "[local_cluster] the node did not come up (state '${state:-none}'); logs in $DIR/log" >&2
+    tail -5 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 || true
+    exit 1
+}
+
+stop() {
+    pkill -f "slurmd -f $CONF" 2>/dev/null || true
+    pkill -f "slurmctld -f $CONF" 2>/dev/null || true
+    for _ in $(seq 20); do
+        pgrep -f "slurm(ctl)?d -f $CONF" >/dev/null || break
+        sleep 0.5
+    done
+    echo "[local_cluster] stopped (munged left running; state in $DIR)"
+}
+
+case "${1:-}" in
+    start) start ;;
+    stop) stop ;;
+    status) status || { echo "not running"; exit 1; } ;;
+    env) echo "export SLURM_CONF=$CONF" ;;
+    *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+esac

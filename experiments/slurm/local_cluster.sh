@@ -16,6 +16,9 @@
 set -euo pipefail
 DIR=${DEADPOOL_SLURM_DIR:-/tmp/deadpool-slurm}
 CPUS=${DEADPOOL_SLURM_CPUS:-32}
+# memory the node offers jobs (MB): the machine's, so jobs asking for --mem (Hydra's submitit
+# launcher does) are accepted
+MEM=${DEADPOOL_SLURM_MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)}
 CONF=$DIR/etc/slurm.conf
 HOST=$(hostname -s)
 
@@ -68,7 +71,7 @@ KillOnBadExit=0
 WaitTime=0
 InactiveLimit=0
 MinJobAge=300
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
 PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
 }

@@ -118,3 +118,17 @@ def test_srun_task_sigkilled_spare_hot_swapped_bitwise(slurm_env, tmp_path):
     assert run_job(ref, log=lambda *a, **k: None)["outcome"] == "completed"
     equal, why = compare_final_states(run_dir, tmp_path / "reference")
     assert equal, why
+
+
+def test_simulator_sweep_through_hydra_submitit_slurm(slurm_env, tmp_path):
+    """Two sweep points of conf/experiment/sim_scale.yaml, each a Slurm job submitted by Hydra's
+    submitit launcher (hydra/launcher=sim_slurm), on the same cluster."""
+    sweep = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "sim.run", "-m", "experiment=sim_scale", "hydra/launcher=sim_slurm",
+                        "seeds=1", "duration_days=1", "cluster.num_gpus=1024,4096", f"hydra.sweep.dir={sweep}",
+                        "progress=false"], cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    for point in ("0", "1"):
+        rows = (sweep / point / "aggregate.csv").read_text().splitlines()
+        assert len(rows) == 1 + 5, rows  # header + every strategy
+    assert list((sweep / ".submitit").iterdir()), "no submitit job folders: the points did not go through Slurm"

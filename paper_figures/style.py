@@ -7,6 +7,7 @@ module; nothing here runs a simulation.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import matplotlib
@@ -16,7 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "experiments" / "results"
+# the result files every figure reads: the shipped ones, or those ``make reproduce`` wrote
+RESULTS = Path(os.environ.get("DEADPOOL_RESULTS") or ROOT / "experiments" / "results")
 OUT = Path(__file__).resolve().parent / "out"
 
 STRATEGIES = {  # name -> (label, colour, marker)
@@ -64,6 +66,35 @@ def args(default_input: str, description: str) -> argparse.Namespace:
     ap.add_argument("--input", default=str(RESULTS / default_input), help="result directory to read")
     ap.add_argument("--out", default=str(OUT), help="where to write PNG and PDF")
     return ap.parse_args()
+
+
+def calibration_file(name: str) -> Path:
+    """``conf/sim/calibration/<name>.yaml``, or the one ``make reproduce`` wrote next to the results
+    root it points ``$DEADPOOL_RESULTS`` at (``<root>/../<name>.yaml``) when there is one."""
+    if os.environ.get("DEADPOOL_RESULTS"):
+        p = RESULTS.parent / f"{name}.yaml"
+        if p.exists():
+            return p
+    return ROOT / "conf" / "sim" / "calibration" / f"{name}.yaml"
+
+
+def gpu_summary(results: str | Path = RESULTS) -> Path | None:
+    """Newest ``gpu/<date>-<gpu>/summary.json`` under ``results``; when ``results`` is the default root
+    (``$DEADPOOL_RESULTS`` of ``make reproduce``, which does not rerun the GPU checks), else the
+    shipped one; None when there is none."""
+    roots = [Path(results)]
+    if Path(results) == RESULTS:
+        roots.append(ROOT / "experiments" / "results")
+    for root in roots:
+        found = sorted(root.glob("gpu/*/summary.json"))
+        if found:
+            return found[-1]
+    return None
+
+
+def footnote(fig, text: str, y: float = -0.01) -> None:
+    """Small print under the axes (kept in the saved file by ``bbox_inches="tight"``)."""
+    fig.text(0.01, y, text, ha="left", va="top", fontsize=7.5, color="#444444", wrap=False)
 
 
 def load_aggregate(directory: str | Path) -> pd.DataFrame | None:

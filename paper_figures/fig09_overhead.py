@@ -27,7 +27,7 @@ ARMS = (("off/ddp", "DeadPool, no snapshots", "#bbbbbb"),
         ("on1/ddp", "DeadPool, every step", "#ff9896"))
 RUNTIME = {"none": "ft=none", "checkpoint_restart": "checkpoint/\nrestart", "deadpool": "DeadPool\n(hot swap)",
            "elastic": "elastic", "sync_snapshot": "sync\nsnapshot"}
-RUNTIME_COLOUR = {"none": "#7f7f7f", "sync_snapshot": style.colour("inmem_restart")}
+RUNTIME_COLOUR = {}
 
 
 def panel_ddp(ax, bench: Path) -> None:

@@ -29,6 +29,9 @@ STRATEGIES = {  # name -> (label, colour, marker)
     "replication": ("Replication", "#2ca02c", "^"),
     "elastic": ("Elastic", "#9467bd", "v"),
     "elastic_hsdp": ("Elastic, replicated optimizer", "#bcbd22", "<"),
+    # runtime-only strategies (experiments/compare_strategies.py)
+    "sync_snapshot": ("DeadPool, synchronous snapshots", "#e377c2", "h"),
+    "none": ("No fault tolerance", "#7f7f7f", "X"),
 }
 BUCKET_COLOURS = {
     "ckpt_stall": "#1f77b4", "lost": "#d62728", "detection": "#ff7f0e", "reconfiguration": "#8c564b",
@@ -90,6 +93,32 @@ def gpu_summary(results: str | Path = RESULTS) -> Path | None:
         if found:
             return found[-1]
     return None
+
+
+def spread_labels(ax, anns, iterations: int = 200, pad: float = 2.0) -> None:
+    """Move annotations (``ax.annotate(..., textcoords="offset points")``) vertically apart until
+    their boxes no longer overlap each other; labels keep their horizontal place."""
+    fig = ax.figure
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    scale = fig.dpi / 72.0  # display pixels per point
+    boxes = [a.get_window_extent(r) for a in anns]
+    for _ in range(iterations):
+        moved = False
+        for i in range(len(anns)):
+            for j in range(i + 1, len(anns)):
+                bi, bj = boxes[i], boxes[j]
+                if bi.x1 + pad < bj.x0 or bj.x1 + pad < bi.x0 or bi.y1 + pad < bj.y0 or bj.y1 + pad < bi.y0:
+                    continue
+                up, down = (i, j) if (bi.y0 + bi.y1) >= (bj.y0 + bj.y1) else (j, i)
+                push = (min(bi.y1, bj.y1) - max(bi.y0, bj.y0) + pad) / 2 + 0.5  # display pixels
+                for k, sign in ((up, 1), (down, -1)):
+                    x, y = anns[k].xyann
+                    anns[k].xyann = (x, y + sign * push / scale)
+                    boxes[k] = boxes[k].translated(0, sign * push)
+                moved = True
+        if not moved:
+            return
 
 
 def footnote(fig, text: str, y: float = -0.01) -> None:

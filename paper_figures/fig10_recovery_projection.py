@@ -235,15 +235,18 @@ def main():
         return
     if not bars:
         print(f"skip panel (a): no hot-swap recoveries under {root}/runtime")
-    panels = ([("m", 1.45)] if bars else []) + ([("p", 1.0)] if calibs else []) + \
-        ([("c", 0.75)] if "default" in calibs else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * sum(w for _, w in panels) + 1.0, 4.9), squeeze=False,
-                             gridspec_kw={"width_ratios": [w for _, w in panels]})
+    # (a) across the top, (b) and (c) below it; whichever has no input is left out
+    lower = (["p"] if calibs else []) + (["c"] if "default" in calibs else [])
+    rows = (["m"] if bars else []) + (["pc"] if lower else [])
+    fig = plt.figure(figsize=(11.5, 4.6 * len(rows)))
+    gs = fig.add_gridspec(len(rows), 2 if lower == ["p", "c"] else 1, width_ratios=[1.45, 1.0] if lower == ["p", "c"] else None)
     notes = []
-    for ax, (p, _) in zip(axes[0], panels):
-        if p == "m":
-            panel_measured(ax, bars)
-        elif p == "p":
+    if bars:
+        panel_measured(fig.add_subplot(gs[0, :]), bars)
+    r = len(rows) - 1
+    for j, p in enumerate(lower):
+        ax = fig.add_subplot(gs[r, j])
+        if p == "p":
             notes += panel_projection(ax, calibs, base)
         else:
             notes.append(panel_breakdown(ax, calibs["default"], base))

@@ -122,8 +122,13 @@ def spread_labels(ax, anns, iterations: int = 200, pad: float = 2.0) -> None:
 
 
 def footnote(fig, text: str, y: float = -0.01) -> None:
-    """Small print under the axes (kept in the saved file by ``bbox_inches="tight"``)."""
-    fig.text(0.01, y, text, ha="left", va="top", fontsize=7.5, color="#444444", wrap=False)
+    """Small print under the axes (kept in the saved file by ``bbox_inches="tight"``), each line
+    wrapped to the figure's width."""
+    import textwrap
+
+    width = max(40, int(fig.get_figwidth() * 17.5))  # characters of 7.5 pt per line
+    lines = [w for line in text.splitlines() for w in (textwrap.wrap(line, width) or [""])]
+    fig.text(0.01, y, "\n".join(lines), ha="left", va="top", fontsize=7.5, color="#444444")
 
 
 def load_aggregate(directory: str | Path) -> pd.DataFrame | None:

@@ -29,13 +29,16 @@ def main():
                 ax.plot(d.rack_rate, d.goodput_mean, ls=ls, marker=style.marker(s), ms=4, color=style.colour(s))
     ax.set_xlabel("rack failures per 1,000 rack-days (each takes 2 nodes)")
     ax.set_ylabel("ETTR (job goodput)")
-    ax.legend(fontsize=7.5, title="solid: buddy adjacent; dashed: one rack over", title_fontsize=7.5)
+    ax.legend(fontsize=7.5, title="solid: buddy adjacent (same rack); dashed: one rack over", title_fontsize=7.5,
+              loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=3, frameon=False)
+    ax.set_title("ETTR, simulated at 16,384 GPUs (mean, 95% CI)")
     for place, ls in (("adjacent", "-"), ("cross_rack", "--")):
         d = df[(df.strategy == "deadpool") & (df.placement == place)].sort_values("rack_rate")
-        ax2.plot(d.rack_rate, d.fallbacks_mean, ls=ls, marker="o", color=style.colour("deadpool"), label=place)
+        ax2.plot(d.rack_rate, d.fallbacks_mean, ls=ls, marker="o", color=style.colour("deadpool"), label={"adjacent": "adjacent node", "cross_rack": "one rack over"}.get(place, place))
     ax2.set_xlabel("rack failures per 1,000 rack-days")
     ax2.set_ylabel("DeadPool disk fallbacks per run")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, title="DeadPool's buddy", title_fontsize=8)
+    ax2.set_title("DeadPool: fallbacks to a disk checkpoint")
     style.save(fig, a.out, "fig07_correlated")
 
 

@@ -33,9 +33,15 @@ def main():
                     label=f"{LABELS.get(repair, repair)}, P<={target:g}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    nodes = sorted(df.num_nodes.unique())
+    ax.set_xticks(nodes, [f"{n:,}" for n in nodes], fontsize=8)
+    ax.minorticks_off()
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g} %"))
     ax.set_xlabel("active nodes")
     ax.set_ylabel("spares, % of active nodes")
     ax.axhline(1.0, color="k", lw=0.7, ls=":")
+    ax.set_title("Spares for a failure to find the pool empty with probability <= P\n"
+                 "(closed form, sim.spares; llama3 failure and maintenance rates)", fontsize=10)
     ax.legend(fontsize=7)
     style.save(fig, a.out, "fig08_spare_sizing")
 

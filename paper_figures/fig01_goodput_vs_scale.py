@@ -28,7 +28,7 @@ def main():
     axes[0].set_ylabel("goodput")
     axes[0].legend(loc="lower left")
     days = df.duration_days.iloc[0]
-    fig.suptitle(f"llama3 failure rates, {days:g} days, mean and 95% CI over {int(df.n_seeds.min())} seeds",
+    fig.suptitle(f"Simulated (Llama-3-405B-like job on H100 nodes): llama3 failure rates, {days:g} days, mean and 95% CI over {int(df.n_seeds.min())} seeds",
                  fontsize=9, y=1.0)
     style.save(fig, a.out, "fig01_goodput_vs_scale")
 

@@ -37,6 +37,8 @@ def main():
         ax.set_title(f"{n // 1024}k GPUs")
         ax.grid(axis="x", visible=False)
     axes[0].set_ylabel("badput, % of wall time")
+    fig.suptitle("Simulated badput by bucket (Llama-3-405B-like job on H100 nodes, llama3 failure rates, mean over "
+                 "seeds)", fontsize=10)
     fig.tight_layout()
     fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(style.BUCKET_COLOURS), frameon=False)
     style.save(fig, a.out, "fig02_badput_breakdown")

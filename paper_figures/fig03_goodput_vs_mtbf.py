@@ -34,7 +34,7 @@ def main():
     fig.tight_layout()
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(labels), frameon=False)
     n = int(df.num_gpus.iloc[0])
-    fig.suptitle(f"{n:,} GPUs, {int(df.num_spares.iloc[0])} spare nodes, {df.duration_days.iloc[0]:g} days",
+    fig.suptitle(f"Simulated (Llama-3-405B-like job on H100 nodes): {n:,} GPUs, {int(df.num_spares.iloc[0])} spare nodes, {df.duration_days.iloc[0]:g} days",
                  fontsize=9, y=1.0)
     style.save(fig, a.out, "fig03_goodput_vs_mtbf")
 

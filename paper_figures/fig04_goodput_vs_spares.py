@@ -29,7 +29,7 @@ def main():
     axes[0].set_ylabel("goodput")
     axes[0].legend(loc="lower right")
     rate = df.unexpected_per_1000_node_days.iloc[0]
-    fig.suptitle(f"{int(df.num_gpus.iloc[0]):,} GPUs, {rate:g} unexpected failures per 1,000 node-days, "
+    fig.suptitle(f"Simulated (Llama-3-405B-like job on H100 nodes): {int(df.num_gpus.iloc[0]):,} GPUs, {rate:g} unexpected failures per 1,000 node-days, "
                  f"{df.duration_days.iloc[0]:g} days", fontsize=9, y=1.0)
     style.save(fig, a.out, "fig04_goodput_vs_spares")
 

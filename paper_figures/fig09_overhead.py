@@ -26,7 +26,7 @@ ARMS = (("off/ddp", "DeadPool, no snapshots", "#bbbbbb"),
         ("on/ddp", "DeadPool, adaptive interval", "#d62728"),
         ("on1/ddp", "DeadPool, every step", "#ff9896"))
 RUNTIME = {"none": "ft=none", "checkpoint_restart": "checkpoint/\nrestart", "deadpool": "DeadPool\n(hot swap)",
-           "elastic": "elastic", "sync_snapshot": "sync\nsnapshot"}
+           "elastic": "elastic", "sync_snapshot": "DeadPool,\nsync snapshots"}
 RUNTIME_COLOUR = {}
 
 

@@ -490,6 +490,15 @@ class Coordinator:
                 elif self._lost(slot):
                     failed[rank] = "heartbeat"
                     self.launcher.kill(slot)
+            # Every rank that has not answered also stopped beating (soft timeout): silent to the
+            # abort and no heartbeat are two independent signals, so they are lost now rather than
+            # at the hard timeout. It matters under srun, where no process handle shows an exit.
+            silent = [r for r in self.members.ranks if r not in failed and r not in statuses]
+            if silent and all((self.live.beat_age(self.members.ranks[r]) or 0.0) > self.live.soft_s
+                              for r in silent):
+                for rank in silent:
+                    failed[rank] = "heartbeat"
+                    self.launcher.kill(self.members.ranks[rank])
             if len(statuses) + len(failed) >= len(self.members.ranks):
                 return statuses
             if time.time() > deadline:

@@ -84,7 +84,8 @@ def newest_step(log: Path) -> int:
 def test_srun_task_sigkilled_spare_hot_swapped_bitwise(slurm_env, tmp_path):
     run_dir = tmp_path / "slurm_run"
     env = {**slurm_env, "NUM_SPARES": "1", "DEVICE": "cpu", "SRUN_ARGS": "", "PY": sys.executable,
-           "RUN_DIR": str(run_dir), "DEADPOOL_STORE_PORT": str(free_port())}
+           "RUN_DIR": str(run_dir), "DEADPOOL_STORE_PORT": str(free_port()),
+           "DEADPOOL_STORE_HOST": "127.0.0.1"}  # one node: no need for the host name to resolve
     out = tmp_path / "slurm-%j.out"
     p = subprocess.run(["sbatch", "--parsable", "--ntasks=5", f"--output={out}", f"--chdir={ROOT}", str(JOB),
                         *OVERRIDES], env=env, capture_output=True, text=True, timeout=60)

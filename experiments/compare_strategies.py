@@ -25,12 +25,18 @@ with fewer, DeadPool falls back to elastic). For each run the table gives:
     goodput    num_steps x ft=none's step time / training window (the first step's start to the
                last step's end), per GPU held: x workers / (workers + spares)
 
+The failure schedules run ``--repeats`` times (rounds with the strategies in a rotated order, as
+the free rounds): on a shared 2-core host one run's relaunch or a slow phase moves its goodput by
+10 %, so ``lost_per_failure_s`` and ``goodput`` are means over the repeats, with ``lost_min`` and
+``lost_max`` the spread.
+
 Writes ``table.csv`` and keeps every run's ``summary.json``, ``metrics.jsonl`` and ``job.json``
-under ``<out>/<schedule>/<strategy>/`` (``sim.calibrate``, ``sim.replay`` and ``paper_figures``
-read them); the extra free rounds keep ``summary.json`` under ``<out>/free/round<k>/<strategy>/``.
-``--world_sizes`` also runs DeadPool and checkpoint/restart with one kill at other data-parallel
-widths (``<out>/scale/dp<N>/<strategy>/``), so the calibration fits slopes over world size.
-Takes ~20 minutes on 2 cores with the defaults (120 steps, 3 free rounds).
+under ``<out>/<schedule>/<strategy>/`` (repeats: ``<out>/<schedule>/rep<k>/<strategy>/``;
+``sim.calibrate``, ``sim.replay`` and ``paper_figures`` read them); the extra free rounds keep
+``summary.json`` under ``<out>/free/round<k>/<strategy>/``. ``--world_sizes`` also runs DeadPool
+and checkpoint/restart with one kill at other data-parallel widths
+(``<out>/scale/dp<N>/<strategy>/``), so the calibration fits slopes over world size.
+Takes ~35 minutes on 2 cores with the defaults (120 steps, 3 free rounds, 3 repeats).
 """
 
 from __future__ import annotations
@@ -107,35 +113,33 @@ def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path, file
     return {"summary": s, "rows": rows, "failures": len(events)}
 
 
-def table_rows(results: dict, args) -> list[dict]:
-    ref = results["free"]["none"]
-    t_none = step_time(ref["rows"])
-    rounds = [{k: v["summary"]["step_time_s"] for k, v in r.items()} for r in results.get("free_rounds", [])]
+def table_rows(results: dict, free_rounds: list[dict], args) -> list[dict]:
+    """One row per (schedule, strategy); ``results[schedule][strategy]`` is a list of repeats."""
+    t_none = step_time(results["free"]["none"][0]["rows"])
+    rounds = [{k: v["summary"]["step_time_s"] for k, v in r.items()} for r in free_rounds]
     out = []
     for sched, by in results.items():
-        if sched == "free_rounds":
-            continue
-        for strategy, r in by.items():
-            s, rows = r["summary"], r["rows"]
+        for strategy, reps in by.items():
             free = results["free"].get(strategy)
-            w = window(rows, args.steps)
-            w_free = window(free["rows"], args.steps) if free else None
-            recs = [x for x in s["recoveries"] if x.get("outcome") != "interrupted by another failure"]
-            spares, workers = int(s.get("num_spares", 0)), int(args.dp)  # held from the start
-            row = {"schedule": sched, "strategy": strategy, "outcome": s["outcome"],
-                   "failures": r["failures"], "gpus_held": workers + spares,
-                   "step_time_s": round(step_time(rows), 5),
+            w_free = window(free[0]["rows"], args.steps) if free else None
+            t_free = step_time(free[0]["rows"] if free else reps[0]["rows"])
+            per = [_measures(r, args, w_free, t_free, t_none) for r in reps]
+            first, done = reps[0], [p for p in per if p["window_s"]]
+            lost = [p["lost_per_failure_s"] for p in per if p["lost_per_failure_s"] is not None]
+            spares, workers = int(first["summary"].get("num_spares", 0)), int(args.dp)  # held from the start
+            row = {"schedule": sched, "strategy": strategy, "outcome": first["summary"]["outcome"],
+                   "repeats": len(reps), "failures": first["failures"], "gpus_held": workers + spares,
+                   "step_time_s": round(statistics.fmean(p["step_time_s"] for p in per), 5),
                    "ratio_vs_none": None, "ratio_min": None, "ratio_max": None,
-                   "window_s": round(w, 3) if w else None,
-                   "lost_per_failure_s": (round((w - w_free) / r["failures"], 3)
-                                          if w and w_free and r["failures"] else None),
-                   "detect_s": round(sum(x.get("detect_s") or 0 for x in recs), 3) if recs else None,
-                   "recover_s": round(sum((x.get("kill_to_first_step_s") or 0) - (x.get("detect_s") or 0)
-                                          for x in recs), 3) if recs else None,
-                   "recompute_s": round(sum((x.get("steps_recomputed") or 0) for x in recs)
-                                        * step_time(free["rows"] if free else rows), 3) if recs else None,
-                   "steps_recomputed": sum((x.get("steps_recomputed") or 0) for x in recs),
-                   "goodput": round(args.steps * t_none / w, 3) if w else 0.0}
+                   "window_s": round(statistics.fmean(p["window_s"] for p in done), 3) if done else None,
+                   "lost_per_failure_s": round(statistics.fmean(lost), 3) if lost else None,
+                   "lost_min": round(min(lost), 3) if lost else None,
+                   "lost_max": round(max(lost), 3) if lost else None}
+            for k in ("detect_s", "recover_s", "recompute_s"):
+                xs = [p[k] for p in per if p[k] is not None]
+                row[k] = round(statistics.fmean(xs), 3) if xs else None
+            row["steps_recomputed"] = round(statistics.fmean(p["steps_recomputed"] for p in per), 2)
+            row["goodput"] = round(statistics.fmean(p["goodput"] for p in per), 3)
             row["goodput_per_gpu_held"] = round(row["goodput"] * workers / row["gpus_held"], 3)
             if sched == "free":
                 ratios = [rd[strategy] / rd["none"] for rd in rounds if strategy in rd and "none" in rd]
@@ -145,9 +149,24 @@ def table_rows(results: dict, args) -> list[dict]:
     return out
 
 
+def _measures(r: dict, args, w_free: float | None, t_free: float, t_none: float) -> dict:
+    """One run's window, time lost per failure, the runtime's breakdown and goodput."""
+    s, rows = r["summary"], r["rows"]
+    w = window(rows, args.steps)
+    recs = [x for x in s["recoveries"] if x.get("outcome") != "interrupted by another failure"]
+    return {"step_time_s": step_time(rows), "window_s": w,
+            "lost_per_failure_s": (w - w_free) / r["failures"] if w and w_free and r["failures"] else None,
+            "detect_s": sum(x.get("detect_s") or 0 for x in recs) if recs else None,
+            "recover_s": sum((x.get("kill_to_first_step_s") or 0) - (x.get("detect_s") or 0)
+                             for x in recs) if recs else None,
+            "recompute_s": sum((x.get("steps_recomputed") or 0) for x in recs) * t_free if recs else None,
+            "steps_recomputed": sum((x.get("steps_recomputed") or 0) for x in recs),
+            "goodput": args.steps * t_none / w if w else 0.0}
+
+
 def print_table(rows: list[dict]) -> None:
-    cols = ["schedule", "strategy", "outcome", "gpus_held", "ratio_vs_none", "ratio_min", "ratio_max",
-            "lost_per_failure_s",
+    cols = ["schedule", "strategy", "outcome", "repeats", "gpus_held", "ratio_vs_none", "ratio_min",
+            "ratio_max", "lost_per_failure_s", "lost_min", "lost_max",
             "detect_s", "recover_s", "recompute_s", "goodput", "goodput_per_gpu_held"]
     w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.ljust(w[c]) for c in cols))
@@ -162,6 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--kills", type=int, nargs="+", default=[32, 76], help="steps of the kills")
     ap.add_argument("--free_rounds", type=int, default=3,
                     help="failure-free rounds, strategies interleaved (ratio: median over rounds)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each failure schedule, strategies interleaved (table: means over them)")
     ap.add_argument("--spares", type=int, default=2)
     ap.add_argument("--ckpt_every", type=int, default=10, help="checkpoint_restart's interval (steps)")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
@@ -177,7 +198,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="deadpool-strategies-") as tmp:
         tmp = Path(tmp)
-        results["free_rounds"] = []
+        free_rounds: list[dict] = []
         for k in range(max(1, args.free_rounds)):
             order = args.strategies[k % len(args.strategies):] + args.strategies[:k % len(args.strategies)]
             print(f"free round {k + 1}/{args.free_rounds}: {' '.join(order)}", flush=True)
@@ -186,17 +207,20 @@ def main(argv=None) -> None:
                 dest = out / "free" if k == 0 else out / "free" / f"round{k}"
                 got[strategy] = run_one(strategy, "free", args, args.dp, tmp / f"r{k}", dest,
                                         files=None if k == 0 else ("summary.json",))
-            results["free_rounds"].append(got)
-        results["free"] = results["free_rounds"][0]
-        for sched in args.schedules:
-            if sched == "free":
-                continue
-            results[sched] = {}
-            for strategy in args.strategies:
-                if strategy == "none" and sched != "free" and results.get("kills", {}).get("none"):
-                    continue  # one failed ft=none run says it all
-                results[sched][strategy] = run_one(strategy, sched, args, args.dp, tmp,
-                                                   out / sched)
+            free_rounds.append(got)
+        results["free"] = {k: [v] for k, v in free_rounds[0].items()}
+        scheds = [x for x in args.schedules if x != "free"]
+        for k in range(max(1, args.repeats)):
+            order = args.strategies[k % len(args.strategies):] + args.strategies[:k % len(args.strategies)]
+            if scheds:
+                print(f"failure round {k + 1}/{args.repeats}: {' '.join(order)}", flush=True)
+            for sched in scheds:
+                for strategy in order:
+                    if strategy == "none" and (k or sched != scheds[0]):
+                        continue  # one failed ft=none run says it all
+                    dest = out / sched if k == 0 else out / sched / f"rep{k}"
+                    r = run_one(strategy, sched, args, args.dp, tmp / f"f{k}", dest)
+                    results.setdefault(sched, {}).setdefault(strategy, []).append(r)
         for dp in args.world_sizes:
             one = argparse.Namespace(**{**vars(args), "kills": [args.kills[0]]})
             for strategy in ("deadpool", "checkpoint_restart"):
@@ -206,7 +230,7 @@ def main(argv=None) -> None:
                 keep(rd, out / "scale" / f"dp{dp}" / strategy, "",
                      files=("summary.json", "metrics.jsonl", "job.json"))
                 print(f"  scale  {strategy:19s} dp={dp} {s['outcome']}", flush=True)
-    rows = table_rows(results, args)
+    rows = table_rows(results, free_rounds, args)
     print_table(rows)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "table.csv", "w", newline="") as f:

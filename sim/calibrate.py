@@ -110,29 +110,29 @@ def load_run(run_dir: str | Path) -> dict:
     return s
 
 
-def _width_exponents(rows: list[dict]) -> list[float]:
-    """``log(speed) / log(w / W)`` for each generation that ran at a narrower data-parallel width
-    w than the first generation's W (ranks per generation; the global batch is kept, so a step
-    does the same work): speed = median step time of generation 0 / of that generation, each
-    without its first step."""
+def generations(rows: list[dict]) -> dict[int, tuple[int, list[float]]]:
+    """Per generation of a run's metrics.jsonl rows: (its data-parallel width, i.e. ranks that
+    reported, and its step times without its first step, which carries the warm-up)."""
     by_gen: dict[int, list[dict]] = {}
     for r in rows:
         by_gen.setdefault(int(r.get("generation", 0)), []).append(r)
-    if 0 not in by_gen:
-        return []
-
-    def width_and_step(rs):
-        first = min(r["step"] for r in rs)
-        steps = [float(r["step_time_s"]) for r in rs if r["step"] > first]
-        return len({r.get("rank") for r in rs}), (statistics.median(steps) if len(steps) >= 3 else None)
-
-    full, t_full = width_and_step(by_gen[0])
-    out = []
+    out = {}
     for g, rs in sorted(by_gen.items()):
-        w, t = width_and_step(rs)
-        if g and 0 < w < full and t and t_full:
-            out.append(math.log(t_full / t) / math.log(w / full))
+        first = min(r["step"] for r in rs)
+        out[g] = (len({r.get("rank") for r in rs}), [float(r["step_time_s"]) for r in rs if r["step"] > first])
     return out
+
+
+def _width_exponents(rows: list[dict]) -> list[float]:
+    """``log(speed) / log(w / W)`` for each generation that ran at a narrower data-parallel width
+    w than the first generation's W (the global batch is kept, so a step does the same work):
+    speed = median step time of generation 0 / of that generation."""
+    gens = generations(rows)
+    if 0 not in gens or len(gens[0][1]) < 3:
+        return []
+    full, t_full = gens[0][0], statistics.median(gens[0][1])
+    return [math.log(t_full / statistics.median(steps)) / math.log(w / full)
+            for g, (w, steps) in gens.items() if g and 0 < w < full and len(steps) >= 3]
 
 
 def _protection(rows: list[dict]) -> tuple[float, float] | None:

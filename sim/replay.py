@@ -43,6 +43,7 @@ import numpy as np
 import yaml
 
 import sim.config
+from sim.calibrate import generations
 from sim.layout import Layout
 from sim.simulate import run_one
 from sim.trace import FAIL, REMOVE, Trace
@@ -93,16 +94,9 @@ def load(run_dir: str | Path) -> dict:
 def _step_time(rows: list[dict]) -> float:
     """Median step time of the generations that ran at the first generation's width (a hot swap
     or a restart keeps it, an elastic shrink does not), each without its first step (warm-up)."""
-    by_gen: dict[int, list[dict]] = {}
-    for r in rows:
-        by_gen.setdefault(int(r["generation"]), []).append(r)
-    width = len({r["rank"] for r in by_gen[0]})
-    steps = []
-    for rs in by_gen.values():
-        if len({r["rank"] for r in rs}) == width:
-            first = min(r["step"] for r in rs)
-            steps += [r["step_time_s"] for r in rs if r["step"] > first]
-    return statistics.median(steps)
+    gens = generations(rows)
+    width = gens[min(gens)][0]
+    return statistics.median(t for w, steps in gens.values() if w == width for t in steps)
 
 
 def configure(run: dict, calib: dict) -> tuple[str, dict, dict, Layout, Trace]:

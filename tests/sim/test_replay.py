@@ -56,24 +56,23 @@ def test_the_calibration_measures_width_scaling_and_per_process_launch(calib):
     assert calib["launch_per_node_s"] > 0 or calib["launch_per_log2_nodes_s"] > 0
 
 
-def test_a_failure_with_ft_none_is_refused(tmp_path, calib):
-    d = tmp_path / "none"
-    shutil.copytree(RUNS / "kills/deadpool", d)
+def edited_run(tmp_path, source: str, **summary) -> Path:
+    """A copy of a shipped run directory with some summary.json fields changed."""
+    d = tmp_path / source.replace("/", "_")
+    shutil.copytree(RUNS / source, d)
     s = json.loads((d / "summary.json").read_text())
-    s["strategy"] = "none"
-    (d / "summary.json").write_text(json.dumps(s))
+    (d / "summary.json").write_text(json.dumps({**s, **summary}))
+    return d
+
+
+def test_a_failure_with_ft_none_is_refused(tmp_path, calib):
     with pytest.raises(replay.ReplayError, match="ft=none ends"):
-        replay.replay(d, calib)
+        replay.replay(edited_run(tmp_path, "kills/deadpool", strategy="none"), calib)
 
 
 def test_an_unfinished_run_is_refused(tmp_path, calib):
-    d = tmp_path / "lost"
-    shutil.copytree(RUNS / "free/none", d)
-    s = json.loads((d / "summary.json").read_text())
-    s["outcome"] = "unrecoverable"
-    (d / "summary.json").write_text(json.dumps(s))
     with pytest.raises(replay.ReplayError, match="did not complete"):
-        replay.replay(d, calib)
+        replay.replay(edited_run(tmp_path, "free/none", outcome="unrecoverable"), calib)
 
 
 def test_kills_land_on_distinct_nodes_at_measured_times(calib):

@@ -1,8 +1,8 @@
 """Fit the simulator's hot-swap parameters from the runtime's run directories.
 
-    python -m sim.calibrate RUN_DIR [RUN_DIR ...] [--name measured] [--out PATH]
+    python -m sim.calibrate RUN_DIR|RESULTS_DIR [...] [--name measured] [--out PATH]
 
-Reads each run's ``summary.json`` (and ``metrics.jsonl`` when present) as written by the
+A directory without a ``summary.json`` stands for every run directory below it. Reads each run's ``summary.json`` (and ``metrics.jsonl`` when present) as written by the
 runtime, fits the parameters below and writes a calibration YAML (default:
 conf/sim/calibration/<name>.yaml, selected with ``calibration=<name>``) with a comment on
 every line saying where the value came from. Parameters the runs say nothing about are
@@ -30,9 +30,11 @@ Fits (scipy):
   load is latency). Elastic shrinks and regrows relaunch the same way and join this fit, at the
   width they relaunch at. Hot-swap fits use hot-swapped recoveries only, snapshot fits ft=deadpool
   runs only (``summary.json``'s ``strategy``).
-- ``width_scaling_exponent``: from runs that continued at a reduced data-parallel width (elastic,
-  global batch kept): per reduced generation ``log(speed) / log(width / full width)`` with
-  speed = median step time at full width / at the reduced one; the median over generations.
+- ``width_step_time_ratio``, ``width_scaling_exponent``: from runs that continued at a reduced
+  data-parallel width w of W (elastic, global batch kept): per reduced generation the ratio of its
+  mean step time to generation 0's; the table holds the median ratio at each width fraction w/W
+  (``sim.costs.WidthScaling`` interpolates it), the exponent the median of ``log(1/ratio) /
+  log(w/W)`` (the power law beyond the table's narrowest point).
 - ``replicate_lag_steps``, ``snapshot_interval_steps``: from the runtime's per-step record when the
   runs have it (``protection_lag_steps``, ``snapshot_interval`` in metrics.jsonl: the interval the
   snapshot schedule chose, and the lag beyond the snapshot step, the median of the job's lag
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -59,7 +62,8 @@ import sim.config
 FITTED = ("detect_crash_s", "plan_s", "rebuild_base_s", "rebuild_per_log2_gpus_s", "transfer_latency_s",
           "transfer_gbps_per_node", "warmup_steps", "snapshot_overhead_frac",
           "snapshot_interval_steps", "replicate_lag_steps", "requeue_s", "launch_base_s",
-          "launch_per_log2_nodes_s", "launch_per_node_s", "ckpt_latency_s", "width_scaling_exponent")
+          "launch_per_log2_nodes_s", "launch_per_node_s", "ckpt_latency_s", "width_scaling_exponent",
+          "width_step_time_ratio")
 RELAUNCHED = ("restart", "shrink", "grow")  # a recovery record's "fallback": the job relaunched
 
 
@@ -106,8 +110,24 @@ def load_run(run_dir: str | Path) -> dict:
         lag = _protection(rows)
         if lag is not None:
             s["_protection_lag"], s["_interval"] = lag
-        s["_width_exponents"] = _width_exponents(rows)
+        s["_width_ratios"] = _width_ratios(rows)
     return s
+
+
+def run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Each path that holds a ``summary.json``, and for any other directory every run directory
+    below it (``summary.json``, ``metrics.jsonl`` and ``job.json``, as the runtime writes them)."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if (p / "summary.json").exists() or not p.is_dir():
+            out.append(p)
+            continue
+        found = sorted(q.parent for q in p.rglob("summary.json")
+                       if (q.parent / "metrics.jsonl").exists() and (q.parent / "job.json").exists())
+        if not found:
+            raise CalibrationError(f"{p}: no run directory (summary.json, metrics.jsonl, job.json) below it")
+        out += found
+    return out
 
 
 def generations(rows: list[dict]) -> dict[int, tuple[int, list[float]]]:
@@ -123,15 +143,15 @@ def generations(rows: list[dict]) -> dict[int, tuple[int, list[float]]]:
     return out
 
 
-def _width_exponents(rows: list[dict]) -> list[float]:
-    """``log(speed) / log(w / W)`` for each generation that ran at a narrower data-parallel width
-    w than the first generation's W (the global batch is kept, so a step does the same work):
-    speed = median step time of generation 0 / of that generation."""
+def _width_ratios(rows: list[dict]) -> list[tuple[float, float]]:
+    """``(w / W, step time at w / at W)`` for each generation that ran at a narrower data-parallel
+    width w than the first generation's W (the global batch is kept, so a step does the same
+    work); step times are means (the time a generation took), without each one's first step."""
     gens = generations(rows)
     if 0 not in gens or len(gens[0][1]) < 3:
         return []
-    full, t_full = gens[0][0], statistics.median(gens[0][1])
-    return [math.log(t_full / statistics.median(steps)) / math.log(w / full)
+    full, t_full = gens[0][0], statistics.fmean(gens[0][1])
+    return [(w / full, statistics.fmean(steps) / t_full)
             for g, (w, steps) in gens.items() if g and 0 < w < full and len(steps) >= 3]
 
 
@@ -211,18 +231,35 @@ def _fit_relaunch(runs, vals, src, names) -> None:
                                 f"{c}*world_size over {len(rl)} relaunches at one world size ({names}); slopes kept")
 
 
+def _names(dirs: list[str]) -> str:
+    if len(dirs) <= 8:
+        return ", ".join("/".join(Path(d).parts[-2:]) for d in dirs)
+    root = Path(os.path.commonpath([str(Path(d).resolve()) for d in dirs]))
+    try:
+        root = root.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    return f"{len(dirs)} runs under {root}"
+
+
 def fit(runs: list[dict], base: dict) -> tuple[dict, dict]:
     """Returns (values, sources) for every key of ``base``."""
     vals = dict(base)
     src = {k: f"copied from base calibration '{base.get('name', 'default')}' (not measured)" for k in base}
-    names = ", ".join("/".join(Path(r["_dir"]).parts[-2:]) for r in runs)
+    names = _names([r["_dir"] for r in runs])
     _fit_relaunch(runs, vals, src, names)
     recs = [x for r in runs for x in r["recoveries"] if _swapped(x)]
-    wexp = [e for r in runs for e in r.get("_width_exponents", [])]
-    if wexp:
-        vals["width_scaling_exponent"] = statistics.median(wexp)
-        src["width_scaling_exponent"] = (f"median log(speed)/log(width ratio) over {len(wexp)} reduced-width "
+    ratios = [x for r in runs for x in r.get("_width_ratios", [])]
+    if ratios:
+        vals["width_scaling_exponent"] = statistics.median(math.log(1.0 / q) / math.log(f) for f, q in ratios)
+        src["width_scaling_exponent"] = (f"median log(speed)/log(width fraction) over {len(ratios)} reduced-width "
                                          f"generations ({names})")
+        by: dict[float, list[float]] = {}
+        for f, q in ratios:
+            by.setdefault(round(f, 6), []).append(q)
+        vals["width_step_time_ratio"] = [[f, round(statistics.median(q), 6)] for f, q in sorted(by.items())]
+        src["width_step_time_ratio"] = (f"[width fraction, median step time there / at full width] over "
+                                        f"{len(ratios)} reduced-width generations ({names})")
     runs = [r for r in runs if r.get("strategy", "deadpool") == "deadpool"] or runs
 
     for key, rec_key in (("detect_crash_s", "detect_s"), ("plan_s", "plan_s")):
@@ -333,14 +370,16 @@ def render(vals: dict, src: dict, name: str, run_dirs: Iterable[str]) -> str:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(prog="python -m sim.calibrate", description=__doc__.split("\n")[0])
-    ap.add_argument("run_dirs", nargs="+", help="runtime run directories (summary.json, metrics.jsonl)")
+    ap.add_argument("run_dirs", nargs="+", help="runtime run directories (summary.json, metrics.jsonl), "
+                    "or directories to search for them")
     ap.add_argument("--name", default="measured", help="calibration name (config group option)")
     ap.add_argument("--out", default=None, help="output YAML (default conf/sim/calibration/<name>.yaml)")
     ap.add_argument("--base", default="default", help="calibration to take unmeasured values from")
     a = ap.parse_args(argv)
     base_path = sim.config.SIM_CONF_DIR / "calibration" / f"{a.base}.yaml"
     base = yaml.safe_load(base_path.read_text())
-    runs = [load_run(d) for d in a.run_dirs]
+    dirs = run_dirs(a.run_dirs)
+    runs = [load_run(d) for d in dirs]
     vals, src = fit(runs, base)
     out = Path(a.out) if a.out else sim.config.SIM_CONF_DIR / "calibration" / f"{a.name}.yaml"
     out.write_text(render(vals, src, a.name, a.run_dirs))

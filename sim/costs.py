@@ -27,6 +27,8 @@ import dataclasses
 import math
 from typing import Mapping
 
+import numpy as np
+
 from sim import network
 from sim.layout import Layout
 
@@ -125,10 +127,35 @@ def relaunch_s(layout: Layout, c: Mapping, num_nodes: int | None = None) -> floa
             + float(c.get("launch_per_node_s", 0.0)) * n)
 
 
-def width_exponent(c: Mapping) -> float:
-    """Throughput at a reduced data-parallel width w of W is (w/W)**this of full width, global
-    batch kept (1: linear, every rank on its own GPU; measured lower where ranks share cores)."""
-    return float(c.get("width_scaling_exponent", 1.0))
+@dataclasses.dataclass(frozen=True)
+class WidthScaling:
+    """Throughput at a reduced data-parallel width, global batch kept, as a fraction of full.
+
+    ``table`` (calibration ``width_step_time_ratio``: ``[[w/W, step time at w / at W], ...]``,
+    measured by ``sim.calibrate`` on reduced-width runs) is interpolated linearly between its
+    points and full width (1, 1); below its narrowest point the power law continues from there.
+    Without a table: ``(w/W)**exponent`` (``width_scaling_exponent``; 1 = linear, every rank on
+    its own GPU; measured below 0 where fewer ranks share a host's cores)."""
+
+    exponent: float = 1.0
+    table: tuple[tuple[float, float], ...] = ()
+
+    def speed(self, frac: float) -> float:
+        if frac >= 1.0:
+            return 1.0
+        pts = sorted(p for p in self.table if 0.0 < p[0] < 1.0)
+        if not pts:
+            return frac ** self.exponent
+        f0, r0 = pts[0]
+        if frac < f0:
+            return (frac / f0) ** self.exponent / r0
+        xs, ys = [f for f, _ in pts] + [1.0], [r for _, r in pts] + [1.0]
+        return 1.0 / float(np.interp(frac, xs, ys))
+
+
+def width_scaling(c: Mapping) -> WidthScaling:
+    return WidthScaling(exponent=float(c.get("width_scaling_exponent", 1.0)),
+                        table=tuple((float(f), float(r)) for f, r in (c.get("width_step_time_ratio") or ())))
 
 
 def storage_load_s(layout: Layout, c: Mapping) -> float:

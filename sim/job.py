@@ -56,9 +56,8 @@ class Job:
         self.group_active = [True] * layout.num_groups
         self.active_groups = layout.num_groups
         self._npg = npg
-        # throughput at a reduced data-parallel width w of G groups, global batch kept:
-        # (w/G)**width_exponent of full (calibration ``width_scaling_exponent``; 1 = linear)
-        self.width_exponent = 1.0
+        # throughput at a reduced data-parallel width, global batch kept (sim.costs.WidthScaling)
+        self.width = costs.WidthScaling()
         self._seg_t0: float | None = None
         self._phase: tuple[str, float] | None = None
         self._wake: simpy.Event | None = None
@@ -258,7 +257,7 @@ class Job:
         return self.active_groups < len(self.group_active) and self.cluster.pool_size() >= self._npg
 
     def _set_width(self) -> None:
-        self.factors["degraded"] = (self.active_groups / len(self.group_active)) ** self.width_exponent
+        self.factors["degraded"] = self.width.speed(self.active_groups / len(self.group_active))
 
     # -- pool notifications -----------------------------------------------------------------
     def _pool_changed(self) -> None:

@@ -1,13 +1,13 @@
 """Replay measured runtime runs in the simulator and compare goodput: does the model hold?
 
-    python -m sim.replay RUN_DIR [RUN_DIR ...] [--calibration cpu_strategies] [--out replay.csv]
+    python -m sim.replay RUN_DIR|RESULTS_DIR [...] [--calibration cpu_strategies] [--out replay.csv]
 
 For each run directory (``summary.json``, ``metrics.jsonl``, ``job.json`` as the runtime writes
 them, e.g. those ``experiments/compare_strategies.py`` keeps) the simulator is configured like
 the measured run, and nothing else is taken from it:
 
 - layout: the run's first data-parallel width, one rank per node, its warm spares, its state
-  bytes per rank; ``step_time_s`` = the run's median step time at full width (every generation
+  bytes per rank; ``step_time_s`` = the run's mean step time at full width (every generation
   at the first one's width, each without its first step: warm-up is a recovery cost). The per-step cost of a strategy (snapshots, synchronous copies) is
   inside that step time, so the calibration's ``snapshot_overhead_frac`` is set to 0 here:
   the replay tests what failures cost, not the failure-free overhead (a separate, in-run A/B
@@ -25,6 +25,9 @@ the measured run, and nothing else is taken from it:
 - every recovery cost (detection, plan, rebuild, transfer, relaunch, load, width scaling) comes
   from the calibration (``sim.calibrate`` fitted on run directories).
 
+Repeats of one run (``<schedule>/rep<k>/<strategy>``, ``experiments/compare_strategies.py
+--repeats``) are also compared as a group: mean measured against mean simulated goodput.
+
 Goodput is compared as job goodput: steps done x the run's own step time / window (measured:
 ``(num_steps - 1) * step_time_s / window``; simulated: ``W / horizon``). Multiplying both by
 ``step_time_s / t_none`` gives the comparison table's goodput; the relative error is the same.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -43,7 +47,7 @@ import numpy as np
 import yaml
 
 import sim.config
-from sim.calibrate import generations
+from sim.calibrate import CalibrationError, generations, run_dirs
 from sim.layout import Layout
 from sim.simulate import run_one
 from sim.trace import FAIL, REMOVE, Trace
@@ -92,11 +96,12 @@ def load(run_dir: str | Path) -> dict:
 
 
 def _step_time(rows: list[dict]) -> float:
-    """Median step time of the generations that ran at the first generation's width (a hot swap
-    or a restart keeps it, an elastic shrink does not), each without its first step (warm-up)."""
+    """Mean step time (the time the steps took) of the generations that ran at the first
+    generation's width (a hot swap or a restart keeps it, an elastic shrink does not), each
+    without its first step (warm-up, a recovery cost)."""
     gens = generations(rows)
     width = gens[min(gens)][0]
-    return statistics.median(t for w, steps in gens.values() if w == width for t in steps)
+    return statistics.fmean(t for w, steps in gens.values() if w == width for t in steps)
 
 
 def configure(run: dict, calib: dict) -> tuple[str, dict, dict, Layout, Trace]:
@@ -168,26 +173,73 @@ def load_calibration(name_or_path: str) -> dict:
     return yaml.safe_load(p.read_text())
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m sim.replay", description=__doc__.split("\n")[0])
-    ap.add_argument("run_dirs", nargs="+")
-    ap.add_argument("--calibration", default="cpu_strategies", help="name under conf/sim/calibration or a path")
-    ap.add_argument("--out", default=None, help="write the rows as CSV here")
-    a = ap.parse_args(argv)
-    calib = load_calibration(a.calibration)
-    rows = [replay(d, calib) for d in a.run_dirs]
-    cols = ["strategy", "dp", "spares", "kills", "window_s", "measured_goodput", "simulated_goodput", "rel_error", "run"]
+def group_of(run_dir: str | Path) -> str:
+    """A run's group: its path without the ``rep<k>`` parts of repeated runs."""
+    return str(Path(*(p for p in Path(run_dir).parts if not re.fullmatch(r"rep\d+", p))))
+
+
+def by_group(rows: list[dict]) -> list[dict]:
+    """Repeats of one run (``group_of``) together: mean measured and simulated goodput and the
+    relative error of the means (the noise of one run on a shared host averages out)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(group_of(r["run"]), []).append(r)
+    out = []
+    for g, rs in groups.items():
+        m = statistics.fmean(r["measured_goodput"] for r in rs)
+        sg = statistics.fmean(r["simulated_goodput"] for r in rs)
+        out.append({"group": g, "strategy": rs[0]["strategy"], "runs": len(rs), "measured_goodput": round(m, 4),
+                    "simulated_goodput": round(sg, 4), "rel_error": round(sg / m - 1.0, 4),
+                    "worst_run_error": max((r["rel_error"] for r in rs), key=abs)})
+    return out
+
+
+def _print(rows: list[dict], cols: list[str]) -> None:
     w = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.ljust(w[c]) for c in cols))
     for r in rows:
         print("  ".join(str(r[c]).ljust(w[c]) for c in cols))
-    worst = max(abs(r["rel_error"]) for r in rows)
-    print(f"[replay] {len(rows)} runs, worst |relative error| {worst:.1%}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m sim.replay", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dirs", nargs="+", help="run directories, or directories to search for them")
+    ap.add_argument("--calibration", default="cpu_strategies", help="name under conf/sim/calibration or a path")
+    ap.add_argument("--out", default=None, help="write the rows as CSV here (and the group means next to it, *_mean.csv)")
+    a = ap.parse_args(argv)
+    calib = load_calibration(a.calibration)
+    try:
+        dirs = run_dirs(a.run_dirs)
+    except CalibrationError as e:
+        raise ReplayError(str(e)) from None
+    named = {Path(d) for d in a.run_dirs}
+    rows = []
+    for d in dirs:
+        try:
+            rows.append(replay(d, calib))
+        except ReplayError as e:
+            if d in named:
+                raise
+            print(f"[replay] skipped {e}")  # found below a directory: e.g. ft=none's failed run
+    if not rows:
+        raise ReplayError("no run to replay")
+    _print(rows, ["strategy", "dp", "spares", "kills", "window_s", "measured_goodput", "simulated_goodput",
+                  "rel_error", "run"])
+    groups = by_group(rows)
+    if len(groups) < len(rows):
+        print("\nmeans over repeats:")
+        _print(groups, ["strategy", "runs", "measured_goodput", "simulated_goodput", "rel_error",
+                        "worst_run_error", "group"])
+    print(f"[replay] {len(rows)} runs in {len(groups)} groups; worst |relative error|: "
+          f"{max(abs(g['rel_error']) for g in groups):.1%} of a group's mean, "
+          f"{max(abs(r['rel_error']) for r in rows):.1%} of one run")
     if a.out:
-        with open(a.out, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+        out = Path(a.out)
+        for path, rs in ((out, rows), (out.with_name(out.stem + "_mean.csv"), groups)):
+            with open(path, "w", newline="") as f:
+                wr = csv.DictWriter(f, fieldnames=list(rs[0]))
+                wr.writeheader()
+                wr.writerows(rs)
     return rows
 
 

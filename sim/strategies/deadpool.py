@@ -52,7 +52,7 @@ class DeadPoolParams:
     on_no_spare: str  # "wait" | "shrink"
     buddy_placement: str
     memory_restart_s: float  # job restart from host-memory copies (InMemoryRestart)
-    width_exponent: float = 1.0  # throughput at reduced width after a shrink (costs.width_exponent)
+    width: costs.WidthScaling = costs.WidthScaling()  # throughput at reduced width after a shrink
 
 
 class DeadPool(Job):
@@ -61,7 +61,7 @@ class DeadPool(Job):
         if p.on_no_spare not in ("wait", "shrink"):
             raise ValueError(f"on_no_spare must be wait or shrink, got {p.on_no_spare!r}")
         self.p = p
-        self.width_exponent = p.width_exponent
+        self.width = p.width
         self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
         if p.snap.overhead_frac > 0:
             self.factors["snapshot"] = 1.0 / (1.0 + p.snap.overhead_frac)
@@ -78,7 +78,7 @@ class DeadPool(Job):
                               on_no_spare=str(scfg.get("on_no_spare", "wait")),
                               buddy_placement=str(calib.get("buddy_placement", "adjacent")),
                               memory_restart_s=costs.memory_restart_s(layout, calib),
-                              width_exponent=costs.width_exponent(calib))
+                              width=costs.width_scaling(calib))
 
     def on_interrupt(self, cause) -> None:
         self.recovering = True

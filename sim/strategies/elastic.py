@@ -29,7 +29,7 @@ How the width changes (``shrink``):
 - ``relaunch`` (torchelastic, and the runtime's ``ft=elastic`` today): the consistent state is
   written to storage and every process relaunches at the new width and loads it (write +
   ``costs.relaunch_s`` at the new width + storage load), for a shrink and for a regrow.
-Throughput at reduced width follows the calibration's ``width_scaling_exponent``.
+Throughput at reduced width follows the calibration (``sim.costs.WidthScaling``).
 
 Analytic expectation (tests/sim/test_strategies.py): one permanent failure with repair
 time D at full width G groups, replicated optimizer, costs about ``detect + reconfig + D/G``
@@ -59,7 +59,7 @@ class ElasticParams:
     shard_lost: bool  # a dropped replica takes the only copy of its optimizer shard
     disk: costs.DiskCosts
     disk_interval_s: float
-    width_exponent: float = 1.0
+    width: costs.WidthScaling = costs.WidthScaling()
     relaunch_s: tuple[float, ...] | None = None  # shrink=relaunch: cost by active groups after it
 
 
@@ -68,7 +68,7 @@ class Elastic(Job):
         super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
         self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
-        self.width_exponent = p.width_exponent
+        self.width = p.width
         self.factors["degraded"] = 1.0
         self.shrink_pending = False
         self.restore_pending = False
@@ -97,7 +97,7 @@ class Elastic(Job):
             shard_lost=where == "cluster" and layout.optimizer_sharded_over_dp and layout.dp > 1,
             disk=d,
             disk_interval_s=checkpoint_interval_s({"ckpt_interval_s": scfg.get("disk_ckpt_interval_s")}, d, mtbf_s),
-            width_exponent=costs.width_exponent(calib),
+            width=costs.width_scaling(calib),
             relaunch_s=relaunch,
         )
 

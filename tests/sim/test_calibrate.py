@@ -189,6 +189,8 @@ def test_launch_per_process_term_and_elastic_relaunches_at_their_width(tmp_path)
     assert vals["launch_per_log2_nodes_s"] == pytest.approx(0.5, abs=1e-3)
     assert vals["launch_per_node_s"] == pytest.approx(2.0, abs=1e-3)
     assert vals["width_scaling_exponent"] == pytest.approx(0.5, abs=1e-6)
+    [(frac, ratio)] = vals["width_step_time_ratio"]
+    assert frac == 0.75 and ratio == pytest.approx((3 / 4) ** -0.5, abs=1e-6)
 
 
 def test_shipped_strategy_runs_calibrate_restart_and_swap_over_three_world_sizes(tmp_path):

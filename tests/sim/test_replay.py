@@ -1,15 +1,13 @@
 """sim.replay: the simulator configured like a measured runtime run reproduces its goodput.
 
 The shipped run directories (experiments/compare_strategies.py: dp=4, tiny model, every
-strategy, failure-free / two kills / a burst of two) are calibrated with sim.calibrate and
-replayed. The target is 10 %; the test allows 15 % per run and asks for 10 % on the median.
-Two shipped runs sit between 10 and 15 % (kills/checkpoint_restart: its two relaunches took 6.3
-and 6.8 s where the fit over every relaunch says 6.0 s, and a goodput of 0.44 turns that into
-13 %; kills/elastic: the dp=3 generation ran 9 % slower than full width, as one of three ranks
-computes two of the four batches, which the simulator's power law in width does not model).
+strategy, failure-free / two kills / a burst of two, the failure schedules run three times; one
+kill at dp=2 and dp=3) are calibrated with sim.calibrate and replayed. The target is 10 % on
+each strategy's goodput: the mean over a schedule's repeats. One run on a shared 2-core host
+can sit further off (a relaunch that took a second longer, a slow phase of the host), so a
+single run is allowed 15 %. A held-out check fits the calibration without one repeat and
+replays that repeat.
 """
-
-import statistics
 
 import json
 import shutil
@@ -21,39 +19,71 @@ from sim import calibrate, replay
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "experiments/results/runtime/strategies"
-STRATEGIES = ("deadpool", "sync_snapshot", "checkpoint_restart", "elastic")
-REPLAYED = ([RUNS / "free/none"] + [RUNS / s / k for s in ("free", "kills", "burst") for k in STRATEGIES])
-CALIBRATED = ([RUNS / s / k for s in ("kills", "burst") for k in ("deadpool", "checkpoint_restart", "elastic")]
-              + [RUNS / f"scale/dp{w}" / k for w in (2, 3) for k in ("deadpool", "checkpoint_restart")])
+DIRS = [d for d in calibrate.run_dirs([RUNS])
+        if json.loads((d / "summary.json").read_text())["outcome"] == "completed"]
+REPEATED = sorted({p for d in DIRS for p in d.parts if p.startswith("rep")})
+MODE = {"deadpool": "sim_swaps", "sync_snapshot": "sim_swaps", "checkpoint_restart": "sim_restarts",
+        "elastic": "sim_shrinks"}
+
+
+def fitted(tmp_path: Path, dirs) -> dict:
+    out = tmp_path / "calib.yaml"
+    calibrate.main([str(d) for d in dirs] + ["--name", "replayed", "--out", str(out)])
+    return replay.load_calibration(str(out))
 
 
 @pytest.fixture(scope="module")
 def calib(tmp_path_factory):
-    out = tmp_path_factory.mktemp("calib") / "replayed.yaml"
-    calibrate.main([str(d) for d in CALIBRATED] + ["--name", "replayed", "--out", str(out)])
-    return replay.load_calibration(str(out))
+    return fitted(tmp_path_factory.mktemp("calib"), DIRS)
 
 
-@pytest.mark.parametrize("run_dir", REPLAYED, ids=lambda p: "/".join(p.parts[-2:]))
-def test_replay_reproduces_the_measured_goodput(run_dir, calib):
+@pytest.fixture(scope="module")
+def rows(calib):
+    return [replay.replay(d, calib) for d in DIRS]
+
+
+def test_the_shipped_runs_cover_every_strategy_schedule_and_repeats():
+    groups = {replay.group_of(d) for d in DIRS}
+    for sched in ("kills", "burst"):
+        for strategy in MODE:
+            assert str(RUNS / sched / strategy) in groups
+    assert len(REPEATED) >= 2 and len(DIRS) > len(groups)
+
+
+def test_each_strategys_mean_goodput_within_ten_percent(rows):
+    for g in replay.by_group(rows):
+        assert abs(g["rel_error"]) <= 0.10, g
+
+
+@pytest.mark.parametrize("run_dir", DIRS, ids=lambda p: "/".join(p.relative_to(RUNS).parts))
+def test_each_run_within_fifteen_percent_on_the_recovery_path(run_dir, calib):
     row = replay.replay(run_dir, calib)
     assert abs(row["rel_error"]) <= 0.15, row
-    if "kills" in str(run_dir) or "burst" in str(run_dir):
-        assert row["kills"] >= 1
-        mode = {"deadpool": "sim_swaps", "sync_snapshot": "sim_swaps", "checkpoint_restart": "sim_restarts",
-                "elastic": "sim_shrinks"}[row["strategy"]]
-        assert row[mode] >= 1, row  # the simulator took the strategy's recovery path
+    if row["kills"]:
+        assert row[MODE[row["strategy"]]] >= 1, row  # the simulator took the strategy's recovery path
 
 
-def test_median_error_within_ten_percent(calib):
-    errs = [abs(replay.replay(d, calib)["rel_error"]) for d in REPLAYED]
-    assert statistics.median(errs) <= 0.10, errs
+@pytest.mark.parametrize("held_out", REPEATED)
+def test_a_repeat_held_out_of_the_calibration_is_reproduced(held_out, tmp_path):
+    test = [d for d in DIRS if held_out in d.parts]
+    c = fitted(tmp_path, [d for d in DIRS if held_out not in d.parts])
+    got = [replay.replay(d, c) for d in test]
+    assert len(got) >= 4
+    assert all(abs(r["rel_error"]) <= 0.15 for r in got), got
 
 
 def test_the_calibration_measures_width_scaling_and_per_process_launch(calib):
     # both come from the runs: reduced-width generations and relaunches at 2, 3 and 4 ranks
+    assert {f for f, _ in calib["width_step_time_ratio"]} == {0.5, 0.75}
     assert calib["width_scaling_exponent"] != 1.0
     assert calib["launch_per_node_s"] > 0 or calib["launch_per_log2_nodes_s"] > 0
+
+
+def test_replay_finds_the_runs_below_a_directory_and_groups_repeats(tmp_path):
+    got = replay.main([str(RUNS / "kills"), "--out", str(tmp_path / "r.csv")])  # shipped cpu_strategies
+    assert {r["run"] for r in got} == {str(d) for d in DIRS if "kills" in d.relative_to(RUNS).parts}
+    means = (tmp_path / "r_mean.csv").read_text().splitlines()
+    assert len(means) == 1 + len({replay.group_of(r["run"]) for r in got}) < 1 + len(got)
 
 
 def edited_run(tmp_path, source: str, **summary) -> Path:

@@ -262,8 +262,13 @@ def test_elastic_relaunch_shrink_pays_a_relaunch_at_the_new_width(layout, calib,
         run("elastic", s | {"shrink": "sideways"}, c, layout(), tr)
 
 
-@pytest.mark.parametrize("exponent, speed", [(1.0, 0.75), (0.0, 1.0), (-0.5, 0.75 ** -0.5)])
-def test_reduced_width_speed_follows_the_width_exponent(layout, calib, strategy_cfgs, handmade, exponent, speed):
+@pytest.mark.parametrize("exponent, table, speed", [
+    (1.0, [], 0.75), (0.0, [], 1.0), (-0.5, [], 0.75 ** -0.5),
+    (1.0, [[0.5, 0.8], [0.75, 1.25]], 0.8),  # a measured point: step time x 1.25
+    (1.0, [[0.5, 0.8]], 1 / 0.9),  # interpolated between (0.5, 0.8) and (1, 1)
+    (2.0, [[0.875, 1.1]], (0.75 / 0.875) ** 2 / 1.1)])  # below the table: the power law from its end
+def test_reduced_width_speed_follows_the_calibration(layout, calib, strategy_cfgs, handmade, exponent, table, speed):
     tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
-    r = run("elastic", strategy_cfgs("elastic"), calib | {"width_scaling_exponent": exponent}, layout(), tr)
+    c = calib | {"width_scaling_exponent": exponent, "width_step_time_ratio": table}
+    r = run("elastic", strategy_cfgs("elastic"), c, layout(), tr)
     assert r["goodput"] == pytest.approx((1000 + speed * 2975 + T - 4025) / T, abs=1e-6)

@@ -17,7 +17,8 @@ with fewer, DeadPool falls back to elastic). For each run the table gives:
 
     ratio      median over rounds of the failure-free step time / ft=none's (free schedule only;
                ratio_min, ratio_max: the spread over rounds)
-    lost/fail  (training window - the strategy's failure-free window) / failures: everything a
+    lost/fail  (training window - the strategy's failure-free window, the median over the free
+               rounds) / failures: everything a
                failure costs, from the kill to being back at speed, recomputed steps included
     detect, recover, recompute  the runtime's own breakdown, summed over the run's failures
                (recover: kill -> first step again minus detection; recompute: steps rolled back
@@ -26,17 +27,18 @@ with fewer, DeadPool falls back to elastic). For each run the table gives:
                last step's end), per GPU held: x workers / (workers + spares)
 
 The failure schedules run ``--repeats`` times (rounds with the strategies in a rotated order, as
-the free rounds): on a shared 2-core host one run's relaunch or a slow phase moves its goodput by
-10 %, so ``lost_per_failure_s`` and ``goodput`` are means over the repeats, with ``lost_min`` and
-``lost_max`` the spread.
+the free rounds): on a shared 2-core host one run's relaunch or a slow phase of the host moves
+its goodput by 10 % and its window by seconds, so ``lost_per_failure_s`` and ``goodput`` are
+means over the repeats (free schedule: over the rounds), with ``lost_min`` and ``lost_max`` the
+spread; detect, recover and recompute (the runtime's own record) are the least noisy.
 
 Writes ``table.csv`` and keeps every run's ``summary.json``, ``metrics.jsonl`` and ``job.json``
-under ``<out>/<schedule>/<strategy>/`` (repeats: ``<out>/<schedule>/rep<k>/<strategy>/``;
-``sim.calibrate``, ``sim.replay`` and ``paper_figures`` read them); the extra free rounds keep
-``summary.json`` under ``<out>/free/round<k>/<strategy>/``. ``--world_sizes`` also runs DeadPool
+under ``<out>/<schedule>/<strategy>/`` (repeats and free rounds after the first:
+``<out>/<schedule>/rep<k>/<strategy>/``; ``sim.calibrate``, ``sim.replay`` and ``paper_figures``
+read them). ``--world_sizes`` also runs DeadPool
 and checkpoint/restart with one kill at other data-parallel widths
 (``<out>/scale/dp<N>/<strategy>/``), so the calibration fits slopes over world size.
-Takes ~35 minutes on 2 cores with the defaults (120 steps, 3 free rounds, 3 repeats).
+Takes ~14 minutes on 2 cores with the defaults (120 steps, 3 free rounds, 3 repeats).
 """
 
 from __future__ import annotations
@@ -101,12 +103,12 @@ def step_time(rows: list[dict]) -> float:
     return statistics.median(r["step_time_s"] for r in rows if r["generation"] == 0 and r["step"] > 1)
 
 
-def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path, files=None) -> dict:
+def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path) -> dict:
     events = schedule_events(sched, args.kills)
     rd = tmp / sched / strategy
     t0 = time.time()
     s = run(overrides(strategy, args, dp) + [fmt_events(events)], rd)
-    keep(rd, out / strategy, "", files=files or ("summary.json", "metrics.jsonl", "job.json"))
+    keep(rd, out / strategy, "", files=("summary.json", "metrics.jsonl", "job.json"))
     rows = metrics(rd)
     print(f"  {sched:6s} {strategy:19s} dp={dp} {s['outcome']:14s} {time.time() - t0:5.1f} s",
           flush=True)
@@ -114,15 +116,17 @@ def run_one(strategy: str, sched: str, args, dp: int, tmp: Path, out: Path, file
 
 
 def table_rows(results: dict, free_rounds: list[dict], args) -> list[dict]:
-    """One row per (schedule, strategy); ``results[schedule][strategy]`` is a list of repeats."""
-    t_none = step_time(results["free"]["none"][0]["rows"])
+    """One row per (schedule, strategy); ``results[schedule][strategy]`` is a list of repeats
+    (``results["free"]``: one per free round). The failure-free references are medians over the
+    free rounds (one slow round on a shared host must not become every failure's baseline)."""
+    t_none = statistics.median(step_time(r["rows"]) for r in results["free"]["none"])
     rounds = [{k: v["summary"]["step_time_s"] for k, v in r.items()} for r in free_rounds]
     out = []
     for sched, by in results.items():
         for strategy, reps in by.items():
             free = results["free"].get(strategy)
-            w_free = window(free[0]["rows"], args.steps) if free else None
-            t_free = step_time(free[0]["rows"] if free else reps[0]["rows"])
+            w_free = statistics.median(window(r["rows"], args.steps) for r in free) if free else None
+            t_free = statistics.median(step_time(r["rows"]) for r in (free or reps[:1]))
             per = [_measures(r, args, w_free, t_free, t_none) for r in reps]
             first, done = reps[0], [p for p in per if p["window_s"]]
             lost = [p["lost_per_failure_s"] for p in per if p["lost_per_failure_s"] is not None]
@@ -204,11 +208,10 @@ def main(argv=None) -> None:
             print(f"free round {k + 1}/{args.free_rounds}: {' '.join(order)}", flush=True)
             got = {}
             for strategy in order:
-                dest = out / "free" if k == 0 else out / "free" / f"round{k}"
-                got[strategy] = run_one(strategy, "free", args, args.dp, tmp / f"r{k}", dest,
-                                        files=None if k == 0 else ("summary.json",))
+                dest = out / "free" if k == 0 else out / "free" / f"rep{k}"
+                got[strategy] = run_one(strategy, "free", args, args.dp, tmp / f"r{k}", dest)
             free_rounds.append(got)
-        results["free"] = {k: [v] for k, v in free_rounds[0].items()}
+        results["free"] = {k: [r[k] for r in free_rounds] for k in free_rounds[0]}
         scheds = [x for x in args.schedules if x != "free"]
         for k in range(max(1, args.repeats)):
             order = args.strategies[k % len(args.strategies):] + args.strategies[:k % len(args.strategies)]

@@ -53,10 +53,6 @@ def commands(r: dict, p: dict) -> dict[str, list[list[str]]]:
     py, a = sys.executable, r[r["scale"]]
     res = p["results"]
     strat = res / "runtime/strategies"
-    calib_dirs = [str(strat / s / k) for s in ("kills", "burst") for k in ("deadpool", "checkpoint_restart", "elastic")]
-    calib_dirs += [str(strat / f"scale/dp{w}" / k) for w in (2, 3) for k in ("deadpool", "checkpoint_restart")]
-    replayed = [str(strat / "free/none")] + [str(strat / s / k) for s in ("free", "kills", "burst")
-                                             for k in ("deadpool", "sync_snapshot", "checkpoint_restart", "elastic")]
     sim_common = [f"seeds={a['sim_seeds']}", f"duration_days={a['sim_days']}", "hydra/launcher=sim_joblib",
                   "progress=false"]
 
@@ -67,8 +63,8 @@ def commands(r: dict, p: dict) -> dict[str, list[list[str]]]:
 
     return {
         "strategies": [[py, "experiments/compare_strategies.py", "--out", str(strat), *a["strategies"]]],
-        "calibrate": [[py, "-m", "sim.calibrate", *calib_dirs, "--name", "cpu_strategies", "--out", str(p["calibration"])]],
-        "replay": [[py, "-m", "sim.replay", *replayed, "--calibration", str(p["calibration"]),
+        "calibrate": [[py, "-m", "sim.calibrate", str(strat), "--name", "cpu_strategies", "--out", str(p["calibration"])]],
+        "replay": [[py, "-m", "sim.replay", str(strat), "--calibration", str(p["calibration"]),
                     "--out", str(strat / "replay.csv")]],
         "overhead": [[py, "experiments/bench_overhead.py", "--out", str(res / "runtime/overhead"), *a["overhead"]]],
         "bench3d": [[py, "experiments/bench_3d.py", "--out", str(res / "runtime/bench3d"), *a["bench3d"]]],

@@ -51,6 +51,9 @@ def measured(table: Path) -> pd.DataFrame:
             r[f"{sched}_outcome"] = m.get("outcome")
             v = m.get("lost_per_failure_s")
             r[f"{sched}_s"] = float(v) if pd.notna(v) else None
+            if pd.notna(m.get("lost_min", float("nan"))) and pd.notna(m.get("lost_max", float("nan"))):
+                r[f"{sched}_range"] = (float(m["lost_min"]), float(m["lost_max"]))
+                r["repeats"] = int(m.get("repeats", 1))
             parts = [m.get(k) for k in ("detect_s", "recover_s", "recompute_s")]
             if all(pd.notna(x) for x in parts) and m.get("failures"):
                 r[f"{sched}_breakdown_s"] = sum(float(x) for x in parts) / float(m["failures"])
@@ -116,12 +119,19 @@ def main():
             if len(ys) == 2:
                 ax.plot([x, x], [ys["kills"][0], ys["burst"][0]], color=c, lw=1.0, alpha=0.7)
             for sched, (y, fallback) in ys.items():
+                lo, hi = r.get(f"{sched}_range") if isinstance(r.get(f"{sched}_range"), tuple) else (y, y)
+                if not fallback and hi > lo:  # spread over the schedule's repeats
+                    ax.plot([x, x], [max(lo, FLOOR), hi], color=c, lw=2.5, alpha=0.35, solid_capstyle="butt")
                 ax.plot([x], [y], marker=style.marker(s), color=c, ms=9 if sched == "kills" else 5,
                         mec="k" if fallback else c, mew=1.2 if fallback else 0.5, ls="none", zorder=4)
             y0, fb = ys.get("kills", next(iter(ys.values())))
             lab = style.label(s) + (" *" if any(f for _, f in ys.values()) else "")
             anns.append(ax.annotate(lab, (x, y0), xytext=(8, 0), textcoords="offset points", fontsize=8,
                                     va="center", color=c))
+        reps = int(meas["repeats"].max()) if "repeats" in meas and meas["repeats"].notna().any() else 1
+        if reps > 1:
+            notes.append(f"measured: mean over {reps} runs of each failure schedule; the pale bar spans their "
+                         f"min to max.")
         if meas.get("kills_breakdown_s") is not None and any(
                 (r.get("kills_s") is not None and pd.notna(r.get("kills_s")) and r["kills_s"] <= 0)
                 for _, r in meas.iterrows()):

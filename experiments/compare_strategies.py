@@ -38,7 +38,7 @@ under ``<out>/<schedule>/<strategy>/`` (repeats and free rounds after the first:
 read them). ``--world_sizes`` also runs DeadPool
 and checkpoint/restart with one kill at other data-parallel widths
 (``<out>/scale/dp<N>/<strategy>/``), so the calibration fits slopes over world size.
-Takes ~14 minutes on 2 cores with the defaults (120 steps, 3 free rounds, 3 repeats).
+Takes ~13 minutes on 2 cores with the defaults (120 steps, 3 free rounds, 3 repeats).
 """
 
 from __future__ import annotations

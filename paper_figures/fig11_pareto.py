@@ -94,6 +94,7 @@ def main():
     fig, ax = plt.subplots(figsize=(8.2, 5.6))
     ax.set_yscale("log")
     anns, notes = [], []
+    marked_breakdown = False
     top_y = 3000.0
     if meas is not None:
         for _, r in meas.iterrows():
@@ -124,10 +125,18 @@ def main():
                     ax.plot([x, x], [max(lo, FLOOR), hi], color=c, lw=2.5, alpha=0.35, solid_capstyle="butt")
                 ax.plot([x], [y], marker=style.marker(s), color=c, ms=9 if sched == "kills" else 5,
                         mec="k" if fallback else c, mew=1.2 if fallback else 0.5, ls="none", zorder=4)
+            b = r.get("kills_breakdown_s")
+            if "kills" in ys and not ys["kills"][1] and b is not None and pd.notna(b) and b > 0:
+                ax.plot([x], [b], marker="x", color="k", ms=6, mew=1.2, ls="none", zorder=5)
+                marked_breakdown = True
             y0, fb = ys.get("kills", next(iter(ys.values())))
             lab = style.label(s) + (" *" if any(f for _, f in ys.values()) else "")
             anns.append(ax.annotate(lab, (x, y0), xytext=(8, 0), textcoords="offset points", fontsize=8,
                                     va="center", color=c))
+        if marked_breakdown:
+            notes.append("x: the runtime's own record of the kills, per failure (detect + kill-to-first-step + "
+                         "recomputed steps); the window-based point also holds slower (or, narrower, faster) steps after a "
+                         "recovery and the host's noise.")
         reps = int(meas["repeats"].max()) if "repeats" in meas and meas["repeats"].notna().any() else 1
         if reps > 1:
             notes.append(f"measured: mean over {reps} runs of each failure schedule; the pale bar spans their "

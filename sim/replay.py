@@ -8,8 +8,10 @@ the measured run, and nothing else is taken from it:
 
 - layout: the run's first data-parallel width, one rank per node, its warm spares, its state
   bytes per rank; ``step_time_s`` = the run's mean step time at full width (every generation
-  at the first one's width, each without its first step: warm-up is a recovery cost). The per-step cost of a strategy (snapshots, synchronous copies) is
-  inside that step time, so the calibration's ``snapshot_overhead_frac`` is set to 0 here:
+  at the first one's width, each without its first step: warm-up is a recovery cost; with
+  ``--step_time first_generation`` before the first failure only). The per-step cost of a
+  strategy (snapshots, synchronous copies) is inside that step time, so the calibration's
+  ``snapshot_overhead_frac`` is set to 0 here:
   the replay tests what failures cost, not the failure-free overhead (a separate, in-run A/B
   measurement: ``experiments/bench_overhead.py``);
 - trace: one event per killed rank at the measured kill time (``t_kill`` of the run's
@@ -60,8 +62,11 @@ class ReplayError(ValueError):
     """A run directory that cannot be replayed; the message names it."""
 
 
-def load(run_dir: str | Path) -> dict:
-    """What the replay needs from one run directory."""
+STEP_TIMES = ("full_width", "first_generation")
+
+
+def load(run_dir: str | Path, step_time: str = "full_width") -> dict:
+    """What the replay needs from one run directory (``step_time``: see ``_step_time``)."""
     d = Path(run_dir)
     try:
         s = json.loads((d / "summary.json").read_text())
@@ -89,18 +94,24 @@ def load(run_dir: str | Path) -> dict:
             kills.append((float(x["t_kill"]) - t0, int(rank)))
     return {"dir": str(d), "strategy": s.get("strategy", job["ft"].get("strategy", "deadpool")),
             "dp": len({r["rank"] for r in gen0}), "spares": int(s.get("num_spares", 0)),
-            "steps": n, "step_time_s": _step_time(rows),
+            "steps": n, "step_time_s": _step_time(rows, step_time),
             "window_s": max(last) - t0, "kills": sorted(kills),
             "params": float(s["model_params"]), "state_bytes_per_rank": float(s["state_bytes_per_rank"]),
             "ckpt_every": int(job["ft"].get("persist_interval_steps") or 0)}
 
 
-def _step_time(rows: list[dict]) -> float:
-    """Mean step time (the time the steps took) of the generations that ran at the first
-    generation's width (a hot swap or a restart keeps it, an elastic shrink does not), each
-    without its first step (warm-up, a recovery cost)."""
+def _step_time(rows: list[dict], which: str = "full_width") -> float:
+    """Mean step time (the time the steps took), each generation without its first step
+    (warm-up, a recovery cost): ``full_width``: of every generation that ran at the first one's
+    width (a hot swap or a restart keeps it, an elastic shrink does not), so a slower phase after
+    a recovery is in the step time, not a recovery cost; ``first_generation``: before the first
+    failure only, so the simulator must explain everything after it."""
+    if which not in STEP_TIMES:
+        raise ReplayError(f"step_time must be one of {STEP_TIMES}, got {which!r}")
     gens = generations(rows)
     width = gens[min(gens)][0]
+    if which == "first_generation":
+        return statistics.fmean(gens[min(gens)][1])
     return statistics.fmean(t for w, steps in gens.values() if w == width for t in steps)
 
 
@@ -149,9 +160,9 @@ def configure(run: dict, calib: dict) -> tuple[str, dict, dict, Layout, Trace]:
     return kind, scfg, calib, layout, trace
 
 
-def replay(run_dir: str | Path, calib: dict) -> dict:
+def replay(run_dir: str | Path, calib: dict, step_time: str = "full_width") -> dict:
     """One row: measured and simulated job goodput of the run, and the relative error."""
-    run = load(run_dir)
+    run = load(run_dir, step_time)
     kind, scfg, c, layout, trace = configure(run, calib)
     row = run_one(run["strategy"], scfg, c, layout, trace, run["window_s"], mtbf_s=float("inf"))
     measured = (run["steps"] - 1) * run["step_time_s"] / run["window_s"]
@@ -205,6 +216,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m sim.replay", description=__doc__.split("\n")[0])
     ap.add_argument("run_dirs", nargs="+", help="run directories, or directories to search for them")
     ap.add_argument("--calibration", default="cpu_strategies", help="name under conf/sim/calibration or a path")
+    ap.add_argument("--step_time", default="full_width", choices=STEP_TIMES,
+                    help="the simulator's step time: the run's mean at full width (default), or before "
+                         "its first failure only (a slowdown after a recovery then counts against the model)")
     ap.add_argument("--out", default=None, help="write the rows as CSV here (and the group means next to it, *_mean.csv)")
     a = ap.parse_args(argv)
     calib = load_calibration(a.calibration)
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for d in dirs:
         try:
-            rows.append(replay(d, calib))
+            rows.append(replay(d, calib, a.step_time))
         except ReplayError as e:
             if d in named:
                 raise

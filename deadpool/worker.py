@@ -250,6 +250,9 @@ class Worker:
                                       seal=self.seal, previous=self.prev_comm,
                                       keep=set(plan.keep_groups))
             timing["groups_kept"] = len(comm.kept)
+            if self.prev_comm is not None:  # its other groups may hold a dead peer's socket
+                self.prev_comm.release(keep=set(comm.kept))
+                self.prev_comm = None
             comm.position = self.position
             timing["rebuilt"] = now()
             self.restore(plan, rank, comm, timing)

@@ -97,6 +97,49 @@ def test_a_kept_group_is_taken_over_and_still_works():
         assert all(c == [1, 1] for k, c in counts.items() if k.startswith("tp/"))
 
 
+def _gloo_loops() -> int:
+    import os
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            n += open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop"
+        except OSError:
+            pass
+    return n
+
+
+def test_a_parked_generations_groups_are_released_but_the_kept_ones_live_on():
+    # a parked group's TCP loop can spin on a dead peer's socket: what the next generation did
+    # not keep must go (its gloo loop threads end), what it kept must still work
+    master = master_store()
+    dims = ParallelDims(dp=2, tp=2, ranks_per_node=4)
+    gen0 = run_threads(lambda r: Communicator.build(Topology(dims, r, 0), client(master.port)), 4)
+
+    def next_gen(r):
+        keep = {k for k in gen0[r].group_counts() if k.startswith("tp/")}
+        return Communicator.build(Topology(dims, r, 1), client(master.port), previous=gen0[r], keep=keep)
+
+    gen1 = run_threads(next_gen, 4)
+    loops = _gloo_loops()
+    for a, b in zip(gen0, gen1):
+        a.park()
+        a.release(keep=set(b.kept)).join(10)
+        assert set(a.groups) == {"tp"} and a.groups["tp"] is b.groups["tp"]
+    deadline = time.monotonic() + 10
+    while _gloo_loops() >= loops and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gloo_loops() < loops  # generation 0's dp and replication groups are gone
+
+    def train(r):
+        t = torch.ones(2)
+        gen1[r].allreduce(t, "tp")
+        gen1[r].allreduce(t, "dp")
+        return t
+
+    for t in run_threads(train, 4):
+        assert torch.equal(t, torch.full((2,), 4.0))
+
+
 def test_backend_auto_follows_the_device_and_gloo_may_carry_cuda_tensors():
     assert resolve_backend("cpu") == "gloo"
     assert resolve_backend("cuda") == "nccl"

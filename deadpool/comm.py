@@ -49,21 +49,11 @@ import torch
 import torch.distributed as dist
 
 from deadpool.auth import AuthError
-from deadpool.protocol import Keys, Seal
+from deadpool.errors import Aborted, CollectiveError, CoordinatorLost, PassThrough
+from deadpool.protocol import Keys, Seal, announce_abort
+from deadpool.threads import run_in_thread
 from deadpool.topology import Topology
 from deadpool.watchdog import PEER_WAIT
-
-
-class Aborted(RuntimeError):
-    """The coordinator (or a peer) declared a failure in this generation."""
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed locally (a peer's connection closed, a timeout)."""
-
-
-class CoordinatorLost(RuntimeError):
-    """The coordinator stopped answering (its heartbeat stopped, or its store is gone)."""
 
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -120,7 +110,7 @@ class Communicator:
         self.fault_hook = fault_hook or (lambda step, phase: None)
         self.seal = seal or Seal(None)
         self._abort_reason: str | None = None
-        self.position = None  # the training thread's Progress: waits report "collective"
+        self.progress = None  # the training thread's Progress: waits report "collective"
         self._parked = threading.Event()
         self._aborted_groups: set[str] = set()
         self.kept: list[str] = []  # keys of groups taken over from the previous generation
@@ -158,8 +148,8 @@ class Communicator:
                     # buffers on CUDA). It is created from a lower-priority thread so gloo's
                     # I/O threads for it inherit that priority: replication traffic then yields
                     # the CPU to training.
-                    _in_thread(lambda: self._add(gstore, name, key, ranks, backend="gloo"),
-                               repl_nice)
+                    run_in_thread(lambda: self._add(gstore, name, key, ranks, backend="gloo"),
+                                  repl_nice, name="repl-group-init")
                 else:
                     self._add(gstore, name, key, ranks)
 
@@ -266,8 +256,8 @@ class Communicator:
         stop waiting at once. A poll slice and a real failure are told apart by the work's state
         (a failed work is completed), and the whole wait is bounded by ``timeout_s``.
         """
-        if self.position is not None and self.position.phase not in PEER_WAIT:
-            with self.position.waiting():
+        if self.progress is not None and self.progress.phase not in PEER_WAIT:
+            with self.progress.waiting():
                 return self._wait(work)
         return self._wait(work)
 
@@ -337,9 +327,8 @@ class Communicator:
         self.store.set(self.keys.error(self.topo.rank), msg[:500])
         self.store.add(self.keys.num_errors, 1)
         # Waking every survivor now is cheaper than waiting for the coordinator to confirm.
-        if not self.store.check([self.keys.abort]):
-            self.store.set(self.keys.abort, self.seal.wrap(
-                self.keys.abort, f"collective error on rank {self.topo.rank}: {msg[:200]}"))
+        announce_abort(self.store, self.seal, self.keys,
+                       f"collective error on rank {self.topo.rank}: {msg[:200]}")
 
     def allreduce_mean(self, flat: torch.Tensor, group: str = "dp", on_posted=None) -> None:
         self.allreduce(flat, group, on_posted=on_posted)
@@ -363,11 +352,11 @@ class Communicator:
         return self.groups[group].broadcast([t], opts)
 
     def park(self) -> None:
-        """Called when the generation is over. Groups stay referenced (see module doc) until
-        the next generation is built (``release``)."""
+        """Called when the generation is over. The caller must keep the parked object referenced
+        (the worker does: ``Worker.parked``): its groups may have ops in flight (see module doc)
+        until the next generation is built and ``release`` lets go of the gloo ones."""
         self._parked.set()
         self.abort_device_groups()
-        _PARKED.append(self)
 
     def release(self, keep=()) -> threading.Thread | None:
         """Let go of this parked generation's gloo groups whose keys are not in ``keep`` (the
@@ -472,29 +461,3 @@ def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
         out.append(("repl_out", f"repl/{rank}-{buddy}", [rank, buddy], True))
         out.append(("repl_in", f"repl/{ward}-{rank}", [ward, rank], True))
     return sorted(out, key=lambda g: g[1])
-
-
-class PassThrough(RuntimeError):
-    """An error from an abortable helper that the caller handles itself (not a comm failure)."""
-
-
-_PARKED: list[Communicator] = []
-
-
-def _in_thread(fn, nice: int) -> None:
-    from deadpool.snapshot import lower_thread_priority
-
-    err: list[BaseException] = []
-
-    def run():
-        lower_thread_priority(nice)
-        try:
-            fn()
-        except BaseException as e:  # re-raised in the caller
-            err.append(e)
-
-    t = threading.Thread(target=run, name="repl-group-init")
-    t.start()
-    t.join()
-    if err:
-        raise err[0]

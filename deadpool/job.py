@@ -18,16 +18,17 @@ from pathlib import Path
 
 from deadpool import auth, checkpoint
 from deadpool.comm import resolve_backend
-from deadpool.coordinator import Coordinator, JobFailed
+from deadpool.coordinator import Coordinator
+from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
-from deadpool.planner import SOURCE_KINDS
 from deadpool.policies import check_placement
+from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
-from deadpool.snapshot_schedule import SnapshotSchedule
+from deadpool.snapshot import SnapshotSchedule
 from deadpool.strategies import strategy_of
 
 
@@ -71,7 +72,7 @@ def validate(cfg: dict) -> None:
     bad = [k for k in ft["state_sources"] if k not in SOURCE_KINDS]
     if bad or not ft["state_sources"]:
         raise ValueError(f"ft.state_sources must list some of {list(SOURCE_KINDS)}, got {ft['state_sources']}")
-    world = p["dp"] * p["tp"] * p["pp"]
+    world = ParallelDims.from_config(p).world_size
     slots = world + int(ft["num_spares"])
     for ev in cfg["faults"]["events"]:
         FaultEvent.from_cfg(ev)  # phase, kind, rank-or-slot
@@ -97,10 +98,8 @@ def validate(cfg: dict) -> None:
 def validate_layout(cfg: dict) -> None:
     """The model must split evenly over the layout (heads, vocabulary and FFN over tp; layers over
     pp; the batch into micro-batches)."""
-    from deadpool.topology import ParallelDims
-
     p, m = cfg["parallel"], cfg["model"]
-    ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])  # degrees and node shape
+    ParallelDims.from_config(p)  # degrees and node shape
     tp, pp = int(p["tp"]), int(p["pp"])
     for key in ("n_heads", "vocab_size"):
         if int(m[key]) % tp:
@@ -115,7 +114,7 @@ def validate_layout(cfg: dict) -> None:
 def run_job(cfg: dict, log=print) -> dict:
     validate(cfg)
     p = cfg["parallel"]
-    dims = ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])
+    dims = ParallelDims.from_config(p)
     for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique")):
         log(f"[deadpool] placement warning: {warning}")
     run_dir = Path(cfg["run_dir"])
@@ -136,8 +135,8 @@ def run_job(cfg: dict, log=print) -> dict:
                               " (processes are started by the launcher, not by this coordinator)")
             history.append(restart)
             break
-        restart["t_relaunch"] = time.time()
-        restart["teardown_s"] = restart["t_relaunch"] - restart["t_detect"]
+        restart.t_relaunch = time.time()
+        restart.teardown_s = restart.t_relaunch - restart.t_detect
         cfg = _relaunch_cfg(cfg, store, coord.gen + 1, restart, log)
         log(f"[deadpool] relaunch {attempt + 1}: every process restarts from "
             f"{cfg['ft']['resume_from'] or 'step 0'} at dp={cfg['parallel']['dp']}")
@@ -160,7 +159,7 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     cfg = dict(cfg, _store={"host": cfg["launcher"]["host"], "port": master.port})
     job_json = run_dir / "job.json"
     job_json.write_text(json.dumps(cfg, indent=1))
-    n_workers = cfg["parallel"]["dp"] * cfg["parallel"]["tp"] * cfg["parallel"]["pp"]
+    n_workers = ParallelDims.from_config(cfg["parallel"]).world_size
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
     if cfg["launcher"]["name"] == "local":
         launcher = LocalLauncher(run_dir, job_json, secret)
@@ -186,7 +185,7 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     return coord, store
 
 
-def _relaunch_cfg(cfg: dict, store, first_generation: int, rec: dict, log) -> dict:
+def _relaunch_cfg(cfg: dict, store, first_generation: int, rec, log) -> dict:
     """The config of a relaunch: from the newest complete checkpoint (the original
     ``ft.resume_from`` if none was written), generations numbered on, without the faults that
     already fired (a relaunched process must not replay its predecessor's kill), and at the
@@ -197,12 +196,12 @@ def _relaunch_cfg(cfg: dict, store, first_generation: int, rec: dict, log) -> di
     extra = {"_first_generation": first_generation}
     if rec.get("fallback") in ("shrink", "grow"):
         full = int(cfg.get("_full_dp") or par["dp"])
-        par.update(dp=int(rec["dp"]), global_dp=int(par.get("global_dp") or par["dp"]))
+        par.update(dp=int(rec.dp), global_dp=int(par.get("global_dp") or par["dp"]))
         extra["_full_dp"] = full
         regrow = ft.get("elastic_regrow_after_s")
         extra["_grow_at"] = (time.time() + float(regrow)
-                             if rec["fallback"] == "shrink" and regrow is not None else None)
-    world = par["dp"] * par["tp"] * par["pp"]
+                             if rec.fallback == "shrink" and regrow is not None else None)
+    world = ParallelDims.from_config(par).world_size
     events = []
     for ev in cfg["faults"]["events"]:
         if store.check([FaultEvent.from_cfg(ev).key]):

@@ -49,6 +49,7 @@ from __future__ import annotations
 import os
 
 from deadpool.settings import num_microbatches
+from deadpool.topology import ParallelDims, layer_range
 
 GiB = 2**30
 
@@ -61,9 +62,8 @@ _STEP_BYTES = 4  # AdamW's fp32 step counter
 
 
 def stage_layers(n_layers: int, pp: int, pp_rank: int) -> int:
-    """Layers on pipeline stage ``pp_rank``: an even split, the first ``n_layers % pp`` stages
-    taking one more (``deadpool.parallel.stage.layer_range``)."""
-    return n_layers // pp + (1 if pp_rank < n_layers % pp else 0)
+    """Layers on pipeline stage ``pp_rank`` (``topology.layer_range``)."""
+    return len(layer_range(n_layers, pp, pp_rank))
 
 
 def stage_params(model_cfg, tp: int, pp: int, pp_rank: int) -> int:
@@ -117,8 +117,8 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     if replicate not in ("unique", "full"):
         raise ValueError(f"replicate must be 'unique' or 'full', got {replicate!r}")
     b = PRECISIONS[precision]
-    dp, tp, pp = (int(parallel_cfg[k]) for k in ("dp", "tp", "pp"))
-    sharded = bool(parallel_cfg.get("zero", True)) and dp > 1
+    dims = ParallelDims.from_config(parallel_cfg)
+    dp, tp, pp, sharded = dims.dp, dims.tp, dims.pp, dims.optimizer_sharded
     micro_bs = max(1, int(batch_size) // int(microbatches))
     best = None
     for s in range(pp):
@@ -135,10 +135,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
             best = (s, gpu, n)
     stage, gpu, n = best
     state = gpu["params"] + gpu["optimizer"]  # what a snapshot holds
-    if replicate == "full" or dp == 1:
-        replicated = state
-    else:
-        replicated = gpu["optimizer"] if sharded else 0  # peers hold everything else
+    replicated = {"all": state, "unique": gpu["optimizer"], "none": 0}[dims.replica_region(replicate)]
     host = {"local_ring": num_local_slots * state, "replicas": replica_buffers * replicated,
             "persist": state if persist else 0}
     host["total"] = sum(host.values())
@@ -209,7 +206,7 @@ def check_fits(cfg: dict) -> None:
             f"{_hint(cfg, micro_tokens)}")
 
     if cpu and not mem:
-        world = int(p["dp"]) * int(p["tp"]) * int(p["pp"])
+        world = ParallelDims.from_config(p).world_size
         spares = int(ft.get("num_spares", 0))
         need = world * (g["total"] + h["total"]) + spares * g["total"]
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

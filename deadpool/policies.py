@@ -22,13 +22,9 @@ from functools import lru_cache
 
 
 class BuddyPolicy:
-    """``policy(rank, dims) -> buddy``. The legacy form ``policy(rank, world_size,
-    ranks_per_node)`` is read as a 1-D data-parallel layout of that many ranks."""
+    """``policy(rank, dims) -> buddy`` (``dims``: a ``topology.ParallelDims``)."""
 
-    def __call__(self, rank: int, dims, ranks_per_node: int | None = None) -> int:
-        if isinstance(dims, int):
-            from deadpool.topology import ParallelDims
-            dims = ParallelDims(dp=dims, ranks_per_node=ranks_per_node or 1)
+    def __call__(self, rank: int, dims) -> int:
         return self.buddy(rank, dims)
 
     def buddy(self, rank: int, dims) -> int:

@@ -3,13 +3,22 @@
 Everything about one generation lives under ``g{generation}/``; keys are never reused across
 generations. Process-level keys (heartbeats, fault records) are keyed by the launch slot ``slot``,
 which does not change when the process changes rank.
+
+Messages, each a dataclass with its JSON form:
+
+    Plan            coordinator -> every process: who is which rank in generation g, where each
+                    rank's state comes from (``Source``), which groups survivors keep
+    RankStatus      a process -> coordinator after an abort: what it can resume from
+    RankTimings     a rank -> coordinator: when it passed each phase of a recovery
+    RecoveryRecord  the coordinator's account of one recovery (summary.json's ``recoveries``)
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar
 
 from deadpool import auth
 
@@ -51,9 +60,6 @@ class Keys:
     def checkpoint_interval(self, rank: int) -> str:
         """A rank's proposed disk checkpoint interval (ft.persist_interval_steps=auto)."""
         return f"{self._p}ckpt_interval/{rank}"
-
-    def failed(self, rank: int) -> str:
-        return f"{self._p}failed/{rank}"
 
     def bad_source(self, rank: int) -> str:
         """A receiver's report that a state it was sent failed its CRC (JSON: holder, owner, step)."""
@@ -101,6 +107,46 @@ class Keys:
     JOB_STOP = "job/stop"
 
 
+def announce_abort(store, seal: "Seal", keys: Keys, reason: str) -> None:
+    """Declare generation ``keys.g`` failed (the first reason written stays): every rank leaves
+    whatever it waits on within one poll of ``keys.abort``."""
+    if not store.check([keys.abort]):
+        store.set(keys.abort, seal.wrap(keys.abort, reason))
+
+
+@dataclass
+class Source:
+    """Where one rank's state at the resume step comes from (``recovery.plan``)::
+
+        live     the rank's own process is already at the resume step
+        local    its own process rolls back to its own snapshot of that step
+        peer     ``holder``, a data-parallel peer, sends its own (identical) state
+        replica  ``holder`` sends the replica it holds of the rank (with a sharded replica, the
+                 parameters come from the peer ``shared_from``)
+        init     drawn afresh from the seed (the state of step 0)
+        disk     read from the disk checkpoint in ``dir``
+    """
+
+    KINDS: ClassVar[tuple[str, ...]] = ("live", "local", "peer", "replica", "init", "disk")
+
+    kind: str
+    holder: int
+    shared_from: int | None = None
+    owner: int | None = None  # whose state the holder sends; differs only under faults.swap_routes
+    dir: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"source kind {self.kind!r} is not one of {self.KINDS}")
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def describe(self) -> str:
+        return f"{self.kind} from rank {self.holder}" + (
+            f" + parameters from rank {self.shared_from}" if self.shared_from is not None else "")
+
+
 @dataclass
 class Plan:
     """What every process does in ``generation``. Written once by the coordinator."""
@@ -109,8 +155,7 @@ class Plan:
     action: str                       # "train" | "checkpoint_and_stop" | "stop"
     assignments: dict[int, int]       # rank -> launch slot
     resume_step: int
-    # rank -> {"kind": "live" | "local" | "peer" | "replica" | "disk", "holder": rank that sends}
-    sources: dict[int, dict] = field(default_factory=dict)
+    sources: dict[int, Source] = field(default_factory=dict)
     reason: str = ""
     t_written: float = 0.0
     keep_groups: list[str] = field(default_factory=list)  # group keys survivors keep (clean)
@@ -118,14 +163,14 @@ class Plan:
     def to_json(self) -> str:
         d = asdict(self)
         d["assignments"] = {str(k): v for k, v in self.assignments.items()}
-        d["sources"] = {str(k): v for k, v in self.sources.items()}
+        d["sources"] = {str(k): v.to_dict() for k, v in self.sources.items()}
         return json.dumps(d)
 
     @classmethod
     def from_json(cls, s: str | bytes) -> "Plan":
         d = json.loads(s)
         d["assignments"] = {int(k): v for k, v in d["assignments"].items()}
-        d["sources"] = {int(k): v for k, v in d["sources"].items()}
+        d["sources"] = {int(k): Source(**v) for k, v in d["sources"].items()}
         return cls(**d)
 
     def rank_of_slot(self, slot: int) -> int | None:
@@ -156,6 +201,97 @@ class RankStatus:
         d = json.loads(s)
         d["replicas"] = {int(k): v for k, v in d["replicas"].items()}
         return cls(**d)
+
+
+@dataclass
+class RankTimings:
+    """When one rank passed each phase of a generation's start (``time.time()``), written under
+    ``Keys.timing`` once it is ready to train; the coordinator turns them into the recovery's
+    breakdown (``recovery.timeline``)."""
+
+    plan_seen: float
+    rebuilt: float | None = None       # its groups of the new generation exist
+    transferred: float | None = None   # the state it needed has arrived
+    rolled_back: float | None = None   # its live state is at the resume step
+    ready: float | None = None         # about to start replication and train
+    built: float | None = None         # a spare finished building its rank's stage
+    exec: float | None = None          # a (re)launched process: interpreter up
+    imported: float | None = None      # ... torch and deadpool imported
+    groups_kept: int = 0
+    bytes_received: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "RankTimings":
+        return cls(**json.loads(s))
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()  # a record field never set (left out of the JSON; None is written as null)
+
+
+@dataclass
+class RecoveryRecord:
+    """One recovery as summary.json reports it. Fields never set are left out of the JSON; the
+    ``*_s`` durations are filled by ``recovery.timeline`` once every rank reported."""
+
+    generation: int
+    failed_rank: object = UNSET        # int, list of ints, or None (a planned regrow)
+    failed_slot: object = UNSET
+    fault: object = UNSET              # the injected fault's kind, "unknown" or "none"
+    detected_by: object = UNSET        # exit | heartbeat | progress | exception | collective_error ...
+    resume_step: object = UNSET
+    steps_recomputed: object = UNSET
+    detect_s: object = UNSET
+    t_kill: object = UNSET
+    t_detect: object = UNSET
+    bad_sources: object = UNSET
+    spare_slot: object = UNSET
+    sources: object = UNSET            # rank -> Source.describe()
+    groups_kept: object = UNSET
+    plan_s: object = UNSET
+    t_plan: object = UNSET
+    bytes_transferred: object = UNSET
+    outcome: object = UNSET
+    fallback: object = UNSET           # disk | restart | shrink | grow
+    failed_at_step: object = UNSET
+    dropped_dp: object = UNSET
+    dp: object = UNSET
+    t_relaunch: object = UNSET
+    teardown_s: object = UNSET
+    start_s: object = UNSET
+    rebuild_s: object = UNSET
+    transfer_s: object = UNSET
+    rollback_s: object = UNSET
+    load_s: object = UNSET
+    build_s: object = UNSET
+    exec_s: object = UNSET
+    imports_s: object = UNSET
+    first_step_s: object = UNSET
+    kill_to_training_s: object = UNSET
+    kill_to_first_step_s: object = UNSET
+    first_kill_to_first_step_s: object = UNSET
+    kill_to_protected_s: object = UNSET
+
+    def update(self, **values) -> None:
+        for k, v in values.items():
+            if k not in self.__dataclass_fields__:
+                raise AttributeError(f"RecoveryRecord has no field {k!r}")
+            setattr(self, k, v)
+
+    def get(self, name: str, default=None):
+        v = getattr(self, name)
+        return default if v is UNSET else v
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not UNSET}
 
 
 class Seal:

@@ -62,7 +62,7 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
             "replicate_s_median": _median(r["replicate_s"] for r in gen0),
             "blocked_s_median": _median(r["snapshot_blocked_s"] for r in gen0),
         },
-        "recoveries": coord.recoveries,
+        "recoveries": [r.to_dict() for r in coord.recoveries],
         "final_digest": digest,
         # the last pipeline stage logs the loss (the mean of its data-parallel rank's batch)
         "final_loss": _mean_loss(rows, cfg["num_steps"]),

@@ -20,6 +20,15 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ranks_per_node: int = 1
+    zero: bool = True  # ZeRO-1: the optimizer state is sharded over the data-parallel group
+
+    @classmethod
+    def from_config(cls, parallel: dict) -> "ParallelDims":
+        """The degrees of a ``parallel`` config group (``conf/parallel``). Without
+        ``ranks_per_node`` (a what-if estimate) a node holds one tensor-parallel group."""
+        tp = int(parallel.get("tp", 1))
+        return cls(int(parallel["dp"]), tp, int(parallel.get("pp", 1)),
+                   int(parallel.get("ranks_per_node", tp)), bool(parallel.get("zero", True)))
 
     def __post_init__(self):
         for axis in ("dp", "tp", "pp", "ranks_per_node"):
@@ -35,6 +44,16 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def optimizer_sharded(self) -> bool:
+        """Each rank holds an optimizer shard no data-parallel peer has (ZeRO-1 with dp > 1)."""
+        return self.zero and self.dp > 1
+
+    def replica_region(self, replicate: str) -> str:
+        """What a buddy holds of each rank's state in this layout (``replica_region``): the
+        parameters are shared when dp > 1; an optimizer shard is unique (with dp == 1 all is)."""
+        return replica_region(replicate, self.dp > 1, self.optimizer_sharded or self.dp == 1)
 
     def coords(self, rank: int) -> dict[str, int]:
         pp, rest = divmod(rank, self.dp * self.tp)
@@ -68,6 +87,26 @@ class ParallelDims:
     @property
     def num_nodes(self) -> int:
         return max(1, -(-self.world_size // self.ranks_per_node))
+
+
+def replica_region(replicate: str, has_shared: bool, has_unique: bool) -> str:
+    """What a rank's buddy holds of its snapshot (``deadpool.snapshot``'s regions): ``all``
+    (``ft.replicate=full``, or nothing is shared with a data-parallel peer, e.g. dp == 1),
+    ``unique`` (its optimizer shard: a live peer holds the parameters) or ``none`` (peers hold
+    everything; nobody needs a replica)."""
+    if replicate not in ("unique", "full"):
+        raise ValueError(f"ft.replicate must be 'unique' or 'full', got {replicate!r}")
+    if replicate == "full" or not has_shared:
+        return "all"
+    return "unique" if has_unique else "none"
+
+
+def layer_range(n_layers: int, pp: int, pp_rank: int) -> range:
+    """Global indices of the layers of pipeline stage ``pp_rank``: an even split, the first
+    ``n_layers % pp`` stages taking one more."""
+    base, extra = divmod(n_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
 
 
 @dataclass(frozen=True)

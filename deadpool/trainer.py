@@ -15,7 +15,6 @@ bottom::
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 
 from deadpool import checkpoint
+from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator
 from deadpool.data import SyntheticCorpus
 from deadpool.faults import FaultInjector
@@ -31,16 +31,16 @@ from deadpool.settings import num_microbatches
 from deadpool.parallel.data.zero import ZeroOptimizer
 from deadpool.parallel.pipeline.schedule import run_1f1b
 from deadpool.parallel.stage import build_stage
-from deadpool.snapshot import SnapshotEngine
-from deadpool.snapshot_schedule import SnapshotSchedule
-from deadpool.strategies import strategy_of
+from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
+from deadpool.strategies import strategy_of, young_daly_steps
+from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
 
 
 class Trainer:
     def __init__(self, cfg: dict, slot: int, injector: FaultInjector, metrics_path: Path,
-                 progress=None, position: Progress | None = None):
+                 publish_progress=None, progress: Progress | None = None):
         self.cfg = cfg
         self.slot = slot
         self.injector = injector
@@ -76,9 +76,9 @@ class Trainer:
         self.generation = 0
         self.rank: int | None = None
         self.metrics = open(metrics_path, "a", buffering=1)
-        self.progress = progress or (lambda line: None)
+        self.publish_progress = publish_progress or (lambda line: None)
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
-        self.position = position or Progress()
+        self.progress = progress or Progress()
 
     def build(self, dims: ParallelDims, rank: int, init: bool = True) -> float:
         """Build the stage, optimizer and snapshot engine of ``rank``'s coordinates (a no-op if
@@ -94,15 +94,14 @@ class Trainer:
         self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
                                  tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init)
         self.params = list(self.stage.parameters())
-        shard = bool(cfg["parallel"].get("zero", True)) and dims.dp > 1
         par = cfg["parallel"]
         self.opt = ZeroOptimizer(self.params, dp_size=dims.dp, dp_rank=coords["dp"], lr=cfg["lr"],
-                                 weight_decay=cfg["weight_decay"], shard=shard,
+                                 weight_decay=cfg["weight_decay"], shard=dims.optimizer_sharded,
                                  adamw=cfg.get("adamw", "fused"),
                                  bucket_bytes=int(float(par.get("bucket_mb", 25)) * 2**20),
                                  first_bucket_bytes=int(float(par.get("first_bucket_mb", 1)) * 2**20))
         state = self.opt.state_tensors()
-        # shared tensors (equal across the data-parallel group) first: see snapshot.py's regions.
+        # shared tensors (equal across the data-parallel group) first: see snapshot/layout.py.
         # With dp == 1 nothing is shared: every byte is unique to the rank.
         shared = [(n, t) for n, t, sh in state if sh and dims.dp > 1]
         unique = [(n, t) for n, t, sh in state if not (sh and dims.dp > 1)]
@@ -121,23 +120,22 @@ class Trainer:
             if self.snapshots_on:
                 self.engine.persist_every = self.persist_every  # written from snapshots
         self.coords = coords
+        self.world_size = dims.world_size
         self.drawn = init
         return time.perf_counter() - t0
 
     # -- state ------------------------------------------------------------------------------------
     def header(self) -> dict:
         """JSON-serialisable metadata stored with every snapshot and checkpoint."""
-        rng = torch.get_rng_state().numpy().tobytes()
         return {"step": self.step, "data_position": self.step, "generation": self.generation,
-                "rng_cpu": base64.b64encode(rng).decode()}
+                "rng_cpu": checkpoint.encode_rng_state(torch.get_rng_state())}
 
     def apply_header(self, header: dict) -> None:
         """Called whenever the live state was just loaded (rollback, transfer, disk)."""
         self.step = int(header["step"])
         self.dirty = False
         if header.get("rng_cpu") is not None:
-            rng = bytearray(base64.b64decode(header["rng_cpu"]))
-            torch.set_rng_state(torch.frombuffer(rng, dtype=torch.uint8).clone())
+            torch.set_rng_state(checkpoint.decode_rng_state(header["rng_cpu"]).clone())
 
     def snapshot_now(self) -> None:
         """Take (and finish copying) a local snapshot of the current step, e.g. after a restore."""
@@ -184,7 +182,7 @@ class Trainer:
         # without per-step snapshots to write from, the training thread persists itself
         persist = not self.engine.persist_every
         first = True
-        at, fire = self.position.set, self.injector.fire
+        at, fire = self.progress.set, self.injector.fire
         while self.step < cfg["num_steps"]:
             t0 = time.perf_counter()
             blocked0 = self.engine.blocked_s
@@ -242,12 +240,12 @@ class Trainer:
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
             self.schedule.observe(dt, busy or cycle is not None, cycle)
-            self.log(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s)
+            self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s)
             if first and on_first_step is not None:
                 on_first_step()
             first = False
 
-    def log(self, comm, loss: float | None, step_time_s: float, blocked_s: float,
+    def record_metrics(self, comm, loss: float | None, step_time_s: float, blocked_s: float,
             snapshot: bool, checkpoint_s: float | None = None) -> None:
         """One metrics record per rank and step; the loss exists on the last pipeline stage (its
         data-parallel rank's micro-batch mean). Rank (last stage, dp 0, tp 0) prints progress."""
@@ -272,7 +270,7 @@ class Trainer:
             line = (f"[rank {self.rank}] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
                     f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms")
             print(line, flush=True)
-            self.progress(line)
+            self.publish_progress(line)
 
     # -- disk checkpoints without snapshots (ft=checkpoint_restart, or persist with snapshots off) --
     YOUNG_DALY_PROBE_STEP = 2  # 'auto': the first checkpoint, measured (step 1 includes warm-up)
@@ -283,37 +281,18 @@ class Trainer:
         return self.persist_auto and step == self.YOUNG_DALY_PROBE_STEP
 
     def persist(self, step: int, wait: bool = False) -> None:
-        """Write this rank's live state to disk as the checkpoint of ``step``.
-
-        ``ft.persist_async`` (default): copy the state into a host staging buffer on this thread
-        (what ``dcp.async_save``'s default stager does), then write it with ``dcp.async_save`` on
-        an upload thread while training goes on; the previous write must be done first, since
-        its buffer is reused. Otherwise ``dcp.save`` on this thread. ``wait``: block until the
-        write is on disk (to measure it)."""
-        ft, p = self.cfg["ft"], self.cfg["parallel"]
-        world = p["dp"] * p["tp"] * p["pp"]
-        if not ft.get("persist_async", True):
-            checkpoint.save_rank_state(ft["checkpoint_dir"], step, self.rank, self.state_dict(),
-                                       self.header())
-            checkpoint.write_meta(ft["checkpoint_dir"], step, world, "periodic")
-            return
-        persister, layout = self.engine.persister, self.engine.layout
-        persister.wait()  # raises CheckpointWriteError for a failed previous write
-        if self._ckpt_buf is None:
-            self._ckpt_buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-        for dst, src in zip(layout.views(self._ckpt_buf), self.engine.tensors):
-            dst.copy_(src.detach())
-        persister.rank = self.rank
-        persister.submit(step, layout.state_dict(self._ckpt_buf), self.header(), world)
-        if wait:
-            persister.wait()
+        """Write this rank's live state to disk as the checkpoint of ``step``
+        (``rank_state.save_live``; ``ft.persist_async``, the default, writes off this thread).
+        ``wait``: block until the write is on disk (to measure it)."""
+        ft = self.cfg["ft"]
+        rank_state.save_live(self, ft["checkpoint_dir"], step, self.world_size,
+                             asynchronous=ft.get("persist_async", True), wait=wait)
 
     def _decide_interval(self, comm, ckpt_s: float, step_s: float) -> None:
         """Young/Daly interval from this probe: each rank proposes one, all adopt the widest
         (every rank must checkpoint the same steps). Asynchronous checkpoints cost only their
         copy on the critical path, but a write must finish within an interval."""
         ft = self.cfg["ft"]
-        from deadpool.strategies import young_daly_steps
         write_s = self.engine.persister.last_write_s or ckpt_s
         cost = ckpt_s - write_s if ft.get("persist_async", True) else ckpt_s
         mine = max(young_daly_steps(max(cost, 0.0), float(ft["mtbf_s"]), step_s),
@@ -321,9 +300,7 @@ class Trainer:
         store, keys, world = comm.store, comm.keys, comm.topo.dims.world_size
         store.set(keys.checkpoint_interval(self.rank), str(mine))
         want = [keys.checkpoint_interval(r) for r in range(world)]
-        while not store.check(want):
-            comm.raise_if_aborted()
-            time.sleep(0.002)
+        wait_until(lambda: store.check(want), every_s=0.002, between=comm.raise_if_aborted)
         self.persist_every = max(int(store.get(k)) for k in want)
         if self.rank == 0:
             print(f"[rank 0] checkpoint interval {self.persist_every} steps (Young/Daly: checkpoint "

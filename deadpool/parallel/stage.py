@@ -22,13 +22,7 @@ from deadpool.model import GPT, RMSNorm, init_param, model_config, rotary_tables
 from deadpool.parallel.tensor.layers import (ColumnParallelLinear, ParallelBlock,
                                              VocabParallelEmbedding, shard)
 from deadpool.parallel.tensor.ops import copy_to_tp, vocab_parallel_cross_entropy
-
-
-def layer_range(n_layers: int, pp: int, pp_rank: int) -> range:
-    """Global indices of the layers of stage ``pp_rank``; earlier stages get the remainder."""
-    base, extra = divmod(n_layers, pp)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (pp_rank < extra))
+from deadpool.topology import layer_range
 
 
 class StageModel(nn.Module):

@@ -3,7 +3,8 @@ import time
 import pytest
 import torch
 
-from deadpool.comm import Aborted, Communicator, resolve_backend
+from deadpool.comm import Communicator, resolve_backend
+from deadpool.errors import Aborted
 from deadpool.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from deadpool.comm import Aborted, Communicator
+from deadpool.comm import Communicator
+from deadpool.errors import Aborted
 from deadpool.launcher import local_rank
 from deadpool.protocol import Keys
 from deadpool.topology import ParallelDims, Topology

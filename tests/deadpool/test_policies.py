@@ -32,7 +32,7 @@ def test_every_policy_is_a_permutation_with_buddies_on_other_nodes(name, layout)
 def test_ring_over_nodes_matches_its_docstring():
     dims = ParallelDims(dp=6, ranks_per_node=2)
     assert list(buddy_table(dims, "ring_over_nodes")) == [2, 3, 4, 5, 0, 1]
-    assert [RingOverNodes()(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]  # legacy form
+    assert [RingOverNodes()(r, dims) for r in range(6)] == [2, 3, 4, 5, 0, 1]
     # a world smaller than one node: the ring runs over ranks
     assert list(buddy_table(ParallelDims(dp=3, ranks_per_node=4), "ring_over_nodes")) == [1, 2, 0]
 
@@ -110,9 +110,9 @@ def test_unknown_policy_is_rejected():
 
 
 @pytest.mark.parametrize("name,cls", [("next_dp_replica", NextDpReplica), ("next_stage", NextStage)])
-def test_coordinate_policies_take_the_legacy_call_too(name, cls):
+def test_coordinate_policies_called_directly_agree_with_the_table(name, cls):
     dims = ParallelDims(dp=4, ranks_per_node=2)
-    assert tuple(cls()(r, 4, 2) for r in range(4)) == buddy_table(dims, name)
+    assert tuple(cls()(r, dims) for r in range(4)) == buddy_table(dims, name)
 
 
 @pytest.mark.parametrize("name", sorted(BUDDY_POLICIES))

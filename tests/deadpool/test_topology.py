@@ -1,6 +1,6 @@
 import pytest
 
-from deadpool.policies import FirstFree, RingOverNodes, SameNodeFirst
+from deadpool.policies import FirstFree, SameNodeFirst
 from deadpool.topology import ParallelDims, Topology
 
 
@@ -24,11 +24,6 @@ def test_buddy_is_a_permutation_on_another_node(world, per_node):
         assert all(dims.node_of(r) != dims.node_of(b) for r, b in enumerate(buddies))
     for r in range(world):
         assert Topology(dims, buddies[r], 0).ward() == r
-
-
-def test_ring_over_nodes_matches_its_docstring():
-    ring = RingOverNodes()
-    assert [ring(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]
 
 
 def test_spare_policies():

@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from deadpool.comm import Aborted, Communicator
+from deadpool.comm import Communicator
+from deadpool.errors import Aborted
 from deadpool.model import build_model
 from deadpool.parallel.pipeline import run_1f1b
 from deadpool.parallel.stage import build_stage

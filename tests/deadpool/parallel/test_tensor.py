@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deadpool.comm import Aborted, Communicator
+from deadpool.comm import Communicator
+from deadpool.errors import Aborted
 from deadpool.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                       VocabParallelEmbedding, copy_to_tp, shard,
                                       vocab_parallel_cross_entropy)

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deadpool.comm import Aborted, Communicator
+from deadpool.comm import Communicator
+from deadpool.errors import Aborted
 from deadpool.parallel.data import ZeroOptimizer, state_nbytes
 from deadpool.protocol import Keys
 from deadpool.topology import ParallelDims, Topology

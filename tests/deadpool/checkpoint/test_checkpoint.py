@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from deadpool import checkpoint
+from deadpool.checkpoint import persister as persister_mod
 from deadpool.checkpoint import AsyncPersister, CheckpointWriteError
 from deadpool.model import build_model, build_optimizer
 from deadpool.snapshot import StateLayout, state_tensors
@@ -139,14 +140,14 @@ def test_async_persister_writes_off_thread_and_refuses_while_busy(tmp_path, monk
     tensors = _trained_state()
     layout, flat = _flat_copy(tensors)
     gate, on_upload_thread = threading.Event(), []
-    real_install = checkpoint._install_rank_dir
+    real_install = persister_mod._install_rank_dir
 
     def held_install(*args):
         on_upload_thread.append(threading.current_thread() is not threading.main_thread())
         assert gate.wait(10)
         return real_install(*args)
 
-    monkeypatch.setattr(checkpoint, "_install_rank_dir", held_install)
+    monkeypatch.setattr(persister_mod, "_install_rank_dir", held_install)
     p = AsyncPersister(tmp_path, rank=0)
     header = _header(10)
     assert p.submit(10, layout.state_dict(flat), header, world_size=1) is True

@@ -33,8 +33,9 @@ the rule; probes are a function of the step too. A recovered generation restarts
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
+
+from deadpool.threads import wait_until
 
 
 class SnapshotSchedule:
@@ -127,9 +128,8 @@ class SnapshotSchedule:
         self._voted.add(step)
 
     def _decide(self, step: int, abort_check) -> int:
-        while int(self._store.add(self._keys.interval_voters(step), 0)) < self._world:
-            abort_check()
-            time.sleep(0.001)
+        wait_until(lambda: int(self._store.add(self._keys.interval_voters(step), 0)) >= self._world,
+                   every_s=0.001, between=abort_check)
         for k in reversed(self.levels):
             if int(self._store.add(self._keys.interval_vote(step, k), 0)) > 0:
                 return k

@@ -6,6 +6,7 @@ import torch
 from deadpool.comm import Communicator
 from deadpool.model import build_model, build_optimizer
 from deadpool.snapshot import SnapshotEngine, StateLayout, checksum, state_tensors
+from deadpool.snapshot.transfer import outgoing, transfer
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 
@@ -114,7 +115,8 @@ def test_ring_replication_delivers_verified_replicas_to_buddies():
 
 
 def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_one():
-    from deadpool.snapshot import CorruptState, encode_header
+    from deadpool.errors import CorruptState
+    from deadpool.snapshot import encode_header
     master = master_store()
     out = {}
 
@@ -126,17 +128,17 @@ def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_
         if r == 0:
             eng.snapshot(5, {"step": 5})
             eng.drain()
-            good = eng.outgoing("peer", 0, 5, 5, lambda: {"step": 5})
-            eng.transfer(comm, [(1, "all", good)], [], 5)
+            good = outgoing(eng, "peer", 0, 5, 5, lambda: {"step": 5})
+            transfer(eng, comm, [(1, "all", good)], [], 5)
             bad = (good[0].clone(), good[1], (good[2][0], good[2][1] ^ 1))  # CRC does not match
-            eng.transfer(comm, [(1, "all", bad)], [], 5)
+            transfer(eng, comm, [(1, "all", bad)], [], 5)
             out["sent"] = good[0].clone()
         else:
-            header = eng.install(5, *eng.transfer(comm, [], [(0, 0, "all")], 5))
+            header = eng.install(5, *transfer(eng, comm, [], [(0, 0, "all")], 5))
             out["got"] = eng.local_slot(5).flat.clone()
             out["header"] = header
             with pytest.raises(CorruptState) as e:
-                eng.transfer(comm, [], [(0, 0, "all")], 5)
+                transfer(eng, comm, [], [(0, 0, "all")], 5)
             out["bad"] = (e.value.holder, e.value.owner, e.value.step)
         return comm
 
@@ -193,16 +195,16 @@ def test_unique_replication_and_a_restore_from_two_sources_by_region():
         if r == 0:
             blank = [(k, torch.zeros_like(t)) for k, t in make(0)]
             eng = SnapshotEngine(blank, num_shared=1, replicate="unique")
-            got = eng.transfer(comm, [], [(1, 0, "unique"), (2, 2, "shared")], 3)
+            got = transfer(eng, comm, [], [(1, 0, "unique"), (2, 2, "shared")], 3)
             out["header"] = eng.install(3, *got)
             out["state"] = [t.clone() for _, t in blank]
         elif r == 1:  # the buddy: rank 0's optimizer shard
             eng = engines[1]
-            engines[1].transfer(comm, [(0, "unique", eng.outgoing("replica", 0, 3, None, None,
+            transfer(engines[1], comm, [(0, "unique", outgoing(eng, "replica", 0, 3, None, None,
                                                                   "unique"))], [], 3)
         else:  # a data-parallel peer: the parameters
             eng = engines[2]
-            eng.transfer(comm, [(0, "shared", eng.outgoing("peer", 0, 3, 3, None, "shared"))],
+            transfer(eng, comm, [(0, "shared", outgoing(eng, "peer", 0, 3, 3, None, "shared"))],
                          [], 3)
         return comm
 
@@ -215,7 +217,7 @@ def test_unique_replication_and_a_restore_from_two_sources_by_region():
 
 
 def test_64_bit_digests_survive_the_int64_wire_format():
-    from deadpool.snapshot import _from_i64, _meta, _to_i64
+    from deadpool.snapshot.wire import _from_i64, _meta, _to_i64
     for h in (0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1):
         assert _from_i64(int(torch.tensor([_to_i64(h)], dtype=torch.int64)[0])) == h
     m = _meta(3, 10, ((1 << 64) - 2, 5), 7, "unique")

@@ -1,5 +1,5 @@
-from deadpool.planner import plan_resume
-from deadpool.protocol import RankStatus
+from deadpool.protocol import RankStatus, Source
+from deadpool.recovery.plan import plan_resume
 from deadpool.topology import ParallelDims
 
 WORLD = [0, 1, 2, 3]
@@ -28,8 +28,8 @@ def test_dead_rank_restored_from_buddy_replica_survivors_keep_live_state():
                 3: st(3, 12, [10, 11, 12], {2: [11, 12]})}
     d = plan_resume(statuses, WORLD, no_peers, ring)
     assert d.resume_step == 12
-    assert d.sources[1] == {"kind": "replica", "holder": 2}
-    assert all(d.sources[r]["kind"] == "live" for r in (0, 2, 3))
+    assert d.sources[1] == Source("replica", 2)
+    assert all(d.sources[r].kind == "live" for r in (0, 2, 3))
     assert d.steps_recomputed == 0
 
 
@@ -39,7 +39,7 @@ def test_incomplete_replica_forces_rollback_to_previous_step():
                 3: st(3, 12, [10, 11, 12])}
     d = plan_resume(statuses, WORLD, no_peers, ring)
     assert d.resume_step == 11
-    assert d.sources[0]["kind"] == "local" and d.sources[3]["kind"] == "local"
+    assert d.sources[0].kind == "local" and d.sources[3].kind == "local"
     assert d.steps_recomputed == 2
 
 
@@ -53,29 +53,29 @@ def test_rank_and_its_buddy_lost_together_is_unrecoverable_from_memory():
 def test_replica_held_by_non_buddy_is_used_when_buddy_lacks_it():
     statuses = {0: st(0, 5, [3, 4, 5], {1: [5]}), 2: st(2, 5, [3, 4, 5], {}), 3: st(3, 5, [3, 4, 5])}
     d = plan_resume(statuses, WORLD, no_peers, ring)
-    assert d.resume_step == 5 and d.sources[1]["holder"] == 0
+    assert d.resume_step == 5 and d.sources[1].holder == 0
 
 
 def test_data_parallel_peer_covers_a_failure_before_the_first_replica():
     # rank 1 killed at step 0: nobody holds a replica yet, but its data-parallel peers hold step 0
     statuses = {0: st(0, 0, [0]), 2: st(2, 0, [0]), 3: st(3, 0, [0])}
     d = plan_resume(statuses, WORLD, no_peers, ring)  # no copy: step 0 is drawn from the seed
-    assert d.resume_step == 0 and d.sources[1] == {"kind": "init", "holder": 1}
+    assert d.resume_step == 0 and d.sources[1] == Source("init", 1)
     d = plan_resume(statuses, WORLD, dp_peers, ring)
-    assert d.resume_step == 0 and d.sources[1]["kind"] == "peer"
-    assert d.sources[1]["holder"] in (0, 2, 3)
+    assert d.resume_step == 0 and d.sources[1].kind == "peer"
+    assert d.sources[1].holder in (0, 2, 3)
 
 
 def test_source_order_is_configurable_and_peer_sends_are_spread():
     statuses = {0: st(0, 7, [6, 7]), 3: st(3, 7, [6, 7], {2: [7]}), 1: st(1, 7, [6, 7], {0: [7]})}
     d = plan_resume(statuses, WORLD, dp_peers, ring, order=("replica", "peer"))
-    assert d.sources[2] == {"kind": "replica", "holder": 3}
+    assert d.sources[2] == Source("replica", 3)
     d = plan_resume(statuses, WORLD, dp_peers, ring, order=("peer", "replica"))
-    assert d.sources[2]["kind"] == "peer"
+    assert d.sources[2].kind == "peer"
     # two ranks without a process: their peer sources are different survivors
     statuses = {0: st(0, 7, [7]), 1: st(1, 7, [7])}
     d = plan_resume(statuses, WORLD, dp_peers, ring)
-    assert {d.sources[2]["holder"], d.sources[3]["holder"]} == {0, 1}
+    assert {d.sources[2].holder, d.sources[3].holder} == {0, 1}
 
 
 def test_a_spare_whose_transfer_was_interrupted_is_planned_like_a_dead_rank():
@@ -83,24 +83,24 @@ def test_a_spare_whose_transfer_was_interrupted_is_planned_like_a_dead_rank():
     statuses = {0: st(0, 12, [10, 11, 12]), 1: st(1, None, []), 2: st(2, 12, [10, 11, 12], {1: [11, 12]}),
                 3: st(3, 12, [10, 11, 12], {2: [12]})}
     d = plan_resume(statuses, WORLD, no_peers, ring)
-    assert d.resume_step == 12 and d.sources[1] == {"kind": "replica", "holder": 2}
+    assert d.resume_step == 12 and d.sources[1] == Source("replica", 2)
 
 
 def test_a_copy_found_corrupt_is_never_chosen_again():
     statuses = {0: st(0, 12, [11, 12], {1: [12]}), 2: st(2, 12, [11, 12], {1: [11, 12]}),
                 3: st(3, 12, [11, 12])}
     d = plan_resume(statuses, WORLD, no_peers, ring, bad={(2, 1, 12)})
-    assert d.resume_step == 12 and d.sources[1] == {"kind": "replica", "holder": 0}
+    assert d.resume_step == 12 and d.sources[1] == Source("replica", 0)
     d = plan_resume(statuses, WORLD, no_peers, ring, bad={(2, 1, 12), (0, 1, 12)})
-    assert d.resume_step == 11 and d.sources[1] == {"kind": "replica", "holder": 2}
-    assert d.sources[0]["kind"] == "local"
+    assert d.resume_step == 11 and d.sources[1] == Source("replica", 2)
+    assert d.sources[0].kind == "local"
     # a corrupt local snapshot: that rank gets its state from a peer instead of rolling back
     statuses = {0: st(0, 11, [10, 11]), 1: st(1, 11, [10, 11]), 2: st(2, 11, [10, 11]),
                 3: st(3, 12, [10, 11, 12])}
     d = plan_resume(statuses, WORLD, dp_peers, ring, bad={(3, 3, 11)}, order=("replica",))
-    assert d.resume_step == 10 and d.sources[3]["kind"] == "local"
+    assert d.resume_step == 10 and d.sources[3].kind == "local"
     d = plan_resume(statuses, WORLD, dp_peers, ring, bad={(3, 3, 11), (3, 3, 12)})
-    assert d.resume_step == 11 and d.sources[3]["kind"] == "peer"
+    assert d.resume_step == 11 and d.sources[3].kind == "peer"
 
 
 def test_peers_behind_are_brought_forward_rather_than_the_leader_rolled_back():
@@ -110,7 +110,7 @@ def test_peers_behind_are_brought_forward_rather_than_the_leader_rolled_back():
                 3: st(3, 12, [11, 12])}
     d = plan_resume(statuses, WORLD, dp_peers, ring)
     assert d.resume_step == 12 and d.steps_recomputed == 0
-    assert all(d.sources[r] == {"kind": "peer", "holder": 3} for r in (0, 1, 2))
+    assert all(d.sources[r] == Source("peer", 3) for r in (0, 1, 2))
 
 
 def test_sharded_rank_takes_its_shard_from_the_replica_and_parameters_from_a_peer():
@@ -121,10 +121,10 @@ def test_sharded_rank_takes_its_shard_from_the_replica_and_parameters_from_a_pee
                 3: st(3, 7, [6, 7], {2: [6, 7]})}
     d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
     assert d.resume_step == 7
-    assert d.sources[0] == {"kind": "replica", "holder": 1, "shared_from": 2}
+    assert d.sources[0] == Source("replica", 1, shared_from=2)
     # replicas of the whole state need no peer
     d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=True)
-    assert d.sources[0] == {"kind": "replica", "holder": 1}
+    assert d.sources[0] == Source("replica", 1)
 
 
 def test_sharded_rank_without_a_replica_is_lost_even_with_live_peers():
@@ -142,7 +142,7 @@ def test_sharded_rank_whose_peers_are_gone_has_no_parameters_from_a_unique_repli
     d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
     assert d.resume_step is None and set(d.lost) == {0, 2}
     d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=True)
-    assert d.resume_step == 7 and d.sources[2] == {"kind": "replica", "holder": 3}
+    assert d.resume_step == 7 and d.sources[2] == Source("replica", 3)
 
 
 def test_corrupt_parameters_of_a_peer_are_not_used_again():
@@ -150,7 +150,7 @@ def test_corrupt_parameters_of_a_peer_are_not_used_again():
     statuses = {1: st(1, 5, [5], {0: [5]}), 2: st(2, 5, [5], {1: [5]})}
     d = plan_resume(statuses, [0, 1, 2], peers, lambda r: (r + 1) % 3, sharded=True,
                     replica_has_shared=False, bad={(1, 1, 5)})
-    assert d.sources[0] == {"kind": "replica", "holder": 1, "shared_from": 2}
+    assert d.sources[0] == Source("replica", 1, shared_from=2)
 
 
 def test_a_shard_lost_at_step_zero_is_drawn_afresh_but_never_later():
@@ -158,7 +158,7 @@ def test_a_shard_lost_at_step_zero_is_drawn_afresh_but_never_later():
     peers = ParallelDims(dp=2, tp=2, ranks_per_node=4).state_peers
     statuses = {1: st(1, 0, [0]), 2: st(2, 0, [0]), 3: st(3, 0, [0])}
     d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
-    assert d.resume_step == 0 and d.sources[0] == {"kind": "init", "holder": 0}
+    assert d.resume_step == 0 and d.sources[0] == Source("init", 0)
     # later, a lost shard is lost: no silent restart from scratch (the disk fallback decides)
     statuses = {1: st(1, 9, [8, 9]), 2: st(2, 9, [8, 9], {1: [8, 9]}), 3: st(3, 9, [8, 9])}
     d = plan_resume(statuses, WORLD, peers, lambda r: 3, sharded=True, replica_has_shared=False)

@@ -1,6 +1,9 @@
-"""The hot-swap planner: from survivors' reports, decide the resume step and who restores what.
+"""Step 4 of a recovery: from the survivors' reports, decide the resume step, where each rank's
+state comes from, which spare takes which rank, and which groups survivors keep.
 
-A pure function, so it is tested without processes. Inputs are the ``RankStatus`` of every
+``plan_resume`` is a pure function, so it is tested without processes.
+
+Its inputs are the ``RankStatus`` of every
 process that answered (survivors, and spares that took a rank in an interrupted recovery), the
 job's ranks, which ranks hold the same state (data-parallel peers of one model shard) and which
 holds whose replica. For every rank the output names where its state at the resume step comes
@@ -19,7 +22,7 @@ is two regions: parameters, shared with its data-parallel peers, and its optimiz
 no peer has. A peer can then only serve the parameters: the source is the shard's replica
 holder, plus ``shared_from``, a live peer that sends the parameters, unless the replicas hold the
 whole state (``ft.replicate=full``). The resume step is the newest step for which
-every rank has a source. A rank with none at any step is lost from memory; the coordinator then
+every rank has a source. A rank with none at any step is lost from memory; ``recovery.fallbacks`` then
 falls back to the newest complete disk checkpoint (source ``disk``, every rank). Copies a receiver
 found corrupt (CRC mismatch) are passed in ``bad`` as ``(holder, owner, step)`` and never chosen
 again. Recomputation is therefore at most the steps since the newest step every rank can reach.
@@ -27,9 +30,12 @@ again. Recomputation is therefore at most the steps since the newest step every 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from deadpool.protocol import RankStatus
+from deadpool.comm import rank_groups, resolve_backend, reusable_groups
+from deadpool.protocol import RankStatus, Source
+from deadpool.topology import Topology
 
 SOURCE_KINDS = ("peer", "replica")
 
@@ -37,7 +43,7 @@ SOURCE_KINDS = ("peer", "replica")
 @dataclass
 class RecoveryDecision:
     resume_step: int | None            # None: nothing in memory covers every rank
-    sources: dict[int, dict]
+    sources: dict[int, Source]
     steps_recomputed: int
     reason: str = ""
     lost: list[int] = field(default_factory=list)  # ranks with no copy at any step
@@ -69,7 +75,7 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
     covered: set[int] = set()
     for S in sorted(steps, reverse=True):
         load: dict[int, int] = {}  # holder -> transfers it serves (spread peer sends)
-        sources: dict[int, dict] = {}
+        sources: dict[int, Source] = {}
         for r in world:
             src = _source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
                           replica_has_shared)
@@ -91,33 +97,33 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
 
 
 def _source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded=False,
-            replica_has_shared=True) -> dict | None:
+            replica_has_shared=True) -> Source | None:
     src = _held_source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
                        replica_has_shared)
     if src is None and S == 0:
-        return {"kind": "init", "holder": r}
+        return Source("init", r)
     return src
 
 
 def _held_source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
-                 replica_has_shared) -> dict | None:
+                 replica_has_shared) -> Source | None:
     st = statuses.get(r)
     if st is not None and st.live_step == S:
-        return {"kind": "live", "holder": r}
+        return Source("live", r)
     if _has_own(st, S) and (r, r, S) not in bad:
-        return {"kind": "local", "holder": r}
+        return Source("local", r)
     if sharded:  # the optimizer shard exists only in r's replicas
         h = _pick(r, S, "replica", statuses, equivalents, buddy_of, bad, load)
         if h is None:
             return None
         if replica_has_shared:
-            return {"kind": "replica", "holder": h}
+            return Source("replica", h)
         q = _pick(r, S, "peer", statuses, equivalents, buddy_of, bad, load)
-        return None if q is None else {"kind": "replica", "holder": h, "shared_from": q}
+        return None if q is None else Source("replica", h, shared_from=q)
     for kind in order:
         h = _pick(r, S, kind, statuses, equivalents, buddy_of, bad, load)
         if h is not None:
-            return {"kind": kind, "holder": h}
+            return Source(kind, h)
     return None
 
 
@@ -138,3 +144,57 @@ def _pick(r, S, kind, statuses, equivalents, buddy_of, bad, load) -> int | None:
         return None
     load[holders[0]] = load.get(holders[0], 0) + 1
     return holders[0]
+
+
+# -- the coordinator's use of it -----------------------------------------------------------------
+def decide(coord, statuses: dict[int, RankStatus]) -> RecoveryDecision:
+    """``plan_resume`` with the job's facts: its ranks, data-parallel peers, buddies, the
+    configured source order, the copies known corrupt and what ranks and replicas hold."""
+    dims = coord.dims
+    topo = Topology(dims, 0, coord.gen, coord.ft["buddy_policy"])
+    return plan_resume(statuses, list(range(dims.world_size)), dims.state_peers, topo.buddy,
+                       tuple(coord.ft["state_sources"]), coord.bad,
+                       sharded=dims.optimizer_sharded, replica_has_shared=coord.replica_region == "all")
+
+
+def assign_spares(coord) -> tuple[dict[int, int], list[int], list[int]]:
+    """Give each rank without a process a warm spare (``ft.spare_policy``), as long as there are
+    spares. Returns ``(assignments rank -> slot, ranks that needed one, spares used)``."""
+    members, dims = coord.members, coord.dims
+    need = [r for r in range(dims.world_size) if r not in members.ranks]
+    assignments, used = dict(members.ranks), []
+    for d in need:
+        if not members.spares:
+            break
+        spare = coord.spare_policy(d, [{"slot": s, "node": None} for s in members.spares],
+                                   dims.ranks_per_node)["slot"]
+        members.spares.remove(spare)
+        assignments[d] = spare
+        used.append(spare)
+    return assignments, need, used
+
+
+def swap_routes(faults_cfg: dict, sources: dict[int, Source]) -> None:
+    """Fault injection (``faults.swap_routes=[a, b]``): send rank a's state to b and b's to a, so
+    a test can show that a wrong route is caught (``conf/faults``)."""
+    swap = faults_cfg.get("swap_routes")
+    if swap and all(int(r) in sources for r in swap):
+        a, b = (int(r) for r in swap)
+        sources[a], sources[b] = (dataclasses.replace(sources[b], owner=b),
+                                  dataclasses.replace(sources[a], owner=a))
+
+
+def groups_to_keep(coord, statuses: dict[int, RankStatus], replaced: list[int],
+                   generation: int) -> list[str]:
+    """``ft.rebuild=affected``: groups survivors may keep (``comm.reusable_groups``); on NCCL
+    every group is rebuilt (the abort watcher has aborted them to free the streams)."""
+    backend = resolve_backend(coord.cfg["device"], coord.cfg.get("backend", "auto"))
+    if coord.ft.get("rebuild", "affected") != "affected" or backend != "gloo":
+        return []
+    members = {}
+    for r in range(coord.dims.world_size):
+        topo = Topology(coord.dims, r, generation, coord.ft["buddy_policy"])
+        for _, key, ranks, _ in rank_groups(topo):
+            members[key] = ranks
+    counts = {r: st.groups for r, st in statuses.items()}
+    return reusable_groups(counts, members, set(replaced))

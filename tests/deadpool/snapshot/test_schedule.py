@@ -4,7 +4,7 @@ makes every rank of a job snapshot the same steps."""
 import pytest
 
 from deadpool.protocol import Keys
-from deadpool.snapshot_schedule import SnapshotSchedule
+from deadpool.snapshot import SnapshotSchedule
 from tests.deadpool.helpers import client, master_store, run_threads
 
 

@@ -1,0 +1,224 @@
+"""The on-disk layout of DeadPool checkpoints and its atomic file-system steps.
+
+Layout: ``<root>/step_<S>/rank_<r>/`` holds one DCP checkpoint per rank plus ``header.json``;
+``<root>/step_<S>/meta.json`` names the world size (and the parallel layout it was written at). A
+step counts only when every rank named by meta.json has its ``header.json`` (``is_complete``).
+
+Writes are atomic. A rank directory is written under a temporary name in the same step directory
+(``.rank_<r>.tmp-<pid>-<id>``), ``header.json`` last, and renamed into place, so ``rank_<r>``
+either does not exist or is complete. Two writers of the same (step, rank) never mix files: the
+first rename wins and the second writer discards its copy. ``meta.json`` is replaced atomically,
+so several ranks may write it for the same step.
+
+The header is a JSON-serialisable dict (``{"step", "data_position", "generation", "rng_cpu"}``,
+``rng_cpu`` being ``encode_rng_state(torch.get_rng_state())``).
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+HEADER_FILE = "header.json"  # written last: its presence marks a rank's checkpoint complete
+META_FILE = "meta.json"
+OLD_RNG_FILE = "rng.pt"      # older format only; read, never written
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A disk checkpoint write failed (raised on the caller's thread, naming step and directory)."""
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """DCP wraps a rank's failure in CheckpointException (a BaseException, even with no_dist);
+    unwrap it to the error that happened (e.g. the OSError of a full disk)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
+
+
+def _write_error(what: str, exc: BaseException) -> CheckpointWriteError:
+    cause = _root_cause(exc)
+    err = CheckpointWriteError(f"{what}: {type(cause).__name__}: {cause}")
+    err.__cause__ = cause
+    return err
+
+
+# -- header -------------------------------------------------------------------------------------
+def encode_rng_state(state: torch.Tensor) -> str:
+    """``torch.get_rng_state()`` (a uint8 tensor) -> base64 text, for the JSON header."""
+    raw = state.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def decode_rng_state(text: str) -> torch.Tensor:
+    """Inverse of ``encode_rng_state``: a uint8 tensor for ``torch.set_rng_state``."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _header_text(header: dict) -> str:
+    try:
+        return json.dumps(header)
+    except (TypeError, ValueError) as e:
+        bad = []
+        for k, v in header.items():
+            try:
+                json.dumps(v)
+            except (TypeError, ValueError):
+                bad.append(k)
+        raise TypeError(f"checkpoint header must be JSON-serialisable; not: {bad or e} "
+                        "(store the RNG state as encode_rng_state(torch.get_rng_state()))") from e
+
+
+# -- atomic file system steps -------------------------------------------------------------------
+def rank_dir(root: str | os.PathLike, step: int, rank: int) -> Path:
+    return Path(root) / f"step_{step}" / f"rank_{rank}"
+
+
+def read_header(step_dir: Path, rank: int) -> dict:
+    """The JSON header of ``rank``'s state in a step directory (FileNotFoundError if absent)."""
+    return json.loads((Path(step_dir) / f"rank_{rank}" / HEADER_FILE).read_text())
+
+
+def rank_complete(step_dir: Path, rank: int) -> bool:
+    return (Path(step_dir) / f"rank_{rank}" / HEADER_FILE).exists()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomic(path: Path, text: str) -> None:
+    """Write ``path`` via a temporary file in the same directory and ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _tmp_rank_dir(final: Path) -> Path:
+    # same parent as the final name, so the rename stays within one file system; hidden and not
+    # named rank_<r>, so is_complete / load never see it
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _install_rank_dir(tmp: Path, final: Path, header_text: str) -> bool:
+    """Finish a rank directory written under ``tmp``: ``header.json`` last, then rename it to
+    ``final``. Returns False if a complete ``final`` already existed (``tmp`` is discarded)."""
+    with open(tmp / HEADER_FILE, "w") as f:
+        f.write(header_text)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    for _ in range(16):
+        try:
+            # POSIX rename of a directory onto an existing non-empty one fails (ENOTEMPTY/EEXIST)
+            # instead of replacing it, so the first of two writers wins and files never mix
+            os.rename(tmp, final)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            if (final / HEADER_FILE).exists():  # another writer's complete copy: keep it
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+            # an incomplete leftover (a crash in the older, in-place format): move it aside. If a
+            # second writer installs its copy in between, that copy is moved aside instead and
+            # ours replaces it - both hold the same step's state, so either is right.
+            stale = final.with_name(f".{final.name}.stale-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            try:
+                os.rename(final, stale)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(stale, ignore_errors=True)
+            continue
+        _fsync_dir(final.parent)
+        return True
+    raise CheckpointWriteError(f"could not rename {tmp} into place as {final}")
+
+
+def write_meta(root, step: int, world_size: int, reason: str, layout: dict | None = None) -> None:
+    """Write ``step_<S>/meta.json`` atomically (any number of ranks may write it for one step).
+    ``layout``: the parallel degrees it was written at (``{"dp", "tp", "pp"}``), for a load at
+    another data-parallel width (``reshard_rank_state``)."""
+    p = Path(root) / f"step_{step}"
+    p.mkdir(parents=True, exist_ok=True)
+    meta = {"step": step, "world_size": world_size, "reason": reason}
+    if layout is not None:
+        meta["layout"] = layout
+    _write_file_atomic(p / META_FILE, json.dumps(meta))
+
+
+def read_meta(step_dir) -> dict:
+    return json.loads((Path(step_dir) / META_FILE).read_text())
+
+
+def is_complete(step_dir: Path) -> bool:
+    """Every rank named by meta.json finished writing (its header.json is written last)."""
+    step_dir = Path(step_dir)
+    try:
+        meta = json.loads((step_dir / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    n = meta.get("world_size") if isinstance(meta, dict) else None
+    return isinstance(n, int) and n > 0 and all(
+        (step_dir / f"rank_{r}" / HEADER_FILE).exists() for r in range(n))
+
+
+def _complete_steps(root: Path) -> list[tuple[int, Path]]:
+    try:
+        entries = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for p in entries:
+        m = _STEP_DIR.fullmatch(p.name)
+        if m and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_complete_step(root) -> int | None:
+    """The newest step under ``root`` whose checkpoint is complete, or None if there is none."""
+    steps = _complete_steps(Path(root))
+    return steps[-1][0] if steps else None
+
+
+def latest_step_dir(root) -> Path:
+    """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one)."""
+    root = Path(root)
+    if (root / META_FILE).exists():
+        if not is_complete(root):
+            raise FileNotFoundError(f"checkpoint {root} is incomplete (a rank's state is missing)")
+        return root
+    steps = _complete_steps(root)
+    if not steps:
+        raise FileNotFoundError(f"no complete DeadPool checkpoint (step_*/meta.json + every rank) under {root}")
+    return steps[-1][1]

@@ -1,0 +1,78 @@
+"""A process's heartbeat thread: proof of life for the coordinator, fences, coordinator loss.
+
+Writes ``hb/<slot>`` (beat count + the training thread's progress, see watchdog.py) every
+interval, SIGKILLs its own process when the coordinator fenced it, and watches the
+coordinator's own heartbeat (``coord/hb``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from deadpool import auth
+from deadpool.protocol import Keys, Seal
+from deadpool.watchdog import Progress
+
+
+class Heartbeat(threading.Thread):
+    """Writes ``hb/<slot>`` (beat count + the training thread's progress, see watchdog.py) every
+    interval, honours fences, and watches the coordinator's own heartbeat.
+
+    Store errors never stop it: it reconnects on the next beat. If the coordinator's heartbeat
+    has not advanced (or the store has been unreachable) for ``coordinator_timeout_s`` on this
+    process's own clock, it sets ``coordinator_lost``; the training thread then saves what it
+    holds and exits (see ``Worker.save_and_exit``).
+    """
+
+    def __init__(self, open_store, slot: int, interval_s: float, coordinator_timeout_s: float,
+                 progress: Progress, seal: Seal):
+        super().__init__(name="heartbeat", daemon=True)
+        self.open_store = open_store
+        self.slot = slot
+        self.key = Keys.heartbeat(slot)
+        self.interval_s = interval_s
+        self.coordinator_timeout_s = coordinator_timeout_s
+        self.progress = progress
+        self.seal = seal
+        self.coordinator_lost = threading.Event()
+        self.seen_coordinator = False
+        self.store = open_store()
+        self.beat()  # the coordinator reads every process's heartbeat from the start
+
+    def beat(self, n: int = 0) -> None:
+        self.store.set(self.key, f"{n} {self.progress.encode()}")
+
+    def run(self):
+        fence = Keys.fence(self.slot)
+        n, last_coord, t_coord = 0, None, time.monotonic()
+        while True:
+            n += 1
+            try:
+                if self.store is None:
+                    self.store = self.open_store()
+                self.beat(n)
+                # a process the coordinator declared dead must not come back (e.g. after SIGCONT);
+                # checked every 4th beat: store round trips share the cores with training
+                if n % 4 == 1 and self.store.check([fence]) and self._sealed(fence):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                # once the coordinator's key exists it always does: one round trip, not two
+                coord = (self.store.get(Keys.COORD_HB)
+                         if last_coord is not None or self.store.check([Keys.COORD_HB]) else None)
+                if coord != last_coord:
+                    last_coord, t_coord = coord, time.monotonic()
+                    self.seen_coordinator = True
+            except Exception:  # a store hiccup, or the coordinator is gone: retry next beat
+                self.store = None
+            if time.monotonic() - t_coord > self.coordinator_timeout_s:
+                self.coordinator_lost.set()
+            time.sleep(self.interval_s)
+
+    def _sealed(self, key: str) -> bool:
+        try:
+            self.seal.unwrap(key, self.store.get(key))
+            return True
+        except auth.AuthError:
+            return False

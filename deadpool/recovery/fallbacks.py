@@ -1,0 +1,199 @@
+"""Step 5 of a recovery: what the coordinator does when a hot swap is not possible.
+
+    no_recovery         ft.strategy recovers nothing (none) or restarts everything
+                        (checkpoint_restart): the job ends here; ``job.run_job`` relaunches it
+    from_disk           no copy of some rank survives in memory: every rank restarts from the
+                        newest complete disk checkpoint (else the job stops, naming the ranks)
+    stalled             too many recoveries without a completed step: write and stop
+    no_spare            a rank has no process and no spare is left: the consistent state goes
+                        to disk, then ``ft.on_no_spare`` (elastic | checkpoint_restart |
+                        checkpoint_and_stop)
+    grow                an elastic job below its full width regrows (a planned regroup)
+
+Each ends the generation with a plan of its own (``stop`` or ``checkpoint_and_stop``) and sets
+``coord.outcome`` when the job ends or relaunches.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from deadpool import checkpoint
+from deadpool.protocol import UNSET, Keys, Plan, RecoveryRecord, Source, announce_abort
+from deadpool.recovery import detect, plan, timeline
+from deadpool.threads import wait_until
+
+
+def no_recovery(coord, failed: dict[int, str], t_detect: float) -> None:
+    """ft=none: the failure ends the job; ft=checkpoint_restart: the job ends here and
+    ``job.run_job`` tears every process down and relaunches the job from the newest complete
+    checkpoint (the record says which)."""
+    g = coord.gen
+    rec = RecoveryRecord(g + 1, failed_rank=timeline._one_or_list(sorted(failed)),
+                         detected_by=failed[min(failed)] if failed else "collective_error",
+                         detect_s=None, t_detect=t_detect)
+    if not coord.strategy.restarts:
+        stop(coord, g + 1, rec, f"rank(s) {sorted(failed)} failed and ft.strategy="
+                                f"{coord.strategy.name} recovers nothing")
+        return
+    faults = [json.loads(coord.store.get(Keys.fault(slot)))
+              for r, slot in coord.members.ranks.items()
+              if r in failed and coord.store.check([Keys.fault(slot)])]
+    t_kill = min([f["t"] for f in faults] + [t_detect])
+    step = checkpoint.latest_complete_step(coord.ft["checkpoint_dir"]) or 0
+    rec.update(fault=faults[0]["kind"] if faults else "unknown", t_kill=t_kill,
+               detect_s=t_detect - t_kill, failed_at_step=coord.job_step,
+               resume_step=step, steps_recomputed=max(0, coord.job_step - step),
+               fallback="restart")
+    coord.outcome = "restart"
+    coord.message = (f"rank(s) {sorted(failed)} failed: relaunching every process from the "
+                     f"checkpoint of step {step}" if step else
+                     f"rank(s) {sorted(failed)} failed before any complete checkpoint: "
+                     "relaunching every process from step 0")
+    coord.log(f"[coordinator] {coord.message}")
+    coord.write_plan(Plan(g + 1, "stop", {}, -1, reason=coord.message))
+    coord.members.generation = g + 1
+    coord.recoveries.append(rec)
+
+
+def from_disk(coord, decision, rec: RecoveryRecord):
+    """No consistent copy of some rank in memory: restart every rank from the newest complete
+    disk checkpoint, if there is one (else stop, saying which ranks were lost). Returns the
+    decision rewritten to disk sources, or None when the job stopped."""
+    roots = [r for r in (coord.ft["checkpoint_dir"], coord.ft["resume_from"]) if r]
+    step_dir = None
+    for root in roots:
+        try:
+            d = checkpoint.latest_step_dir(root)
+        except (FileNotFoundError, OSError):
+            continue
+        if step_dir is None or int(d.name.split("_")[1]) > int(step_dir.name.split("_")[1]):
+            step_dir = d
+    if step_dir is None:
+        stop(coord, coord.gen + 1, rec, f"{decision.reason}, and there is no complete disk "
+             f"checkpoint under {roots} (ft.persist_interval_steps)")
+        return None
+    S = int(step_dir.name.split("_")[1])
+    coord.log(f"[coordinator] {decision.reason}; falling back to the disk checkpoint of step {S}")
+    decision.resume_step, decision.steps_recomputed = S, max(0, coord.job_step - S)
+    decision.reason = f"{decision.reason}; restarted from disk ({step_dir})"
+    decision.sources = {r: Source("disk", r, dir=str(step_dir))
+                        for r in range(coord.dims.world_size)}
+    rec.update(resume_step=S, steps_recomputed=decision.steps_recomputed, fallback="disk")
+    return decision
+
+
+def stalled(coord, decision, rec: RecoveryRecord, t_detect: float) -> bool:
+    """More recoveries in a row than ``ft.max_recoveries_without_progress`` without a completed
+    step: write the consistent state and stop (a fault that recurs on every replay). Returns
+    True when the job stops here."""
+    coord.streak += 1
+    if coord.streak <= int(coord.ft["max_recoveries_without_progress"]):
+        return False
+    reason = (f"{coord.streak} recoveries in a row without a completed step "
+              f"(ft.max_recoveries_without_progress); last cause: {rec.detected_by}")
+    if any(s.kind == "disk" for s in decision.sources.values()):
+        stop(coord, coord.gen + 1, rec, reason)
+    else:
+        checkpoint_and_stop(coord, coord.gen + 1, decision, rec, reason, t_detect)
+    return True
+
+
+def stop(coord, generation: int, rec: RecoveryRecord, reason: str) -> None:
+    coord.outcome, coord.message = "unrecoverable", reason
+    coord.log(f"[coordinator] cannot recover: {reason}")
+    coord.write_plan(Plan(generation, "stop", {}, -1, reason=reason))
+    coord.members.generation = generation
+    rec.outcome = "unrecoverable"
+    coord.recoveries.append(rec)
+
+
+def checkpoint_and_stop(coord, generation: int, decision, rec: RecoveryRecord, reason: str,
+                        t_detect: float) -> None:
+    """Persist the consistent state from memory (the processes left write it), then stop."""
+    p = Plan(generation, "checkpoint_and_stop", dict(coord.members.ranks), decision.resume_step,
+             decision.sources, reason=reason)
+    coord.write_plan(p)
+    coord.members.generation = generation
+    _wait_checkpoint(coord, p)
+    rec.update(outcome="checkpoint_and_stop", plan_s=p.t_written - t_detect)
+    coord.recoveries.append(rec)
+
+
+def _wait_checkpoint(coord, p: Plan) -> None:
+    key = Keys(p.generation).checkpointed_count()
+    wait_until(lambda: int(coord.store.add(key, 0)) >= len(p.assignments), every_s=0.01,
+               between=coord.tick, timeout_s=300)
+    dims = coord.dims
+    checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,
+                          layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp})
+    coord.outcome = "checkpoint_and_stop"
+    coord.message = (f"stopping ({p.reason}): state of step {p.resume_step} "
+                     f"written to {coord.ft['checkpoint_dir']}/step_{p.resume_step}; resume with "
+                     f"ft.resume_from={coord.ft['checkpoint_dir']}"
+                     + (" and more ft.num_spares" if "spare" in p.reason else ""))
+    if coord.ft["on_no_spare"] == "checkpoint_and_stop" or "spare" not in p.reason:
+        coord.log(f"[coordinator] {coord.message}")  # (else the job goes on: said by the caller)
+
+
+def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[int],
+             t_detect: float) -> None:
+    """A rank has no process and no spare is left: the consistent state (every rank's, from
+    memory) goes to disk, then ``ft.on_no_spare``: ``elastic`` - ``job.run_job`` relaunches
+    the job without the dead ranks' data-parallel replicas (the smallest unit containing them;
+    global batch kept, ``parallel.global_dp``); ``checkpoint_restart`` - it relaunches every
+    process at the same width; ``checkpoint_and_stop`` - the job stops there."""
+    dims = coord.dims
+    if any(s.kind == "disk" for s in decision.sources.values()):
+        stop(coord, generation, rec, f"{decision.reason}; no warm spare left to restart from "
+                                     f"the disk checkpoint at step {decision.resume_step}")
+        return
+    action = coord.ft["on_no_spare"]
+    dropped = sorted({dims.coords(d)["dp"] for d in dead})
+    if action == "elastic" and dims.dp - len(dropped) < 1:
+        coord.log("[coordinator] elastic: no data-parallel replica would be left; stopping")
+        action = "checkpoint_and_stop"
+    checkpoint_and_stop(coord, generation, decision, rec, "no warm spare left", t_detect)
+    if action == "checkpoint_and_stop" or coord.outcome != "checkpoint_and_stop":
+        return
+    rec.outcome = UNSET
+    if action == "elastic":
+        rec.update(fallback="shrink", dropped_dp=dropped, dp=dims.dp - len(dropped))
+        coord.outcome = "shrink"
+        coord.message = (f"no warm spare left: continuing without data-parallel replica(s) "
+                         f"{dropped} (dp {dims.dp} -> {rec.dp}) from step "
+                         f"{decision.resume_step}")
+    else:
+        rec.update(fallback="restart", failed_at_step=coord.job_step)
+        coord.outcome = "restart"
+        coord.message = (f"no warm spare left: relaunching every process from step "
+                         f"{decision.resume_step}")
+    coord.log(f"[coordinator] {coord.message}")
+
+
+def grow(coord) -> None:
+    """An elastic job below its full width regrows once a replacement is available
+    (``ft.elastic_regrow_after_s`` after the shrink, standing in for a repaired node joining):
+    a planned regroup writes the consistent state, and ``job.run_job`` relaunches at full
+    width."""
+    g, t = coord.gen, time.time()
+    keys = Keys(g)
+    announce_abort(coord.store, coord.seal, keys, "regrow")
+    timeline.finish_pending(coord, force=True)
+    timeline.finish_pending(coord, interrupted=True)
+    failed: dict[int, str] = {}
+    statuses = detect.collect_statuses(coord, failed, keys)
+    if failed:  # somebody died meanwhile: an ordinary recovery
+        coord.recover(failed, t)
+        return
+    decision = plan.decide(coord, statuses)
+    rec = RecoveryRecord(g + 1, failed_rank=None, detected_by="regrow", fault="none", t_kill=t,
+                         t_detect=t, detect_s=0.0, resume_step=decision.resume_step,
+                         steps_recomputed=decision.steps_recomputed)
+    checkpoint_and_stop(coord, g + 1, decision, rec, "regrow", t)
+    if coord.outcome == "checkpoint_and_stop":
+        rec.outcome = UNSET
+        rec.update(fallback="grow", dp=int(coord.cfg["_full_dp"]))
+        coord.outcome, coord.message = "grow", f"regrowing to dp={coord.cfg['_full_dp']}"
+        coord.log(f"[coordinator] {coord.message} from step {decision.resume_step}")

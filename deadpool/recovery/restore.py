@@ -1,0 +1,140 @@
+"""Step 7 and 9 of a recovery (worker side): report what this process holds after an abort, and
+bring its rank to the resume step from the source the plan names.
+
+    report_status   the generation was aborted: stop replication, park the communicator, tell
+                    the coordinator which states this process can resume from (``RankStatus``)
+    restore         per the plan's ``Source`` for this rank: keep the live state, roll back to a
+                    local snapshot, receive a peer's or a replica holder's copy, read the disk
+                    checkpoint, or draw the initial state; and serve what others need from here
+    transfers       this rank's part of the plan's transfers (what it sends, what it receives)
+    stop_to_disk    the plan says checkpoint_and_stop: write the resume step's state to disk
+
+Every function takes the ``Worker`` (its trainer, store, injector and progress marker).
+"""
+
+from __future__ import annotations
+
+import json
+
+from deadpool.checkpoint import rank_state
+from deadpool.comm import Communicator
+from deadpool.errors import CollectiveError, CorruptState
+from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, now
+from deadpool.snapshot.transfer import outgoing, transfer
+
+
+def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> None:
+    """The generation was aborted: park its communicator (the worker keeps it referenced) and
+    write this process's ``RankStatus`` for the coordinator's planner."""
+    tr = worker.trainer
+    if tr.engine is not None:
+        tr.engine.stop_replication()
+    if comm is not None:
+        comm.park()
+        worker.parked.append(comm)
+    worker.prev_comm = comm
+    worker.progress.set(tr.step, "status")
+    worker.injector.fire(plan.resume_step, "status")
+    # a rank cut inside its optimizer step holds a torn live state: only its snapshots count
+    live = tr.step if worker.has_state and not tr.dirty else None
+    eng = tr.engine
+    st = RankStatus(rank, worker.slot, live,
+                    eng.local_steps() if worker.has_state and eng is not None else [],
+                    eng.replica_steps() if eng is not None else {},
+                    comm.group_counts() if comm is not None else {})
+    worker.store.set(Keys(plan.generation).status(rank), st.to_json())
+
+
+def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimings) -> None:
+    """Bring this rank to ``plan.resume_step`` from the source the plan names."""
+    tr = worker.trainer
+    S = plan.resume_step
+    if plan.generation == worker.first_gen:
+        resume = worker.ft["resume_from"]
+        timing.transferred = now()
+        if resume:
+            rank_state.load(tr, worker.dims, resume, rank)
+        timing.rolled_back = now()  # the checkpoint load
+        worker.has_state = True
+        if worker.ft["snapshot"]:
+            tr.snapshot_now()
+        return
+    sends, recvs = transfers(worker, plan, rank)
+    mine = plan.sources[rank]
+    if sends or recvs:
+        worker.progress.set(S, "transfer")
+        try:
+            got = comm.run_abortable(lambda: transfer(tr.engine, comm, sends, recvs, S),
+                                     "state transfer")
+        except CorruptState as e:
+            _report_corrupt(worker, plan, rank, comm, e)
+        if got is not None:
+            tr.apply_header(tr.engine.install(S, *got))
+            worker.has_state = True
+            timing.bytes_received = sum(tr.engine.region(got[0], r).numel() for _, _, r in recvs)
+    timing.transferred = now()
+    worker.progress.set(S, "rollback")
+    worker.injector.fire(S, "rollback")
+    if mine.kind == "local":
+        try:
+            tr.apply_header(tr.engine.restore_local(S, rank))
+        except CorruptState as e:
+            _report_corrupt(worker, plan, rank, comm, e)
+    elif mine.kind == "disk":
+        rank_state.load(tr, worker.dims, mine.dir, rank)
+        worker.has_state = True
+    elif mine.kind == "init":  # drawn from the seed by build(): the state of step 0
+        tr.apply_header({"step": 0})
+        worker.has_state = True
+    elif mine.kind == "live" and tr.step != S:
+        raise RuntimeError(f"plan says live state at step {S} but rank is at {tr.step}")
+    timing.rolled_back = now()
+    tr.engine.truncate_after(S)  # snapshots of the abandoned timeline must never be resumed
+    if S not in tr.engine.local_steps():
+        tr.snapshot_now()  # replication restarts from the resume step's snapshot
+
+
+def transfers(worker, plan: Plan, rank: int):
+    """This rank's part of the plan's state transfers: what it sends (its own state to a peer, a
+    replica it holds, or its parameters to a rank restored from a sharded replica) and which
+    pieces it receives, as ``snapshot.transfer.transfer`` takes them."""
+    tr, S, eng = worker.trainer, plan.resume_step, worker.trainer.engine
+    live = tr.step if worker.has_state and not tr.dirty else None
+    sends = []
+    for dst, src in sorted(plan.sources.items()):
+        if src.kind not in ("peer", "replica"):
+            continue
+        whole = src.kind == "peer" or src.shared_from is None
+        region = "all" if whole and (src.kind == "peer" or eng.repl_region == "all") else "unique"
+        if src.holder == rank:  # (owner differs from dst only under faults.swap_routes)
+            owner = dst if src.owner is None else src.owner
+            sends.append((dst, region, outgoing(eng, src.kind, owner, S, live, tr.header, region)))
+        if src.shared_from == rank:
+            sends.append((dst, "shared", outgoing(eng, "peer", dst, S, live, tr.header, "shared")))
+    mine, recvs = plan.sources[rank], []
+    if mine.kind == "peer":
+        recvs.append((mine.holder, mine.holder, "all"))  # its own state: bad = (q, q, S)
+    elif mine.kind == "replica":
+        region = "unique" if mine.shared_from is not None else "all"
+        recvs.append((mine.holder, rank, region))
+        if mine.shared_from is not None:
+            q = mine.shared_from
+            recvs.append((q, q, "shared"))
+    return sends, recvs
+
+
+def _report_corrupt(worker, plan: Plan, rank: int, comm: Communicator, e: CorruptState):
+    """Tell the planner which copy failed its CRC (never used again), then regroup."""
+    worker.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
+        {"holder": e.holder, "owner": e.owner, "step": e.step}))
+    comm.report_error(str(e))
+    raise CollectiveError(str(e)) from None
+
+
+def stop_to_disk(worker, plan: Plan, rank: int) -> None:
+    """No spare is left (or the job regrows): write the state at the resume step to disk and
+    count this rank done (``rank_state.write_for_stop``)."""
+    worker.progress.set(plan.resume_step, "checkpoint")
+    rank_state.write_for_stop(worker.trainer, worker.dims, worker.ft["checkpoint_dir"],
+                              plan.resume_step, rank, plan.sources)
+    worker.store.add(Keys(plan.generation).checkpointed_count(), 1)

@@ -1,0 +1,118 @@
+"""The recovery's account (``RecoveryRecord``): opened when the plan is made, completed from the
+ranks' ``RankTimings`` once every rank of the new generation has taken its first step.
+
+Breakdown (seconds; ``t_kill`` is the injected fault's time when known, else the detection)::
+
+    detect_s      kill -> failure detected
+    plan_s        detected -> plan g+1 written
+    build_s       a spare building its rank's stage (its part of the rebuild)
+    rebuild_s     plan -> every rank's groups of g+1 exist
+    transfer_s    groups -> state received (the slowest rank)
+    rollback_s    received -> live state at the resume step (a relaunch: load_s, the disk load)
+    first_step_s  every rank ready -> every rank finished its first step
+    kill_to_first_step_s, kill_to_training_s, kill_to_protected_s: end-to-end
+"""
+
+from __future__ import annotations
+
+from deadpool.protocol import UNSET, Keys, RankTimings, RecoveryRecord
+
+INTERRUPTED = "interrupted by another failure"
+
+
+def _one_or_list(xs: list):
+    return xs[0] if len(xs) == 1 else xs
+
+
+def open_record(coord, failed: dict[int, str], faults: dict[int, dict], decision,
+                t_detect: float, bad: list[dict]) -> RecoveryRecord:
+    """The record of the recovery from ``failed`` (before they leave the membership)."""
+    dead = sorted(failed)
+    t_kill = min(min([f["t"] for f in faults.values()] or [t_detect]), t_detect)
+    rec = RecoveryRecord(
+        coord.gen + 1, failed_rank=_one_or_list(dead),
+        failed_slot=_one_or_list([coord.members.ranks[d] for d in dead]),
+        fault=next(iter(faults.values()))["kind"] if faults else "unknown",
+        detected_by=failed[dead[0]] if dead else "collective_error",
+        resume_step=decision.resume_step, steps_recomputed=decision.steps_recomputed,
+        detect_s=t_detect - t_kill, t_kill=t_kill, t_detect=t_detect)
+    if bad:
+        rec.bad_sources = bad
+    return rec
+
+
+def finish_pending(coord, interrupted: bool = False, force: bool = False) -> None:
+    """Complete the open record (``coord.pending``) from the ranks' timing keys once they are all
+    there (and, when ranks replicate, every rank is protected again, unless ``force``);
+    ``interrupted``: a new failure came first."""
+    rec = coord.pending
+    if rec is None:
+        return
+    store = coord.store
+    keys = Keys(rec.generation)
+    ranks = list(coord.members.ranks) if not interrupted else []
+    timings: list[RankTimings] = []
+    for r in ranks:
+        if not store.check([keys.timing(r)]):
+            return
+        timings.append(RankTimings.from_json(store.get(keys.timing(r))))
+    firsts = []
+    for r in ranks:
+        if not store.check([keys.first_step(r)]):
+            return
+        firsts.append(float(store.get(keys.first_step(r))))
+    if not (interrupted or force) and coord.replicates \
+            and int(store.add(keys.protected_count, 0)) < len(ranks):
+        return
+    if interrupted:
+        rec.outcome = INTERRUPTED
+    else:
+        _breakdown(coord, rec, keys, ranks, timings, firsts)
+    coord.recoveries.append(rec)
+    coord.pending = None
+    if not interrupted:
+        coord.streak = 0  # every rank completed a step: the job progresses again
+
+
+def _breakdown(coord, rec: RecoveryRecord, keys: Keys, ranks: list[int],
+               timings: list[RankTimings], firsts: list[float]) -> None:
+    tp, tk = rec.t_plan, rec.t_kill
+    t_ready = max(t.ready for t in timings)
+    rec.rebuild_s = max(t.rebuilt for t in timings) - tp
+    rec.transfer_s = max(t.transferred - t.rebuilt for t in timings)
+    rec.rollback_s = max(t.rolled_back - t.transferred for t in timings)
+    built = [t.built - t.plan_seen for t in timings if t.built is not None]
+    rec.build_s = max(built) if built else 0.0  # a spare building its rank's stage
+    rec.first_step_s = max(firsts) - t_ready
+    rec.kill_to_training_s = t_ready - tk
+    rec.kill_to_first_step_s = max(firsts) - tk
+    first = chain_start(coord.recoveries, rec)
+    if first is not rec:  # a cascade: time from the first fault of the chain
+        rec.first_kill_to_first_step_s = max(firsts) - first.t_kill
+    store = coord.store
+    prot = [float(store.get(keys.protected(r))) for r in ranks if store.check([keys.protected(r)])]
+    rec.kill_to_protected_s = (max(prot) - tk) if len(prot) == len(ranks) else None
+    rec.bytes_transferred = sum(t.bytes_received for t in timings)
+    rec.outcome = "hot-swapped" if rec.get("spare_slot") not in (None, []) else \
+        "regrouped (no rank lost)"
+    fallback = rec.get("fallback")
+    if fallback == "disk":
+        rec.outcome = "restarted from disk"
+    if fallback in ("restart", "shrink", "grow"):  # the whole job relaunched
+        rec.outcome = {"restart": "relaunched from checkpoint",
+                       "shrink": f"shrunk to dp={rec.get('dp')}",
+                       "grow": f"regrown to dp={rec.get('dp')}"}[fallback]
+        rec.load_s, rec.rollback_s = rec.rollback_s, UNSET  # the checkpoint load
+        # interpreter start -> module running, and importing torch + deadpool
+        rec.exec_s = max(t.exec for t in timings) - rec.t_relaunch
+        rec.imports_s = max(t.imported - t.exec for t in timings)
+
+
+def chain_start(recoveries: list[RecoveryRecord], rec: RecoveryRecord) -> RecoveryRecord:
+    """The first recovery of an uninterrupted chain of interrupted ones ending at ``rec``."""
+    first = rec
+    for r in reversed(recoveries):
+        if r.get("outcome") != INTERRUPTED:
+            break
+        first = r
+    return first

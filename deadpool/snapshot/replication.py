@@ -1,0 +1,122 @@
+"""Replication: each snapshot goes to the rank's buddy, and the ward's comes in, off the critical
+path (one thread per generation, over the generation's two 2-rank ``repl_*`` gloo groups).
+
+All ranks replicate the same steps in the same order, so sends and receives always pair up. A
+replica counts only when it is complete (and, with ``verify="eager"``, its checksum matches the
+sender's). A step is *protected* once every rank has replicated it (the counter
+``Keys.repl_done``); the engine keeps the newest protected replica and anything newer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from deadpool.snapshot.buffers import Replica
+from deadpool.snapshot.wire import blocking, post_sends, recv_state
+from deadpool.threads import lower_thread_priority
+
+
+class Replicator(threading.Thread):
+    """Sends each local snapshot to the buddy and receives the ward's, in lockstep with all ranks."""
+
+    def __init__(self, engine, comm, buddy: int, ward: int, store_factory):
+        super().__init__(name=f"snapshot-repl-g{comm.topo.generation}", daemon=True)
+        self.engine, self.comm = engine, comm
+        self.buddy, self.ward = buddy, ward
+        self.queue: queue.Queue = queue.Queue()
+        self.stopped = False
+        self.store_factory = store_factory
+        self.protected_reported = False
+        # fresh receive buffers per generation (an abandoned receive may still write into the
+        # old ones), sized by what the ward sends: its stage may differ from this rank's
+        self.recv_pool: list[torch.Tensor] = []
+
+    def _free_recv_buffer(self, nbytes: int, store) -> torch.Tensor:
+        eng = self.engine
+        with eng._lock:
+            newest = max((r.step for r in eng.replicas.get(self.ward, [])), default=-1)
+        if newest > eng._protected and int(store.add(self.comm.keys.repl_done(newest), 0)) \
+                >= self.comm.topo.dims.world_size:
+            with eng._lock:
+                eng._protected = max(eng._protected, newest)
+        eng._drop_unneeded_replicas()
+        with self.engine._lock:
+            held = {id(r.flat) for reps in self.engine.replicas.values() for r in reps}
+        for b in self.recv_pool:
+            if id(b) not in held and b.numel() == nbytes:
+                return b
+        # 2 in steady state (the newest protected replica, the one arriving); more only while
+        # replication runs ahead of protection
+        b = torch.empty(nbytes, dtype=torch.uint8)
+        self.recv_pool.append(b)
+        return b
+
+    def run(self) -> None:
+        lower_thread_priority(self.engine.background_nice)
+        out, inp = self.comm.group("repl_out"), self.comm.group("repl_in")
+        dst, src = 1, 0  # repl_out is [me, buddy]; repl_in is [ward, me]
+        store = None
+        while True:
+            slot = self.queue.get()
+            if slot is None or self.stopped:
+                return
+            t0 = time.perf_counter()
+            try:
+                got = {}
+                store = store or self.store_factory()
+
+                def buffer(nbytes):
+                    got["buf"] = self._free_recv_buffer(nbytes, store)
+                    return got["buf"]
+                # a "replication" fault fires after the first chunk is posted, the rest not:
+                # the buddy is left with a torn replica of this step
+                region = self.engine.repl_region
+                sends = post_sends(out, dst, slot.step, self.engine.region(slot.flat, region),
+                                    slot.header, slot.crc, region, self.engine.chunk_bytes,
+                                    after_first_chunk=lambda s=slot.step: self.engine.fault_hook(s, "replication"))
+                step, header, crc, _ = recv_state(inp, src, buffer, self.engine.chunk_bytes,
+                                                   wait=blocking)
+                buf = got["buf"]
+                for w in sends:
+                    w.wait()
+                rate = self.engine.max_bytes_per_s
+                if rate:  # the replication rate cap: a snapshot takes at least its bytes / rate
+                    a, b = self.engine.bounds[region]
+                    time.sleep(max(0.0, (b - a) / rate - (time.perf_counter() - t0)))
+            except Exception as e:
+                # a peer is gone, or this thread failed: either way the ring is broken and
+                # every rank would soon wait on protection forever. Report it so the
+                # coordinator aborts the generation and rebuilds (replacing whoever is dead).
+                if not self.stopped:
+                    self.stopped = True
+                    try:
+                        self.comm.report_error(f"replication of step {slot.step} failed: {e}")
+                    except Exception:
+                        pass
+                self.engine._release(slot)
+                return
+            self.engine._release(slot)
+            verified = None
+            if self.engine.verify == "eager":
+                if not self.engine.verify_replica(buf, crc):
+                    continue  # a torn or corrupt replica never counts
+                verified = True
+            rep = Replica(self.ward, step, buf, header, crc, self.engine.repl_region, verified)
+            if not self.engine._commit_replica(rep, self):
+                return
+            self.engine.last_replicate_s = time.perf_counter() - t0
+            self.engine.done_step = slot.step
+            self.engine.last_cycle_s = time.perf_counter() - slot.taken_at
+            if int(store.add(self.comm.keys.repl_done(slot.step), 1)) >= self.comm.topo.dims.world_size:
+                with self.engine._lock:
+                    self.engine._protected = max(self.engine._protected, slot.step)
+            if not self.protected_reported:
+                keys = self.comm.keys
+                store.set(keys.protected(self.comm.topo.rank), repr(time.time()))
+                store.add(keys.protected_count, 1)
+                self.protected_reported = True
+

@@ -52,6 +52,7 @@ from deadpool.auth import AuthError
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost, PassThrough
 from deadpool.protocol import Keys, Seal, announce_abort
 from deadpool.threads import run_in_thread
+from deadpool.groups import rank_groups
 from deadpool.topology import Topology
 from deadpool.watchdog import PEER_WAIT
 
@@ -376,22 +377,6 @@ class Communicator:
         return t
 
 
-def reusable_groups(counts: dict[int, dict[str, list[int]]], members: dict[str, list[int]],
-                    replaced: set[int]) -> list[str]:
-    """Group keys the next generation may keep: no member is replaced, and every member reports
-    the group with all its posted ops completed and the same number posted. After an abort the
-    members of a healthy group may have left it at different ops (one posted an all-reduce the
-    others never reached); such a group is out of step and must be rebuilt."""
-    keep = []
-    for key, ranks in sorted(members.items()):
-        if key.startswith(("repl", "xfer")) or replaced & set(ranks):
-            continue
-        seen = [counts.get(r, {}).get(key) for r in ranks]
-        if all(c is not None and c[0] == c[1] == seen[0][0] for c in seen):
-            keep.append(key)
-    return keep
-
-
 class _Counted:
     """A process group that counts the ops posted on it and the ones seen complete, so that a
     recovery can tell a group all members left cleanly (reusable) from one left mid-op."""
@@ -430,34 +415,3 @@ class _CountedWork:
 
     def __getattr__(self, name):
         return getattr(self.work, name)
-
-
-def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
-    """This rank's groups as ``(name, key, ranks, is_replication)``, in creation order.
-
-    ``key`` names the group the same way on every member and in every generation (the store
-    prefix adds the generation); groups are created sorted by key (see the module doc).
-    """
-    dims, rank = topo.dims, topo.rank
-    c = dims.coords(rank)
-    out = []
-    for axis in ("dp", "tp"):
-        ranks = next(g for g in dims.axis_groups(axis) if rank in g)
-        if len(ranks) > 1:
-            rest = "-".join(f"{a}{c[a]}" for a in ("pp", "dp", "tp") if a != axis)
-            out.append((axis, f"{axis}/{rest}", ranks, False))
-    if dims.pp > 1:
-        def pair(s):  # activations stage s -> s+1 (fwd) and gradients s+1 -> s (bwd)
-            a, b = dims.rank_of(s, c["dp"], c["tp"]), dims.rank_of(s + 1, c["dp"], c["tp"])
-            return (f"ppf/{a}-{b}", [a, b]), (f"ppb/{b}-{a}", [b, a])
-        if c["pp"] < dims.pp - 1:
-            (kf, rf), (kb, rb) = pair(c["pp"])
-            out += [("pp_send_fwd", kf, rf, False), ("pp_recv_bwd", kb, rb, False)]
-        if c["pp"] > 0:
-            (kf, rf), (kb, rb) = pair(c["pp"] - 1)
-            out += [("pp_recv_fwd", kf, rf, False), ("pp_send_bwd", kb, rb, False)]
-    buddy, ward = topo.buddy(), topo.ward()
-    if buddy != rank:
-        out.append(("repl_out", f"repl/{rank}-{buddy}", [rank, buddy], True))
-        out.append(("repl_in", f"repl/{ward}-{rank}", [ward, rank], True))
-    return sorted(out, key=lambda g: g[1])

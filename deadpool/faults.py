@@ -32,7 +32,7 @@ Kinds::
     exception  raise in the thread that reached the phase (the step, or a helper thread)
     hang       that thread sleeps forever while the process and its heartbeat live on
                (a stuck kernel or collective: only the progress watchdog can see it)
-    corrupt    flip bytes in the replicas this process holds (caught by the CRC when used)
+    corrupt    flip bytes in the replicas this process holds (caught by the checksum when used)
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class Keys:
         return f"{self._p}ckpt_interval/{rank}"
 
     def bad_source(self, rank: int) -> str:
-        """A receiver's report that a state it was sent failed its CRC (JSON: holder, owner, step)."""
+        """A receiver's report that a state it was sent failed its checksum (JSON: holder, owner, step)."""
         return f"{self._p}bad_source/{rank}"
 
     @staticmethod

@@ -8,7 +8,7 @@ Four arms on the same model, data, layout and AdamW kernel, run as whole jobs:
   off   DeadPool with snapshots off (its gradient sync, watchdog, heartbeats, spare)
   on    DeadPool as configured by default: snapshots replicated to a buddy, the interval widened
         from every step while they cost more than ``ft.snapshot_overhead_target`` (2 %) or
-        outlast the steps between them (``snapshot_schedule.py``; probes every 8 steps here, not
+        outlast the steps between them (``deadpool/snapshot/schedule.py``; probes every 8 steps here, not
         64, so it settles within the run: the vote of step 16 takes effect at step 32)
   on1   DeadPool with a snapshot every step, never widened: the raw per-step cost
 in each setting: ``2`` (2 ranks) and ``4+1`` (4 data-parallel ranks and 1 warm spare, which DDP

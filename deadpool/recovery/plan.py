@@ -24,7 +24,7 @@ holder, plus ``shared_from``, a live peer that sends the parameters, unless the 
 whole state (``ft.replicate=full``). The resume step is the newest step for which
 every rank has a source. A rank with none at any step is lost from memory; ``recovery.fallbacks`` then
 falls back to the newest complete disk checkpoint (source ``disk``, every rank). Copies a receiver
-found corrupt (CRC mismatch) are passed in ``bad`` as ``(holder, owner, step)`` and never chosen
+found corrupt (checksum mismatch) are passed in ``bad`` as ``(holder, owner, step)`` and never chosen
 again. Recomputation is therefore at most the steps since the newest step every rank can reach.
 """
 
@@ -33,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from deadpool.comm import rank_groups, resolve_backend, reusable_groups
+from deadpool.comm import resolve_backend
+from deadpool.groups import rank_groups, reusable_groups
 from deadpool.protocol import RankStatus, Source
 from deadpool.topology import Topology
 
@@ -186,7 +187,7 @@ def swap_routes(faults_cfg: dict, sources: dict[int, Source]) -> None:
 
 def groups_to_keep(coord, statuses: dict[int, RankStatus], replaced: list[int],
                    generation: int) -> list[str]:
-    """``ft.rebuild=affected``: groups survivors may keep (``comm.reusable_groups``); on NCCL
+    """``ft.rebuild=affected``: groups survivors may keep (``groups.reusable_groups``); on NCCL
     every group is rebuilt (the abort watcher has aborted them to free the streams)."""
     backend = resolve_backend(coord.cfg["device"], coord.cfg.get("backend", "auto"))
     if coord.ft.get("rebuild", "affected") != "affected" or backend != "gloo":

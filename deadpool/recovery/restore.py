@@ -124,7 +124,7 @@ def transfers(worker, plan: Plan, rank: int):
 
 
 def _report_corrupt(worker, plan: Plan, rank: int, comm: Communicator, e: CorruptState):
-    """Tell the planner which copy failed its CRC (never used again), then regroup."""
+    """Tell the planner which copy failed its checksum (never used again), then regroup."""
     worker.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
         {"holder": e.holder, "owner": e.owner, "step": e.step}))
     comm.report_error(str(e))

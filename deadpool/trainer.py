@@ -117,10 +117,12 @@ class Trainer:
             self.engine.persister = checkpoint.AsyncPersister(ft["checkpoint_dir"],
                                                              nice=int(ft["snapshot_nice"]))
             self.engine.persist_world = dims.world_size
+            self.engine.persister.layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
             if self.snapshots_on:
                 self.engine.persist_every = self.persist_every  # written from snapshots
         self.coords = coords
         self.world_size = dims.world_size
+        self.layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}  # written into meta.json
         self.drawn = init
         return time.perf_counter() - t0
 

@@ -85,6 +85,7 @@ class AsyncPersister:
         self.root = Path(root)
         self.rank = rank
         self.reason = reason
+        self.layout: dict | None = None  # {"dp", "tp", "pp"} it writes at (meta.json), if known
         self.nice = int(nice)
         self.last_step_written: int | None = None
         self.skipped = 0                      # submits refused because a write was in flight
@@ -117,14 +118,14 @@ class AsyncPersister:
             self._harvest()
         self._raise_pending()
         text = _header_text(header)  # on the caller's thread: a caller bug, not an I/O failure
-        rank, root, reason = self.rank, self.root, self.reason
+        rank, root, reason, layout = self.rank, self.root, self.reason, self.layout
         final = rank_dir(root, step, rank)
         tmp = _tmp_rank_dir(final)
         t0 = time.perf_counter()
 
         def on_finish() -> None:  # on the upload thread, after the DCP files are on disk
             _install_rank_dir(tmp, final, text)
-            write_meta(root, step, world_size, reason)
+            write_meta(root, step, world_size, reason, layout=layout)
             self.last_write_s = time.perf_counter() - t0
             self.last_step_written = step
 

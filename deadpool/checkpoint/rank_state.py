@@ -39,7 +39,7 @@ def save_live(trainer, root, step: int, world: int, asynchronous: bool, wait: bo
     block until the write is on disk (to measure it)."""
     if not asynchronous:
         save_rank_state(root, step, trainer.rank, trainer.state_dict(), trainer.header())
-        write_meta(root, step, world, "periodic")
+        write_meta(root, step, world, "periodic", layout=trainer.layout)
         return
     persister, layout = trainer.engine.persister, trainer.engine.layout
     persister.wait()  # raises CheckpointWriteError for a failed previous write
@@ -94,20 +94,21 @@ def write_held(trainer, dims: ParallelDims, root, reason: str) -> list[int]:
     holds of the newest protected step it knows and anything newer (the snapshot invariant keeps
     those). Returns the steps of its own state written."""
     eng, world, written = trainer.engine, dims.world_size, []
+    layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
     floor = eng.protected_floor()
     for step in eng.local_steps():
         if step >= floor:
             slot = eng.local_slot(step)
             save_rank_state(root, step, trainer.rank, eng.layout.state_dict(slot.flat),
                             decode_header(slot.header))
-            write_meta(root, step, world, reason)
+            write_meta(root, step, world, reason, layout=layout)
             written.append(step)
     for owner, steps in eng.replica_steps().items():
         for step in steps:
             rep = eng.replica(owner, step)
             if step >= floor and eng.verify_replica(rep.flat, rep.crc):
                 write_replica(eng, dims, root, step, owner, rep.flat, rep.header)
-                write_meta(root, step, world, reason)
+                write_meta(root, step, world, reason, layout=layout)
     return written
 
 

@@ -109,22 +109,31 @@ def test_two_simultaneous_failures_on_different_buddy_pairs_take_two_spares(refe
     # ranks 0 and 2: each one's replica lives on a survivor (1 and 3)
     summary = run_job(compose_train(BASE + ["ft.num_spares=2", TWO_KILLS % (0, 2)], tmp_path), log=quiet)
     assert summary["outcome"] == "completed", summary["message"]
-    swapped = {r for rec in summary["recoveries"] for r in
-               (rec["failed_rank"] if isinstance(rec["failed_rank"], list) else [rec["failed_rank"]])}
-    assert swapped == {0, 2}
+    assert ranks_lost(summary) == {0, 2}
     equal, why = compare_final_states(tmp_path, reference[0])
     assert equal, why
 
 
 @pytest.mark.slow
 def test_a_rank_and_its_buddy_lost_together_stops_with_a_clear_message(tmp_path):
-    # rank 2 holds rank 1's replica: losing both leaves no copy of rank 1's ZeRO-1 optimizer
-    # shard in memory (its data-parallel peers hold only its parameters)
-    summary = run_job(compose_train(BASE + ["ft.num_spares=2", TWO_KILLS % (1, 2)], tmp_path), log=quiet)
-    if summary["outcome"] == "completed":  # the two deaths were seen apart and 2 kept 1's replica
-        pytest.skip("kills landed in separate recoveries on this run")
-    assert summary["outcome"] == "unrecoverable"
+    # rank 2 holds rank 1's replica: rank 1 dies mid-step, and rank 2 dies while the recovery
+    # moves rank 1's optimizer shard off it (after its first chunk). No copy of that ZeRO-1 shard
+    # is left in memory (rank 1's data-parallel peers hold only its parameters) and there is no
+    # disk checkpoint: the job must stop and say so, whatever the timing of the two deaths.
+    ev = ("faults.events=[{rank:1,step:12,phase:mid_step,kind:kill},"
+          "{rank:2,step:0,phase:transfer,kind:kill}]")
+    summary = run_job(compose_train(BASE + ["ft.num_spares=2", "ft.persist_interval_steps=0", ev],
+                                    tmp_path), log=quiet)
+    assert summary["outcome"] == "unrecoverable", summary["recoveries"]
     assert "no consistent copy of rank(s) [1]" in summary["message"]
+    first = summary["recoveries"][0]
+    assert first["failed_rank"] == 1 and first["sources"]["1"].startswith("replica from rank 2")
+    assert 2 in ranks_lost(summary)
+
+
+def ranks_lost(summary: dict) -> set[int]:
+    return {r for rec in summary["recoveries"] for r in
+            (rec["failed_rank"] if isinstance(rec["failed_rank"], list) else [rec["failed_rank"]])}
 
 
 @pytest.mark.slow

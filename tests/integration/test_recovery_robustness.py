@@ -74,12 +74,11 @@ def test_a_failure_during_a_recovery_is_recovered_too(reference, tmp_path, secon
             zip(ranks_of(rec), rec["failed_slot"] if isinstance(rec["failed_slot"], list)
                 else [rec["failed_slot"]])]
     assert len(set(lost)) == 2 and lost[0] == (1, 1)
-    # the last recovery that lost a rank hot-swapped it. Once, under full load on 2 cores, a gloo
-    # collective error after it caused one more regroup with no rank lost (cause not found; the
-    # state stayed exact): tolerated here, reported as open
-    swaps = [r for r in s["recoveries"] if ranks_of(r)]
-    assert swaps[-1]["outcome"] == "hot-swapped"
-    assert all(r["outcome"] == "regrouped (no rank lost)" for r in s["recoveries"][len(swaps):])
+    # every recovery lost a rank (a regroup with none lost has no cause in this schedule), and
+    # the last one hot-swapped it
+    assert all(ranks_of(r) for r in s["recoveries"]), [
+        (r["detected_by"], r["outcome"]) for r in s["recoveries"]]
+    assert s["recoveries"][-1]["outcome"] == "hot-swapped"
 
 
 @pytest.mark.slow
@@ -174,8 +173,10 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
     intruder: dict = {}
 
     def intrude():
-        job = tmp_path / "job.json"
+        job, deadline = tmp_path / "job.json", time.time() + 120
         while not job.exists():
+            if time.time() > deadline:
+                return  # no job started: the main thread's assertions say why
             time.sleep(0.05)
         env = dict(os.environ, **{auth.SECRET_ENV: auth.new_secret()})
         env.pop(auth.SECRET_FILE_ENV, None)
@@ -186,11 +187,12 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
             [sys.executable, "-m", "deadpool.worker", "--job", str(tmp_path / "intruder.json"),
              "--slot", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
-    t = threading.Thread(target=intrude)
+    t = threading.Thread(target=intrude, daemon=True)
     t.start()
     s = run_and_compare(tmp_path, reference, [
         "ft.num_spares=1", events("rank:1,step:12,phase:mid_step,kind:kill")])
-    t.join()
+    t.join(timeout=180)
+    assert "p" in intruder, "the intruder never ran"
     (rec,) = s["recoveries"]
     assert rec["spare_slot"] == 4 and rec["outcome"] == "hot-swapped"
     # the real slot-4 process took the rank; the intruder never saw a plan and said why

@@ -3,6 +3,7 @@
 import json
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -213,7 +214,9 @@ def test_a_failed_write_surfaces_from_the_next_submit(tmp_path):
     root.write_text("x")
     p = AsyncPersister(root, rank=0)
     assert p.submit(8, {"w": torch.ones(3)}, {"step": 8}, world_size=1) is True
+    deadline = time.monotonic() + 60
     while p.in_flight:
+        assert time.monotonic() < deadline, "the failed write never finished"
         threading.Event().wait(0.005)
     with pytest.raises(CheckpointWriteError, match="step 8") as info:
         p.submit(9, {"w": torch.ones(3)}, {"step": 9}, world_size=1)

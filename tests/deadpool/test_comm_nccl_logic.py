@@ -57,7 +57,7 @@ def test_nccl_wait_leaves_on_abort_and_the_watcher_aborts_device_groups_only():
     t0 = time.monotonic()
     with pytest.raises(Aborted, match="rank 1 died"):
         comm.wait(FakeWork(done_after=None))  # a collective whose peer is gone: never completes
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < comm.timeout_s / 4  # at the abort, not at the timeout
     watcher.join(2.0)
     assert not watcher.is_alive()
     assert comm.groups["dp"].aborted == 1 and comm.groups["tp"].aborted == 1

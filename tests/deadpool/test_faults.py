@@ -13,10 +13,18 @@ def test_exception_fault_fires_once_at_its_rank_step_and_phase():
     inj.fire(3, "mid_step")  # a replayed step after recovery does not fire again
 
 
-def test_other_ranks_are_untouched():
+def test_a_kill_reaches_its_rank_only(monkeypatch):
+    import os
+    import signal
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))  # never really sent
     inj = FaultInjector([FaultEvent(1, 3, "mid_step", Fault.KILL)], slot=0)
     inj.set_rank(0)
-    inj.fire(3, "mid_step")  # would SIGKILL this test process if it fired
+    inj.fire(3, "mid_step")
+    assert sent == []  # another rank's fault
+    inj.set_rank(1)  # this process takes rank 1 (a spare): the fault is its now
+    inj.fire(3, "mid_step")
+    assert sent == [(os.getpid(), signal.SIGKILL)]
 
 
 def test_bad_phase_is_rejected():

@@ -27,7 +27,7 @@ from tests.conftest import compose_train
 # With ZeRO-1 a shard has one replica only; tests/integration/test_3d.py covers that layout.
 BASE = ["model=tiny", "parallel=dp4", "parallel.zero=false", "ft.replicate=full", "num_steps=20",
         "ft.replication_chunk_mb=0.5", "log_every_steps=0", "ft.progress_timeout_s=3",
-        "ft.status_timeout_s=4"]
+        "ft.status_timeout_s=4"]  # progress 3 s: 30x a step here
 quiet = lambda *a, **k: None  # noqa: E731
 REPO = Path(__file__).resolve().parents[2]
 

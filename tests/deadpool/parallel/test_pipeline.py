@@ -129,4 +129,4 @@ def test_a_stage_waiting_for_a_gradient_leaves_on_abort():
         return time.time()
 
     left, aborted_at = run_threads(rank_fn, 2)
-    assert left - aborted_at < 1.0
+    assert left - aborted_at < 5.0 / 2  # at the abort, not at the groups' timeout (5 s)

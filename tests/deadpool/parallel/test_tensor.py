@@ -123,4 +123,4 @@ def test_a_rank_blocked_in_a_tp_allreduce_leaves_on_abort():
         return time.time()
 
     left, aborted_at = run_threads(rank_fn, TP)
-    assert left - aborted_at < 1.0
+    assert left - aborted_at < 5.0 / 2  # at the abort, not at the group's timeout (5 s)

@@ -3,6 +3,7 @@
 Gradients are small multiples of 1/16, so their sum over ranks is exact in any order: the
 sharded result must then be bit-identical to one process running torch's AdamW on the mean."""
 
+import threading
 import time
 from datetime import timedelta
 
@@ -161,8 +162,8 @@ def test_survivors_leave_promptly_when_a_peer_never_posts(where):
         return comm  # keep the group referenced: an op is still in flight on it
 
     res = run_threads(rank_fn, n)
-    for r in (0, 1):
-        assert left_after[r] - res[2] < 0.5  # far below the 120 s group timeout
+    for r in (0, 1):  # left at the abort, not at the group's timeout (120 s)
+        assert left_after[r] - res[2] < 120 / 4
 
 
 def test_grads_accumulate_into_the_flat_buffer_and_dp1_matches_adamw():
@@ -206,30 +207,37 @@ def test_gloo_reduce_scatter_ignores_the_wait_timeout():
     """Why gradients are reduced to their owner with ``reduce`` (zero.py): a polled wait on gloo's
     reduce-scatter blocks until the op ends (here: until the silent peer's group is gone), while
     a reduce's or an all-gather's polled wait returns after the slice. If this starts failing,
-    torch made gloo's reduce-scatter pollable."""
+    torch made gloo's reduce-scatter pollable. Ordered by events, not by elapsed time: the peer
+    stays silent until the first two waits have returned (or 60 s), then leaves."""
     master = master_store()
+    polled, left = threading.Event(), {}
 
     def rank_fn(r):
         comm = build(2, r, master.port)
         pg = comm.groups["dp"]
         if r == 1:
-            time.sleep(0.6)  # never posts; its group is released when the thread ends
+            polled.wait(60)  # never posts; its group is released when the thread ends
+            time.sleep(0.2)
+            left["t"] = time.monotonic()
             return None
-        took = {}
+        ended = {}
         opts = dist.ReduceOptions()
         opts.rootRank = 1
         for name, post in [("all_gather", lambda: pg._allgather_base(torch.ones(8), torch.ones(4))),
                            ("reduce", lambda: pg.reduce([torch.ones(8)], opts)),
                            ("reduce_scatter",
                             lambda: pg._reduce_scatter_base(torch.ones(4), torch.ones(8)))]:
-            work, t0 = post(), time.monotonic()
+            if name == "reduce_scatter":
+                polled.set()
+            work = post()
             with pytest.raises(RuntimeError):
                 work.wait(timedelta(seconds=0.01))
-            took[name] = time.monotonic() - t0
-        return took
+            ended[name] = time.monotonic()
+        return ended
 
-    took = run_threads(rank_fn, 2)[0]
-    assert took["all_gather"] < 0.2 and took["reduce"] < 0.2 and took["reduce_scatter"] > 0.3
+    ended = run_threads(rank_fn, 2)[0]
+    assert ended["all_gather"] < left["t"] and ended["reduce"] < left["t"]
+    assert ended["reduce_scatter"] >= left["t"]
 
 
 def test_buckets_are_reduced_during_the_last_backward_with_the_same_result():

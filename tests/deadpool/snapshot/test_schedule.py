@@ -46,7 +46,7 @@ def test_measured_cost_widens_until_under_target_and_narrows_with_margin():
     feed(s, active=0.110, quiet=0.100, cycle=0.02)  # 10 % on half the steps: 5 % at k = 1
     assert s.overhead() == pytest.approx(0.05)
     assert s.wanted() == 4  # 5 % / 4 = 1.25 % <= 2 %; 2.5 % at k = 2 is too much
-    s.interval = 4          # adopted; now cost measured at k = 4 is 5 % / 4
+    # once k = 4 is adopted, the cost is measured at k = 4: 5 % / 4
     s2 = SnapshotSchedule(1, 8, overhead_target=0.02)
     s2.interval = 4
     feed(s2, active=0.1025, quiet=0.100, cycle=0.02)  # 1.25 % at k = 4

@@ -1,7 +1,7 @@
 import pytest
 
 from deadpool.policies import FirstFree, SameNodeFirst
-from deadpool.topology import ParallelDims, Topology
+from deadpool.topology import ParallelDims
 
 
 def test_coords_roundtrip_and_axis_groups():
@@ -13,17 +13,6 @@ def test_coords_roundtrip_and_axis_groups():
     assert dims.axis_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.axis_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.axis_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-
-
-@pytest.mark.parametrize("world,per_node", [(4, 1), (6, 2), (8, 4), (3, 3)])
-def test_buddy_is_a_permutation_on_another_node(world, per_node):
-    dims = ParallelDims(dp=world, ranks_per_node=per_node)
-    buddies = [Topology(dims, r, 0).buddy() for r in range(world)]
-    assert sorted(buddies) == list(range(world))
-    if world // per_node > 1:
-        assert all(dims.node_of(r) != dims.node_of(b) for r, b in enumerate(buddies))
-    for r in range(world):
-        assert Topology(dims, buddies[r], 0).ward() == r
 
 
 def test_spare_policies():

@@ -82,6 +82,7 @@ def test_a_shard_lost_before_its_first_replica_is_drawn_from_the_seed(reference,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several jobs
 def test_swapped_routes_are_caught_by_the_final_state_comparison(reference, tmp_path):
     """Two same-shaped ranks die together and the plan swaps their routes: checksums pass (each
     piece is a valid state of *some* rank), so only the final comparison can tell. It must."""

@@ -41,8 +41,11 @@ def test_a_kill_relaunches_everything_from_the_checkpoint_bitwise(tmp_path, asyn
     assert s["outcome"] == "completed", s["message"]
     (rec,) = s["recoveries"]
     assert rec["outcome"] == "relaunched from checkpoint"
-    # the checkpoint of step 8 is complete by step 10 (a write takes well under a step here)
-    assert rec["resume_step"] == 8 and rec["failed_at_step"] == 10 and rec["steps_recomputed"] == 2
+    # the newest complete checkpoint at the kill: step 8's (a synchronous write is done before
+    # step 9 starts; an asynchronous one may still be writing under load, then step 4's)
+    assert rec["failed_at_step"] == 10
+    assert rec["resume_step"] == 8 if not async_ else rec["resume_step"] in (4, 8)
+    assert rec["steps_recomputed"] == 10 - rec["resume_step"]
     for k in ("detect_s", "teardown_s", "start_s", "exec_s", "imports_s", "build_s", "load_s",
               "first_step_s", "kill_to_first_step_s"):
         assert rec[k] is not None and rec[k] >= 0, k

@@ -93,6 +93,7 @@ def test_no_spare_left_writes_a_dcp_checkpoint_that_resumes_to_the_same_state(re
     assert equal, why
 
 
+@pytest.mark.slow
 def test_bad_config_is_rejected_before_any_process_starts(tmp_path):
     p = subprocess.run([sys.executable, "-m", "deadpool.train", "parallel.tp=3",
                         f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)

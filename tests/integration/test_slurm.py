@@ -27,7 +27,8 @@ from deadpool.job import run_job
 from deadpool.report import compare_final_states
 from deadpool.train import compose_config
 
-pytestmark = pytest.mark.slow
+# the module fixture may install and start Slurm (up to 900 s) inside the first test's timeout
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "experiments/slurm/local_cluster.sh"

@@ -35,6 +35,7 @@ def test_none_ends_the_job_cleanly_on_a_kill(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # several jobs
 def test_sync_snapshot_pays_on_the_critical_path_and_hot_swaps_exactly(tmp_path):
     ref = tmp_path / "ref"
     s = run_job(compose_train(BASE + ["ft=sync_snapshot", "faults=none"], ref), log=quiet)

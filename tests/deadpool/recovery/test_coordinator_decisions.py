@@ -1,0 +1,178 @@
+"""The coordinator's recovery decisions (deadpool/recovery: detect, plan, fallbacks, timeline)
+on an in-memory store with a scripted launcher: no processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, Source
+from deadpool.recovery import detect, fallbacks, plan, timeline
+from tests.deadpool.recovery.helpers import coordinator
+
+
+def beat(coord, slot: int, n: int, progress: int = 0, step: int = 5, phase: str = "forward"):
+    coord.store.set(Keys.heartbeat(slot), f"{n} {progress} {step} {phase}")
+
+
+def test_an_exited_process_is_failed_by_exit_and_a_crash_report_makes_it_an_exception(tmp_path):
+    coord = coordinator(tmp_path)
+    for s in range(5):
+        beat(coord, s, 1)
+    assert detect.failures(coord) is None
+    coord.launcher.exited[2] = -9
+    failed, _ = detect.failures(coord)
+    assert failed == {2: "exit"}
+    coord.store.set(Keys.crash(2), "RuntimeError: boom")
+    failed, _ = detect.failures(coord)
+    assert failed == {2: "exception"}
+
+
+def test_a_reported_collective_error_with_no_culprit_aborts_without_naming_anyone(tmp_path):
+    logs = []
+    coord = coordinator(tmp_path, logs=logs)
+    for s in range(5):
+        beat(coord, s, 1)
+    coord.store.set(Keys(0).error(1), "connection closed by peer")
+    coord.store.add(Keys(0).num_errors, 1)
+    assert detect.failures(coord)[0] == {}
+    assert any("rank 1 reports: connection closed" in line for line in logs)
+
+
+def test_a_lost_spare_leaves_the_pool(tmp_path):
+    coord = coordinator(tmp_path)
+    assert coord.members.spares == [4]
+    coord.launcher.exited[4] = 1
+    detect.check_spares(coord)
+    assert coord.members.spares == [] and coord.launcher.killed == [4]
+
+
+def test_abort_and_fence_sets_the_sealed_abort_once_and_kills_the_failed(tmp_path):
+    coord = coordinator(tmp_path)
+    detect.abort_and_fence(coord, {1: "exit"})
+    detect.abort_and_fence(coord, {}, reason="second")
+    assert coord.seal.unwrap(Keys(0).abort, coord.store.get(Keys(0).abort)) == "ranks [1] failed"
+    assert coord.launcher.killed == [1]
+
+
+def test_statuses_are_collected_and_a_silent_stopped_rank_is_declared_failed(tmp_path):
+    coord = coordinator(tmp_path, ["ft.status_timeout_s=5"])
+    keys = Keys(0)
+    for r in (0, 2):
+        coord.store.set(keys.status(r), RankStatus(r, r, 7, [6, 7], {}).to_json())
+    coord.launcher.stopped.add(3)
+    for s in range(5):
+        beat(coord, s, 1)
+    coord.live.soft_s = 0.0  # rank 3 stopped beating: past the soft timeout at once
+    failed = {1: "exit"}
+    statuses = detect.collect_statuses(coord, failed, keys)
+    assert sorted(statuses) == [0, 2] and failed == {1: "exit", 3: "heartbeat"}
+    assert 3 in coord.launcher.killed
+
+
+def test_a_corrupt_copy_reported_by_a_receiver_is_never_chosen_again(tmp_path):
+    coord = coordinator(tmp_path)
+    coord.store.set(Keys(0).bad_source(1), json.dumps({"holder": 2, "owner": 1, "step": 9}))
+    found = detect.collect_bad_sources(coord, Keys(0))
+    assert found == [{"holder": 2, "owner": 1, "step": 9}] and coord.bad == {(2, 1, 9)}
+
+
+def test_the_dead_ranks_injected_fault_dates_the_failure_once(tmp_path):
+    coord = coordinator(tmp_path)
+    coord.store.set(Keys.fault(1), json.dumps({"t": 100.0, "kind": "kill"}))
+    coord.store.set(Keys.fault(3), json.dumps({"t": 101.0, "kind": "stop"}))
+    assert list(detect.collect_faults(coord, {1})) == [1]  # the dead rank's own, first
+    # rank 1's is attributed now; a survivor's newer fault explains the next recovery, once
+    assert list(detect.collect_faults(coord, {1})) == [3]
+    assert detect.collect_faults(coord, {1}) == {}
+
+
+def test_decide_takes_the_replica_and_a_peers_parameters_under_zero(tmp_path):
+    coord = coordinator(tmp_path)  # dp4, ZeRO-1, ft.replicate=unique: buddies on the ring
+    st = {r: RankStatus(r, r, 8, [7, 8], {r - 1: [7, 8]} if r else {3: [7, 8]}) for r in (0, 2, 3)}
+    d = plan.decide(coord, st)
+    assert d.resume_step == 8
+    assert d.sources[1].kind == "replica" and d.sources[1].holder == 2
+    assert d.sources[1].shared_from in (0, 2, 3)
+
+
+def test_spares_go_to_the_ranks_without_a_process_while_they_last(tmp_path):
+    coord = coordinator(tmp_path, ["ft.num_spares=1"])
+    del coord.members.ranks[1], coord.members.ranks[3]
+    assignments, need, used = plan.assign_spares(coord)
+    assert need == [1, 3] and used == [4] and assignments[1] == 4 and 3 not in assignments
+    assert coord.members.spares == []
+
+
+def test_swap_routes_fault_crosses_two_sources():
+    srcs = {1: Source("replica", 2), 3: Source("replica", 0)}
+    plan.swap_routes({"swap_routes": [1, 3]}, srcs)
+    assert srcs == {1: Source("replica", 0, owner=3), 3: Source("replica", 2, owner=1)}
+    plan.swap_routes({}, srcs)  # no fault configured: unchanged
+    assert srcs[1].owner == 3
+
+
+def test_groups_survivors_left_cleanly_are_kept_on_gloo_only(tmp_path):
+    coord = coordinator(tmp_path)
+    clean = {r: RankStatus(r, r, 5, [5], {}, {"dp/pp0-tp0": [3, 3]}) for r in (0, 1, 2, 3)}
+    assert plan.groups_to_keep(coord, clean, [], 1) == ["dp/pp0-tp0"]
+    assert plan.groups_to_keep(coord, clean, [2], 1) == []  # a member is replaced
+    coord_all = coordinator(tmp_path, ["ft.rebuild=all"])
+    assert plan.groups_to_keep(coord_all, clean, [], 1) == []
+
+
+def test_too_many_recoveries_without_progress_write_and_stop(tmp_path):
+    coord = coordinator(tmp_path, ["ft.max_recoveries_without_progress=1"])
+    d = plan.RecoveryDecision(4, {r: Source("disk", r, dir="x") for r in range(4)}, 0)
+    rec = timeline.open_record(coord, {1: "exit"}, {}, d, 1.0, [])
+    assert not fallbacks.stalled(coord, d, rec, 1.0)
+    assert fallbacks.stalled(coord, d, rec, 1.0)  # the second in a row: a disk source -> stop
+    assert coord.outcome == "unrecoverable" and "without a completed step" in coord.message
+    p = Plan.from_json(coord.seal.unwrap(Keys.plan(1), coord.store.get(Keys.plan(1))))
+    assert p.action == "stop"
+
+
+def test_no_copy_in_memory_and_no_disk_checkpoint_stops_naming_the_lost_ranks(tmp_path):
+    coord = coordinator(tmp_path)
+    d = plan.RecoveryDecision(None, {}, 0, "no consistent copy of rank(s) [1] survives in memory",
+                              [1])
+    rec = timeline.open_record(coord, {1: "exit"}, {}, d, 1.0, [])
+    assert fallbacks.from_disk(coord, d, rec) is None
+    assert coord.outcome == "unrecoverable"
+    assert "rank(s) [1]" in coord.message and "no complete disk checkpoint" in coord.message
+    assert coord.recoveries[-1].outcome == "unrecoverable"
+
+
+def test_no_spare_with_a_disk_source_stops_rather_than_shrinks(tmp_path):
+    coord = coordinator(tmp_path, ["ft.num_spares=0"])
+    d = plan.RecoveryDecision(4, {r: Source("disk", r, dir="x") for r in range(4)}, 0, "lost")
+    rec = timeline.open_record(coord, {1: "exit"}, {}, d, 1.0, [])
+    fallbacks.no_spare(coord, 1, d, rec, {1}, 1.0)
+    assert coord.outcome == "unrecoverable" and "no warm spare left" in coord.message
+
+
+def test_the_record_is_completed_from_every_ranks_timings(tmp_path):
+    coord = coordinator(tmp_path, ["ft.snapshot=false"])
+    d = plan.RecoveryDecision(6, {}, 1)
+    rec = timeline.open_record(coord, {1: "exit"}, {1: {"t": 9.0, "kind": "kill"}}, d, 10.0, [])
+    assert rec.detect_s == pytest.approx(1.0) and rec.fault == "kill" and rec.failed_rank == 1
+    rec.update(t_plan=10.5, spare_slot=4)
+    coord.pending = rec
+    coord.members.generation = 1
+    keys = Keys(1)
+    for r in range(4):
+        t = RankTimings(plan_seen=10.6, rebuilt=11.0 + r / 10, transferred=11.5, rolled_back=11.6,
+                        ready=11.7, bytes_received=100 if r == 1 else 0)
+        coord.store.set(keys.timing(r), t.to_json())
+    timeline.finish_pending(coord)
+    assert coord.pending is rec  # first steps not reported yet
+    for r in range(4):
+        coord.store.set(keys.first_step(r), repr(12.0 + r / 100))
+    timeline.finish_pending(coord)
+    assert coord.pending is None and coord.recoveries == [rec]
+    assert rec.outcome == "hot-swapped" and rec.bytes_transferred == 100
+    assert rec.rebuild_s == pytest.approx(11.3 - 10.5)
+    assert rec.transfer_s == pytest.approx(0.5)  # the slowest rank: 11.5 - 11.0
+    assert rec.kill_to_first_step_s == pytest.approx(12.03 - 9.0)
+    assert "rollback_s" in rec.to_dict() and "load_s" not in rec.to_dict()

@@ -35,6 +35,21 @@ def slots_by_rank(run_dir: Path) -> dict[int, set[int]]:
     return out
 
 
+def test_a_sigkilled_rank_is_hot_swapped_and_ends_bitwise_equal(tmp_path):
+    """The one real-process recovery ``make test-fast`` runs (not ``slow``): dp2, a SIGKILL in
+    the gradient all-reduce, a warm spare restored from the buddy's replica and a peer."""
+    small = ["model=tiny", "parallel=dp2", "num_steps=8", "ft.num_spares=1", "log_every_steps=0"]
+    ref = run_job(compose_train(small + ["faults=none"], tmp_path / "ref"), log=quiet)
+    assert ref["outcome"] == "completed" and not ref["recoveries"]
+    s = run_job(compose_train(small + ["faults=kill_mid_step", "faults.events.0.step=4"],
+                              tmp_path / "run"), log=quiet)
+    assert s["outcome"] == "completed", s["message"]
+    (rec,) = s["recoveries"]
+    assert rec["failed_rank"] == 1 and rec["outcome"] == "hot-swapped"
+    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    assert equal, why
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("faults,rank,detected_by", [
     ("kill_mid_step", 1, "exit"),        # peers are inside the gradient all-reduce
@@ -91,6 +106,45 @@ def test_no_spare_left_writes_a_dcp_checkpoint_that_resumes_to_the_same_state(re
     assert summary2["outcome"] == "completed"
     equal, why = compare_final_states(resumed, reference[0])
     assert equal, why
+
+
+@pytest.mark.slow
+def test_no_spare_left_with_on_no_spare_checkpoint_restart_relaunches_to_the_same_state(
+        reference, tmp_path):
+    s = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.num_spares=0",
+                                      "ft.on_no_spare=checkpoint_restart"], tmp_path), log=quiet)
+    assert s["outcome"] == "completed", s["message"]
+    (rec,) = s["recoveries"]
+    assert rec["outcome"] == "relaunched from checkpoint" and rec["load_s"] >= 0
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_same_node_first_spare_policy_hot_swaps_exactly(reference, tmp_path):
+    # the local launcher does not place spares on nodes (a spare's node is unknown), so the
+    # policy takes the first free spare; what is checked is the policy's path end to end
+    s = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.spare_policy=same_node_first"],
+                              tmp_path), log=quiet)
+    (rec,) = s["recoveries"]
+    assert rec["outcome"] == "hot-swapped" and rec["spare_slot"] == 4
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_verify_against_failure_free_says_equal_and_exits_0_or_says_different_and_exits_1(tmp_path):
+    base = [sys.executable, "-m", "deadpool.train", "model=tiny", "parallel=dp2_tp2_pp2",
+            "num_steps=8", "log_every_steps=0", "ft.num_spares=2", "verify_against_failure_free=true"]
+    ok = subprocess.run(base + ["faults=kill_3d_two_ranks_swapped", "faults.swap_routes=null",
+                                "faults.events.0.step=4", "faults.events.1.step=4",
+                                f"hydra.run.dir={tmp_path / 'ok'}"],
+                        capture_output=True, text=True, timeout=280)
+    assert ok.returncode == 0 and "failure-free run of the same seed: EQUAL" in ok.stdout, ok.stdout
+    bad = subprocess.run(base + ["faults=kill_3d_two_ranks_swapped", "faults.events.0.step=4",
+                                 "faults.events.1.step=4", f"hydra.run.dir={tmp_path / 'bad'}"],
+                         capture_output=True, text=True, timeout=280)
+    assert bad.returncode == 1 and "DIFFERENT" in bad.stdout, bad.stdout
 
 
 @pytest.mark.slow

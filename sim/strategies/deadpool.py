@@ -39,7 +39,6 @@ from typing import Mapping
 from sim import costs, placement
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
-from sim.schedule import Checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +61,7 @@ class DeadPool(Job):
             raise ValueError(f"on_no_spare must be wait or shrink, got {p.on_no_spare!r}")
         self.p = p
         self.width = p.width
-        self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.ckpt = p.disk.checkpoints(p.disk_interval_s)
         if p.snap.overhead_frac > 0:
             self.factors["snapshot"] = 1.0 / (1.0 + p.snap.overhead_frac)
         self.pending: set[int] = set()  # slots whose state now lives only on the buddy

@@ -45,7 +45,6 @@ from typing import Mapping
 from sim import costs
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
-from sim.schedule import Checkpoints
 from sim.strategies.checkpoint_restart import checkpoint_interval_s
 
 
@@ -67,7 +66,7 @@ class Elastic(Job):
     def __init__(self, env, cluster, layout, ledger, p: ElasticParams):
         super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
-        self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.ckpt = p.disk.checkpoints(p.disk_interval_s)
         self.width = p.width
         self.factors["degraded"] = 1.0
         self.shrink_pending = False

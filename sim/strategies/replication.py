@@ -24,7 +24,6 @@ from typing import Mapping
 from sim import costs, placement
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
-from sim.schedule import Checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Replication(Job):
     def __init__(self, env, cluster, layout, ledger, p: ReplicationParams):
         super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
-        self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.ckpt = p.disk.checkpoints(p.disk_interval_s)
         self.factors["redundant"] = 1.0 / (1.0 + p.redundant_compute_frac)
         self.factors["degraded"] = 1.0
         self.pairs = placement.pairs(p.buddy_placement, layout.num_nodes, layout.nodes_per_rack)

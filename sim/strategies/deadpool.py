@@ -71,7 +71,7 @@ class DeadPool(Job):
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> DeadPoolParams:
         return DeadPoolParams(detect=costs.detection(calib), reconfig=costs.reconfig(layout, calib),
-                              snap=costs.snapshots(layout, calib),
+                              snap=costs.snapshots(layout, calib, float(scfg["disk_ckpt_interval_s"])),
                               disk=costs.disk_from_snapshots(layout, calib, scfg["disk_ckpt_mode"]),
                               disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
                               on_no_spare=str(scfg.get("on_no_spare", "wait")),

@@ -184,3 +184,17 @@ def test_replication_refuses_when_two_states_do_not_fit():
     with pytest.raises(ValueError, match="does not fit"):
         Replication.params_from_cfg(lay, scfg, H100, 3600.0)
     Replication.params_from_cfg(big_layout(hbm_gb_per_gpu=80.0, activation_gb_per_gpu=20.0), scfg, H100, 3600.0)
+
+
+@pytest.mark.parametrize("profile", ["gpu_h100", "a100"])
+def test_every_gpu_profile_value_names_its_source(profile):
+    """Each value line of a GPU profile says where it comes from: measured, published (or a
+    spec), the runtime's setting, or an assumption."""
+    import re
+
+    text = (sim.config.SIM_CONF_DIR / "calibration" / f"{profile}.yaml").read_text()
+    lines = [ln for ln in text.splitlines() if re.match(r"^[a-z_0-9]+:", ln) and not ln.startswith(("name:", "defaults:"))]
+    assert len(lines) >= 2
+    for ln in lines:
+        comment = ln.partition("#")[2].lower()
+        assert re.search(r"measur|publish|assum|runtime|2nd-hand|spec|llama 3|paper|sim/", comment), ln

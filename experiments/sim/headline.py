@@ -23,6 +23,7 @@ STRATS = ("deadpool", "inmem_restart", "checkpoint_restart", "replication", "ela
 OLD_STORAGE = ["calibration.storage_share_frac=1.0", "calibration.ckpt_storage_duty_max=null",
                "calibration.ckpt_keep_last=0", "calibration.ckpt_load=one_copy"]
 OLD_STRATEGY = ["strategy.elastic.shard_loss=restart", "strategy.elastic_hsdp.shard_loss=restart",
+                "strategy.elastic.regrow=blocking", "strategy.elastic_hsdp.regrow=blocking",
                 "strategy.replication.replace=blocking", "cluster.hbm_gb_per_gpu=null"]
 HIGH_PARTS = ["calibration.snapshot_issue_exposed_frac=1.0", "calibration.host_contention_frac=0.03",
               "calibration.snapshot_overlap_frac=0.7", "calibration.host_mem_gbps_per_node=250",
@@ -41,6 +42,8 @@ VARIANTS = {
     "storage dedicated, no interval floor, every checkpoint kept, one copy read (old)": OLD_STORAGE,
     "elastic: a lost shard (or a corruption) restarts the job (old)": ["strategy.elastic.shard_loss=restart",
                                                                        "strategy.elastic_hsdp.shard_loss=restart"],
+    "elastic: regrow blocks for the state transfer (old)": ["strategy.elastic.regrow=blocking",
+                                                            "strategy.elastic_hsdp.regrow=blocking"],
     "elastic_hsdp: 35 GB activations (optimizer sharded over 2 replicas)": ["cluster.activation_gb_per_gpu=35"],
     "replication: replacement blocks (old)": ["strategy.replication.replace=blocking"],
     "rack failures 0.63 / 1,000 rack-days, buddies one rack over (new)": RACKS,

@@ -6,7 +6,9 @@ grain). A failed node takes its group out of the job: the group's healthy nodes 
 pool, the job reconfigures (shared detection + plan + rebuild) and continues at
 ``active_groups / num_groups`` of nominal throughput (the shortfall is badput "degraded"). When
 the pool holds a group's worth of nodes (the idle survivors plus a repaired or rebooted node) a
-group is re-formed, paying rebuild + state transfer from a live replica. Below
+group is re-formed, paying rebuild + state transfer from a live replica (``regrow: background``:
+the transfer runs while the job trains at its current width, and only plan + rebuild +
+warm-up pause it; ``blocking``: the whole of it pauses the job). Below
 ``min_width_frac`` of the groups the job stalls until it can regrow. No reserved spares: the
 elastic job is charged only for its own nodes.
 
@@ -66,6 +68,7 @@ class ElasticParams:
     width: costs.WidthScaling = costs.WidthScaling()
     relaunch_s: tuple[float, ...] | None = None  # shrink=relaunch: cost by active groups after it
     reload_s: float | None = None  # shard_loss=in_place: survivors reload from storage (else disk.restart_s)
+    regrow_transfer_s: float = 0.0  # regrow=background: state into the new replica while the job trains narrower
     group_replicas: int = 1  # replicas per failure unit (HSDP shard group sized to fit memory)
 
 
@@ -105,6 +108,9 @@ class Elastic(Job):
         shrink = str(scfg.get("shrink", "in_place"))
         if shrink not in ("in_place", "relaunch"):
             raise ValueError(f"shrink must be in_place or relaunch, got {shrink!r}")
+        regrow = str(scfg.get("regrow", "blocking"))
+        if regrow not in ("background", "blocking"):
+            raise ValueError(f"regrow must be background or blocking, got {regrow!r}")
         shard_loss = str(scfg.get("shard_loss", "restart"))
         if shard_loss not in ("in_place", "restart"):
             raise ValueError(f"shard_loss must be in_place or restart, got {shard_loss!r}")
@@ -130,6 +136,7 @@ class Elastic(Job):
             width=costs.width_scaling(calib),
             relaunch_s=relaunch,
             reload_s=costs.inplace_reload_s(layout, calib) if shard_loss == "in_place" and shrink == "in_place" else None,
+            regrow_transfer_s=rc.transfer_s if regrow == "background" and shrink == "in_place" else 0.0,
             group_replicas=k,
         )
 
@@ -170,14 +177,22 @@ class Elastic(Job):
             cost = self.p.shrink_s if self.p.relaunch_s is None else self.p.relaunch_s[self.active_groups]
             yield from self.phase("reconfiguration", cost)
             self.shrink_pending = False
-        grew = 0
+        grew, background = 0, False
+        if self.p.regrow_transfer_s > 0 and self.can_regrow() and self.active_groups >= self.p.min_groups:
+            # the new replicas receive state from live ones while the job trains at its width
+            yield from self.compute_for(self.p.regrow_transfer_s)
+            background = True
         while self.can_regrow() or self.active_groups < self.p.min_groups:
             if not self.can_regrow():
                 yield from self.wait_for_pool(self._npg)
+                background = False  # below the minimum width nothing trains: the transfer blocks
             self.regrow_one()
             grew += 1
         if grew:
-            cost = self.p.regrow_s if self.p.relaunch_s is None else self.p.relaunch_s[self.active_groups]
+            if self.p.relaunch_s is not None:
+                cost = self.p.relaunch_s[self.active_groups]
+            else:
+                cost = self.p.regrow_s - (self.p.regrow_transfer_s if background else 0.0)
             yield from self.phase("reconfiguration", cost)
         self.background_need = self._npg if self.active_groups < len(self.group_active) else 0
         self.mem_floor = self.W

@@ -92,10 +92,13 @@ def test_deadpool_no_spare_shrinks(layout, calib, strategy_cfgs, handmade):
 def test_elastic_shrinks_and_regrows(layout, calib, strategy_cfgs, handmade):
     tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
     r = run("elastic", strategy_cfgs("elastic"), calib, layout(), tr)
-    # detect 5 + shrink (plan 0 + rebuild 20) -> 3/4 width from 1025 to 4000, regrow 25
+    # detect 5 + shrink (plan 0 + rebuild 20) -> 3/4 width from 1025 until the new replica has its
+    # state (4000 + transfer 5, in the background), then it joins (rebuild 20)
     assert (r["shrinks"], r["regrows"], r["charged_spare_nodes"], r["restarts"]) == (1, 1, 0, 0)
-    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2975 + T - 4025) / T, abs=1e-6)
+    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2980 + T - 4025) / T, abs=1e-6)
     assert r["fleet_goodput"] == pytest.approx(r["goodput"])
+    r = run("elastic", strategy_cfgs("elastic") | {"regrow": "blocking"}, calib, layout(), tr)
+    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2975 + T - 4025) / T, abs=1e-6)  # the whole regrow blocks
 
 
 def test_elastic_with_zero1_pays_for_the_lost_optimizer_shard(layout, calib, strategy_cfgs, handmade):
@@ -280,5 +283,5 @@ def test_elastic_relaunch_shrink_pays_a_relaunch_at_the_new_width(layout, calib,
 def test_reduced_width_speed_follows_the_calibration(layout, calib, strategy_cfgs, handmade, exponent, table, speed):
     tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
     c = calib | {"width_scaling_exponent": exponent, "width_step_time_ratio": table}
-    r = run("elastic", strategy_cfgs("elastic"), c, layout(), tr)
-    assert r["goodput"] == pytest.approx((1000 + speed * 2975 + T - 4025) / T, abs=1e-6)
+    r = run("elastic", strategy_cfgs("elastic"), c, layout(), tr)  # narrower until 4000 + 5 s of background transfer
+    assert r["goodput"] == pytest.approx((1000 + speed * 2980 + T - 4025) / T, abs=1e-6)

@@ -123,7 +123,7 @@ class Elastic(Job):
         if shrink == "relaunch":
             npg = layout.nodes_per_group
             relaunch = tuple(d.write_s + costs.relaunch_s(layout, calib, g * npg) + costs.storage_load_s(layout, calib)
-                             for g in range(layout.num_groups + 1))
+                             + costs.restart_warmup_s(layout, calib) for g in range(layout.num_groups + 1))
         return ElasticParams(
             detect=costs.detection(calib),
             shrink_s=rc.plan_s + rc.rebuild_s,

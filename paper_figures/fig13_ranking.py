@@ -33,7 +33,7 @@ def main():
         for i, s in enumerate(strategies):
             d = pf[(pf.metric == metric) & (pf.strategy == s)].set_index("num_gpus").reindex(scales)
             x = np.arange(len(scales)) + (i - (len(strategies) - 1) / 2) * width
-            err = [d.p_first - d.ci95_lo, d.ci95_hi - d.p_first]
+            err = [(d.p_first - d.ci95_lo).clip(lower=0), (d.ci95_hi - d.p_first).clip(lower=0)]  # rounding at p = 0, 1
             ax.bar(x, d.p_first, width, color=style.colour(s), label=style.label(s), yerr=err, capsize=2,
                    error_kw={"lw": 0.8})
         ax.set_xticks(np.arange(len(scales)), [f"{g:,} GPUs" for g in scales])

@@ -95,7 +95,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     d = 1 + z * z / n
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return c - h, c + h
+    return max(0.0, min(c - h, p)), min(1.0, max(c + h, p))  # p = 0 or 1: no rounding past p
 
 
 def summarise(df: pd.DataFrame, spec: list[dict], strategies: list[str], out: Path) -> None:
@@ -135,9 +135,14 @@ def main() -> None:
     ap.add_argument("--spec", default=str(HERE / "ranking.yaml"))
     ap.add_argument("--out", default=str(HERE.parents[1] / "experiments" / "results" / "sim" / "ranking"))
     ap.add_argument("--days", type=float, default=None, help="override the window (days)")
+    ap.add_argument("--summarise-only", action="store_true", help="recompute the summaries from --out/samples.csv")
     a = ap.parse_args()
     spec_all = yaml.safe_load(Path(a.spec).read_text())
     spec, base = spec_all["parameters"], list(spec_all["base"])
+    if a.summarise_only:
+        df = pd.read_csv(Path(a.out) / "samples.csv")
+        summarise(df, spec, [s for s in compose_cfg(base)["strategies"]], Path(a.out))
+        return
     if a.days is not None:
         base.append(f"duration_days={a.days:g}")
     base_cfg = compose_cfg(base)

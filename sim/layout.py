@@ -36,6 +36,7 @@ class Layout:
     activation_gb_per_gpu: float = 0.0  # activations held at the peak of a step, per GPU
     reserved_gb_per_gpu: float = 0.0  # CUDA context, NCCL buffers, allocator slack
     replicas_per_group: int = 1  # data-parallel replicas per failure unit (an HSDP shard group)
+    host_mem_gb_per_node: float | None = None  # host memory (snapshot feasibility; None: not checked)
 
     @property
     def num_nodes(self) -> int:
@@ -107,4 +108,5 @@ class Layout:
                    hidden_size=int(c.get("hidden_size") or 0),
                    hbm_gb_per_gpu=None if c.get("hbm_gb_per_gpu") is None else float(c["hbm_gb_per_gpu"]),
                    activation_gb_per_gpu=float(c.get("activation_gb_per_gpu") or 0.0),
-                   reserved_gb_per_gpu=float(c.get("reserved_gb_per_gpu") or 0.0))
+                   reserved_gb_per_gpu=float(c.get("reserved_gb_per_gpu") or 0.0),
+                   host_mem_gb_per_node=None if c.get("host_mem_gb_per_node") is None else float(c["host_mem_gb_per_node"]))

@@ -54,6 +54,25 @@ class DeadPoolParams:
     width: costs.WidthScaling = costs.WidthScaling()  # throughput at reduced width after a shrink
 
 
+def host_gb_per_node(layout, calib: Mapping) -> float:
+    """Host memory the snapshot engine holds on a node: ``snapshot_host_copies`` x each GPU's state
+    for its local slots, plus the receive buffers of the ward's replicas (``replicate``'s bytes)."""
+    from sim import network
+
+    local = float(calib.get("snapshot_host_copies", 0.0)) * layout.state_bytes_per_node
+    received = float(calib.get("snapshot_receive_copies", 0.0)) * network.replicated_bytes_per_node(
+        layout, str(calib.get("replicate", "unique")))
+    return (local + received) / 1e9
+
+
+def check_host_memory(layout, calib: Mapping) -> None:
+    """Refuse a layout whose snapshots do not fit ``host_mem_gb_per_node`` (when the cluster gives it)."""
+    cap = layout.host_mem_gb_per_node
+    need = host_gb_per_node(layout, calib)
+    if cap is not None and need > cap:
+        raise ValueError(f"snapshots need {need:.0f} GB of host memory per node, the node has {cap:.0f} GB")
+
+
 class DeadPool(Job):
     def __init__(self, env, cluster, layout, ledger, p: DeadPoolParams):
         super().__init__(env, cluster, layout, ledger, p.detect)
@@ -70,6 +89,7 @@ class DeadPool(Job):
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> DeadPoolParams:
+        check_host_memory(layout, calib)
         return DeadPoolParams(detect=costs.detection(calib), reconfig=costs.reconfig(layout, calib),
                               snap=costs.snapshots(layout, calib, float(scfg["disk_ckpt_interval_s"])),
                               disk=costs.disk_from_snapshots(layout, calib, scfg["disk_ckpt_mode"]),

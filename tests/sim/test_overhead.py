@@ -198,3 +198,16 @@ def test_every_gpu_profile_value_names_its_source(profile):
     for ln in lines:
         comment = ln.partition("#")[2].lower()
         assert re.search(r"measur|publish|assum|runtime|2nd-hand|spec|llama 3|paper|sim/", comment), ln
+
+
+def test_snapshots_must_fit_host_memory():
+    from sim.strategies.deadpool import DeadPool, host_gb_per_node
+
+    scfg = yaml.safe_load((sim.config.SIM_CONF_DIR / "strategy" / "deadpool.yaml").read_text())
+    lay = big_layout(host_mem_gb_per_node=2048.0)
+    need = host_gb_per_node(lay, H100)
+    unique_node = 405e9 / 128 * 14 / 128 * 8
+    assert need == pytest.approx((3.1 * lay.state_bytes_per_node + 3 * unique_node) / 1e9)  # ~170 GB at 16k
+    DeadPool.params_from_cfg(lay, scfg, H100, 3600.0)
+    with pytest.raises(ValueError, match="host memory"):
+        DeadPool.params_from_cfg(big_layout(host_mem_gb_per_node=128.0), scfg, H100, 3600.0)

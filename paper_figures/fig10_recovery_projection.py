@@ -13,7 +13,7 @@ a black tick marks the measured kill-to-first-step time). Reads, under the resul
 Right, projected: detect (crash) + plan + rebuild(num_gpus) + transfer(state bytes per node) + warm-up,
 the closed form of sim/costs.py (``costs.reconfig``) evaluated on a calibration file, for the
 Llama-3-405B-like layout of conf/sim/cluster/h100_405b.yaml (tp 8 x pp 16, ZeRO-1) at 128..131,072
-GPUs; ``default`` (GPU-cluster assumptions) and ``cpu_strategies`` (fitted by sim.calibrate on the CPU
+GPUs; ``gpu_h100`` (the GPU profile) and ``cpu_strategies`` (fitted by sim.calibrate on the CPU
 runs). For comparison, checkpoint/restart's detect + ``costs.restart_s`` (requeue, relaunch, load).
 No simulation is run. The step time (warm-up is counted in steps) is held at its 16,384-GPU value.
     python paper_figures/fig10_recovery_projection.py [--input RESULTS_ROOT] [--out DIR]
@@ -151,17 +151,17 @@ def projection(calib: dict, base: dict, gpus=GPUS):
 def panel_projection(ax, calibs: dict, base: dict) -> list[str]:
     notes = []
     step = Layout.from_cfg(base).step_time_s
-    for name, ls, mfc, lab in (("default", "-", None, "default (GPU-cluster assumptions)"),
+    for name, ls, mfc, lab in (("gpu_h100", "-", None, "gpu_h100 (GPU profile)"),
                                ("cpu_strategies", "--", "white", "cpu_strategies (fitted on the CPU runs)")):
         if name not in calibs:
             continue
         rows, _ = projection(calibs[name], base)
         n = [r["gpus"] for r in rows]
         ax.plot(n, [r["total"] for r in rows], ls, marker="o", color="#d62728", mfc=mfc, ms=4,
-                lw=2 if name == "default" else 1.5, label=f"hot swap, {lab}")
+                lw=2 if name == "gpu_h100" else 1.5, label=f"hot swap, {lab}")
         ax.plot(n, [r["restart"] for r in rows], ls, marker="s", color="#1f77b4", mfc=mfc, ms=4,
-                lw=1.5 if name == "default" else 1.2, label=f"checkpoint/restart, {name}")
-        if name == "default":
+                lw=1.5 if name == "gpu_h100" else 1.2, label=f"checkpoint/restart, {name}")
+        if name == "gpu_h100":
             at = {r["gpus"]: r for r in rows}[CLAIM_GPUS]
             ax.annotate(f"{at['total']:.0f} s", (CLAIM_GPUS, at["total"]), xytext=(6, 6), textcoords="offset points",
                         fontsize=7.5, color="#d62728", ha="left")
@@ -205,15 +205,15 @@ def panel_breakdown(ax, calib: dict, base: dict) -> str:
                 va="bottom", fontsize=7.5, arrowprops=dict(arrowstyle="-", lw=0.8))
     ax.set_xticks(x, [f"{g:,}" for g in shown], fontsize=8)
     ax.set_xlabel("GPUs")
-    ax.set_ylabel("seconds (default calibration)")
+    ax.set_ylabel("seconds (gpu_h100 calibration)")
     ax.set_ylim(0, top * 1.6)
-    ax.set_title(f"(c) default's hot swap by phase\n(step held at {step:.1f} s)")
+    ax.set_title(f"(c) gpu_h100's hot swap by phase\n(step held at {step:.1f} s)")
     ax.legend(loc="upper left", fontsize=7, ncol=2, framealpha=0.9, columnspacing=0.8, handlelength=1.3)
     at = rows[i]
     return (f"(c) at {CLAIM_GPUS} GPUs: {at['total']:.0f} s = detect {at['detect']:.0f} + plan {at['plan']:.1f} + "
             f"rebuild {at['rebuild']:.0f} + transfer {at['transfer']:.1f} ({at['gb_per_node']:.0f} GB per node, "
-            f"dp {CLAIM_GPUS // 128}) + warm-up {at['warmup']:.1f}; default's detection (10 s heartbeat timeout) and "
-            f"rebuild (2 s per doubling) are assumptions, not measurements (conf/sim/calibration/default.yaml).")
+            f"dp {CLAIM_GPUS // 128}) + warm-up {at['warmup']:.1f}; gpu_h100's detection (10 s heartbeat timeout) and "
+            f"rebuild (2 s per doubling) are assumptions, not measurements (conf/sim/calibration/gpu_h100.yaml).")
 
 
 def main():
@@ -221,7 +221,7 @@ def main():
     root = Path(a.input)
     bars = measured(root)
     calibs = {}
-    for name in ("default", "cpu_strategies"):
+    for name in ("gpu_h100", "cpu_strategies"):
         f = style.calibration_file(name)
         if f.exists():
             calibs[name] = yaml.safe_load(f.read_text())
@@ -236,7 +236,7 @@ def main():
     if not bars:
         print(f"skip panel (a): no hot-swap recoveries under {root}/runtime")
     # (a) across the top, (b) and (c) below it; whichever has no input is left out
-    lower = (["p"] if calibs else []) + (["c"] if "default" in calibs else [])
+    lower = (["p"] if calibs else []) + (["c"] if "gpu_h100" in calibs else [])
     rows = (["m"] if bars else []) + (["pc"] if lower else [])
     fig = plt.figure(figsize=(11.5, 4.6 * len(rows)))
     gs = fig.add_gridspec(len(rows), 2 if lower == ["p", "c"] else 1, width_ratios=[1.45, 1.0] if lower == ["p", "c"] else None)
@@ -249,7 +249,7 @@ def main():
         if p == "p":
             notes += panel_projection(ax, calibs, base)
         else:
-            notes.append(panel_breakdown(ax, calibs["default"], base))
+            notes.append(panel_breakdown(ax, calibs["gpu_h100"], base))
     fig.suptitle("Hot-swap recovery time: measured on a 2-core CPU host and one H100 (a), "
                  "projected to GPU clusters (b, c)", fontsize=11)
     if bars:

@@ -29,7 +29,7 @@ from typing import Mapping
 
 import numpy as np
 
-from sim import network
+from sim import network, overhead
 from sim.layout import Layout
 
 CRASH, HANG, SDC = "crash", "hang", "sdc"
@@ -81,7 +81,18 @@ class DiskCosts:
     stall_s: float  # training blocked per checkpoint
     persist_lag_s: float  # checkpoint durable this long after the stall ends
     write_s: float  # one synchronous write (also used for on-demand checkpoints)
-    restart_s: float  # requeue + relaunch + load from storage
+    restart_s: float  # requeue + relaunch + load from storage (+ warm-up)
+    min_interval_s: float = 0.0  # shared storage: at most ckpt_storage_duty_max of its time on this job's writes
+    keep_last: int = 0  # retention: the newest N durable checkpoints are kept (0: every one)
+    keep_every_s: float = 0.0  # ... and the last one before every multiple of this much progress
+
+    def checkpoints(self, interval_s: float):
+        """The lazy schedule (``sim.schedule.Checkpoints``) at ``interval_s``, with this storage's
+        minimum interval and retention."""
+        from sim.schedule import Checkpoints
+
+        return Checkpoints(max(interval_s, self.min_interval_s), self.stall_s, self.persist_lag_s,
+                           keep_last=self.keep_last, keep_every_w=self.keep_every_s)
 
 
 def detection(c: Mapping) -> Detection:
@@ -104,18 +115,28 @@ def transfer_s(layout: Layout, c: Mapping) -> float:
     return float(c["transfer_latency_s"]) + layout.state_bytes_per_node / (float(c["transfer_gbps_per_node"]) * 1e9)
 
 
-def snapshots(layout: Layout, c: Mapping) -> Snapshots:
-    net = network.plan(layout, c)
-    return Snapshots(overhead_frac=float(c["snapshot_overhead_frac"]) + net.extra_overhead_frac,
+def snapshots(layout: Layout, c: Mapping, persist_interval_s: float | None = None) -> Snapshots:
+    """The shared snapshot engine: a measured total overhead (``snapshot_overhead_frac``) or one
+    built from its parts (``sim.overhead``), plus what ``sim.network`` charges."""
+    net = network.plan(layout, c, persist_interval_s)
+    if overhead.from_parts(c):
+        base = overhead.host_side_s(layout, c, net.d2h_s) / (net.interval_steps * layout.step_time_s)
+    else:
+        base = float(c["snapshot_overhead_frac"])
+    return Snapshots(overhead_frac=base + net.extra_overhead_frac,
                      interval_w=net.interval_steps * layout.step_time_s, lag_s=net.lag_s,
                      generations=max(1, int(c.get("snapshot_memory_generations", 2))), net=net)
 
 
 def snapshot_stall_s(layout: Layout, c: Mapping) -> float:
-    """Training time one snapshot costs: its measured share of a step, plus a device-to-host copy
-    that outlasts the step it overlaps with."""
-    d2h = layout.state_bytes_per_gpu / (float(c["host_copy_gbps_per_gpu"]) * 1e9)
-    return float(c["snapshot_overhead_frac"]) * layout.step_time_s + max(0.0, d2h - layout.step_time_s)
+    """Training time one snapshot (no replication) costs: its measured share of a step, or its
+    issue and contention parts (``sim.overhead``), plus a device-to-host copy that outlasts the
+    forward+backward it overlaps with."""
+    d2h = overhead.copy_s(layout, c)
+    over = max(0.0, d2h - overhead.overlap_window_s(layout, c))
+    if overhead.from_parts(c):
+        return overhead.host_side_s(layout, c, d2h) + over
+    return float(c["snapshot_overhead_frac"]) * layout.step_time_s + over
 
 
 def relaunch_s(layout: Layout, c: Mapping, num_nodes: int | None = None) -> float:
@@ -158,31 +179,68 @@ def width_scaling(c: Mapping) -> WidthScaling:
                         table=tuple((float(f), float(r)) for f, r in (c.get("width_step_time_ratio") or ())))
 
 
+def storage_gbps(c: Mapping, key: str) -> float:
+    """This job's share of the storage's aggregate bandwidth (``storage_share_frac``: the rest
+    serves data loading and other jobs)."""
+    return float(c[key]) * float(c.get("storage_share_frac", 1.0))
+
+
 def storage_load_s(layout: Layout, c: Mapping) -> float:
-    return float(c["ckpt_latency_s"]) + layout.state_bytes_total / (float(c["storage_read_gbps"]) * 1e9)
+    """Every node's state back from storage (``ckpt_load``): ``one_copy`` reads one copy and
+    ignores who needs it; ``broadcast`` reads one copy and sends the replicated weights to the
+    other data-parallel replicas over the NIC (the cheapest way); ``direct`` has every node read
+    its own state (weights once per replica)."""
+    mode = str(c.get("ckpt_load", "one_copy"))
+    read = storage_gbps(c, "storage_read_gbps") * 1e9
+    if mode == "one_copy":
+        return float(c["ckpt_latency_s"]) + layout.state_bytes_total / read
+    if mode == "broadcast":
+        weights_per_node = 2.0 * layout.model_params / (layout.tp * layout.pp) * layout.gpus_per_node
+        bcast = weights_per_node / (layout.nic_gbps_per_node * 1e9) if layout.dp > 1 else 0.0
+        return float(c["ckpt_latency_s"]) + layout.state_bytes_total / read + bcast
+    if mode == "direct":
+        return float(c["ckpt_latency_s"]) + layout.state_bytes_per_node * layout.num_nodes / read
+    raise ValueError(f"ckpt_load must be one_copy, broadcast or direct, got {mode!r}")
+
+
+def restart_warmup_s(layout: Layout, c: Mapping) -> float:
+    """Slow first steps after a relaunch (``restart_warmup_steps``; the same warm-up a hot swap
+    pays when it equals ``warmup_steps``)."""
+    return float(c.get("restart_warmup_steps", 0.0)) * layout.step_time_s
 
 
 def restart_s(layout: Layout, c: Mapping) -> float:
     """Job restart from a disk checkpoint."""
-    return relaunch_s(layout, c) + storage_load_s(layout, c)
+    return relaunch_s(layout, c) + storage_load_s(layout, c) + restart_warmup_s(layout, c)
 
 
 def memory_restart_s(layout: Layout, c: Mapping) -> float:
     """Job restart from in-memory checkpoints: survivors load their own host copy, the replacement
     node gets its state from its buddy (one transfer)."""
-    return relaunch_s(layout, c) + transfer_s(layout, c)
+    return relaunch_s(layout, c) + transfer_s(layout, c) + restart_warmup_s(layout, c)
+
+
+def inplace_reload_s(layout: Layout, c: Mapping) -> float:
+    """Survivors stay in place and reload a durable checkpoint (a lost ZeRO-1 shard): plan +
+    rebuild at the new width + storage load + warm-up, no requeue or relaunch."""
+    rc = reconfig(layout, c)
+    return rc.plan_s + rc.rebuild_s + storage_load_s(layout, c) + rc.warmup_s
 
 
 def disk(layout: Layout, c: Mapping, mode: str) -> DiskCosts:
     """Disk checkpoint costs; ``mode`` is ``sync`` or ``async``."""
-    write = float(c["ckpt_latency_s"]) + layout.state_bytes_total / (float(c["storage_write_gbps"]) * 1e9)
+    write = float(c["ckpt_latency_s"]) + layout.state_bytes_total / (storage_gbps(c, "storage_write_gbps") * 1e9)
+    duty = c.get("ckpt_storage_duty_max")
+    min_interval = max(float(c.get("ckpt_min_interval_s", 0.0)), write / float(duty) if duty else 0.0)
+    retention = dict(min_interval_s=min_interval, keep_last=int(c.get("ckpt_keep_last", 0) or 0),
+                     keep_every_s=float(c.get("ckpt_keep_every_h", 0.0) or 0.0) * 3600.0)
     if mode == "sync":
         stall, lag = write, 0.0
     elif mode == "async":
         stall, lag = snapshot_stall_s(layout, c), write
     else:
         raise ValueError(f"checkpoint mode must be sync or async, got {mode!r}")
-    return DiskCosts(stall_s=stall, persist_lag_s=lag, write_s=write, restart_s=restart_s(layout, c))
+    return DiskCosts(stall_s=stall, persist_lag_s=lag, write_s=write, restart_s=restart_s(layout, c), **retention)
 
 
 def disk_from_snapshots(layout: Layout, c: Mapping, mode: str) -> DiskCosts:

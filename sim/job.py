@@ -165,6 +165,17 @@ class Job:
         self.ledger.add(bucket, seconds)
         self._phase = None
 
+    def compute_for(self, seconds: float):
+        """Train at the current rate for ``seconds`` inside ``recover()`` (while something runs in
+        the background, e.g. a replacement's state transfer). An interrupt closes the segment in
+        ``run`` and re-enters ``recover()``, which must then redo what is still pending."""
+        if seconds <= 0:
+            return
+        self.background_need = 0  # no pool interrupts meanwhile
+        self._seg_t0 = self.env.now
+        yield self.env.timeout(seconds)
+        self._seg_close()
+
     def wait_for_pool(self, n: int):
         """Block until the pool holds at least ``n`` nodes (badput: wait_spare)."""
         if self.cluster.pool_size() >= n:

@@ -30,6 +30,13 @@ class Layout:
     step_time_s: float
     nic_gbps_per_node: float = 400.0  # GB/s of network bandwidth per node (all its NICs)
     nodes_per_rack: int = 1  # nodes behind one rack switch: a correlated failure domain
+    tokens_per_step: float = 0.0  # global batch in tokens (pipeline activation traffic)
+    hidden_size: int = 0  # model width (pipeline activation traffic; 0: not counted)
+    hbm_gb_per_gpu: float | None = None  # GPU memory (memory feasibility checks; None: not checked)
+    activation_gb_per_gpu: float = 0.0  # activations held at the peak of a step, per GPU
+    reserved_gb_per_gpu: float = 0.0  # CUDA context, NCCL buffers, allocator slack
+    replicas_per_group: int = 1  # data-parallel replicas per failure unit (an HSDP shard group)
+    host_mem_gb_per_node: float | None = None  # host memory (snapshot feasibility; None: not checked)
 
     @property
     def num_nodes(self) -> int:
@@ -41,7 +48,7 @@ class Layout:
 
     @property
     def nodes_per_group(self) -> int:
-        return max(1, (self.tp * self.pp) // self.gpus_per_node)
+        return max(1, (self.tp * self.pp * self.replicas_per_group) // self.gpus_per_node)
 
     @property
     def num_groups(self) -> int:
@@ -59,6 +66,18 @@ class Layout:
         if self.optimizer_sharded_over_dp:
             return shard * (2.0 + (self.bytes_per_param_state - 2.0) / self.dp)
         return shard * self.bytes_per_param_state
+
+    def state_gb_per_gpu_sharded(self, shard_over: int) -> float:
+        """GPU memory of weights + optimizer state per GPU when the optimizer (and gradients) are
+        sharded over ``shard_over`` data-parallel ranks and the bf16 weights are replicated."""
+        shard = self.model_params / (self.tp * self.pp)
+        return shard * (2.0 + (self.bytes_per_param_state - 2.0) / max(1, shard_over)) / 1e9
+
+    def fits(self, state_gb: float) -> bool:
+        """Whether ``state_gb`` of model state plus activations and reserved memory fit one GPU."""
+        if self.hbm_gb_per_gpu is None:
+            return True
+        return state_gb + self.activation_gb_per_gpu + self.reserved_gb_per_gpu <= self.hbm_gb_per_gpu
 
     @property
     def state_bytes_per_node(self) -> float:
@@ -84,4 +103,10 @@ class Layout:
                    bytes_per_param_state=float(c["bytes_per_param_state"]),
                    optimizer_sharded_over_dp=bool(c.get("optimizer_sharded_over_dp", True)),
                    step_time_s=float(step), nic_gbps_per_node=float(c.get("nic_gbps_per_node", 400.0)),
-                   nodes_per_rack=int(c.get("nodes_per_rack", 1)))
+                   nodes_per_rack=int(c.get("nodes_per_rack", 1)),
+                   tokens_per_step=float(c.get("tokens_per_step") or 0.0),
+                   hidden_size=int(c.get("hidden_size") or 0),
+                   hbm_gb_per_gpu=None if c.get("hbm_gb_per_gpu") is None else float(c["hbm_gb_per_gpu"]),
+                   activation_gb_per_gpu=float(c.get("activation_gb_per_gpu") or 0.0),
+                   reserved_gb_per_gpu=float(c.get("reserved_gb_per_gpu") or 0.0),
+                   host_mem_gb_per_node=None if c.get("host_mem_gb_per_node") is None else float(c["host_mem_gb_per_node"]))

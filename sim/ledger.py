@@ -20,7 +20,7 @@ BUCKETS = (
 )
 
 COUNTERS = ("failures", "hangs", "corruptions", "planned_maintenance", "swaps", "restarts", "stalls", "shrinks",
-            "regrows", "fallbacks", "absorbed", "spare_failures", "masked", "empty_pool")
+            "regrows", "fallbacks", "reloads", "absorbed", "spare_failures", "masked", "empty_pool")
 
 
 class Ledger:

@@ -16,7 +16,7 @@ import pandas as pd
 from scipy import stats
 
 METRICS = ("goodput", "fleet_goodput", "failures", "hangs", "corruptions", "planned_maintenance", "swaps", "restarts",
-           "stalls", "shrinks", "regrows", "fallbacks", "absorbed", "spare_failures")
+           "stalls", "shrinks", "regrows", "fallbacks", "reloads", "absorbed", "spare_failures")
 GROUP_KEYS = ("strategy", "trace", "num_gpus", "num_spares", "unexpected_per_1000_node_days",
               "duration_days")
 

@@ -21,12 +21,17 @@ import math
 class Checkpoints:
     """Lazy periodic checkpoint schedule in progress units (nominal compute seconds)."""
 
-    def __init__(self, interval_w: float, stall_s: float, persist_lag_s: float = 0.0):
+    def __init__(self, interval_w: float, stall_s: float, persist_lag_s: float = 0.0, keep_last: int = 0,
+                 keep_every_w: float = 0.0):
         if interval_w <= 0:
             raise ValueError(f"checkpoint interval must be > 0, got {interval_w}")
         self.interval = interval_w
         self.stall = stall_s
         self.lag = persist_lag_s
+        # retention (storage does not keep every checkpoint): the newest ``keep_last`` durable ones,
+        # and the last one before every multiple of ``keep_every_w`` of progress (0: keep all)
+        self.keep_last = int(keep_last)
+        self.keep_every = float(keep_every_w)
         self.next_mark = interval_w  # progress at which the next checkpoint is taken
         self.durable = 0.0  # progress of the newest durable checkpoint
         self.inflight: list[tuple[float, float]] = []  # (mark, time it becomes durable)
@@ -101,9 +106,13 @@ class Checkpoints:
 
     def rollback_before(self, now: float, limit_w: float) -> float:
         """Restart from the newest durable checkpoint at progress ``<= limit_w`` (a corruption
-        that began at ``limit_w`` poisoned every later one); newer checkpoints are discarded.
-        ``history`` is in progress order (a rollback truncates it), so this pops from its end."""
+        that began at ``limit_w`` poisoned every later one) that retention kept; newer checkpoints
+        are discarded. ``history`` is in progress order (a rollback truncates it), so this pops
+        from its end."""
         self.cancel_inflight(now)
+        if self.keep_last > 0 and math.isfinite(limit_w) and self._newer_than(limit_w) >= self.keep_last:
+            # not among the newest kept: the last checkpoint before a retention boundary
+            limit_w = math.floor(limit_w / self.keep_every + 1e-9) * self.keep_every if self.keep_every > 0 else 0.0
         h = self.history
         while len(h) > 1 and h[-1][0] > limit_w + 1e-9:
             h.pop()
@@ -115,6 +124,16 @@ class Checkpoints:
         self.durable = best
         self.next_mark = best + self.interval
         return best
+
+    def _newer_than(self, limit_w: float) -> int:
+        """Durable checkpoints at progress above the newest one at or below ``limit_w``."""
+        n = 0
+        for first, spacing, count in self.history:
+            if first > limit_w + 1e-9:
+                n += count
+            elif spacing > 0:  # marks first + i * spacing above limit_w, i < count
+                n += max(0, count - 1 - math.floor((limit_w - first) / spacing + 1e-9))
+        return n
 
     def mark_durable(self, w: float) -> None:
         """An on-demand checkpoint at progress ``w`` completed (e.g. before planned maintenance)."""

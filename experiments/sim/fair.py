@@ -62,7 +62,8 @@ def main() -> None:
     frames = []
     for gpus in (16384, 131072):
         points = [({"variant": v}, o) for v, o in VARIANTS.items()]
-        base = [f"cluster.num_gpus={gpus}", "duration_days=54", f"seeds={a.seeds}", "progress=false"]
+        base = [f"cluster.num_gpus={gpus}", "duration_days=54", f"seeds={a.seeds}", "progress=false",
+                f"strategies=[{','.join(STRATS)}]"]
         frames.append(run_points(points, base, Path(a.out) / f"gpus{gpus}", keys=("variant",)))
     agg = pd.concat(frames, ignore_index=True)
     agg.to_csv(Path(a.out) / "aggregate.csv", index=False)

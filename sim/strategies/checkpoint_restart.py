@@ -26,7 +26,7 @@ from typing import Mapping
 from sim import costs
 from sim.cluster import Fault
 from sim.job import Job
-from sim.schedule import Checkpoints, daly_tau_opt
+from sim.schedule import daly_tau_opt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class CheckpointRestart(Job):
     def __init__(self, env, cluster, layout, ledger, p: CheckpointRestartParams):
         super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
-        self.ckpt = Checkpoints(p.interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.ckpt = p.disk.checkpoints(p.interval_s)
         self.drain_pending = False
 
     @staticmethod

@@ -39,7 +39,6 @@ from typing import Mapping
 from sim import costs, placement
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
-from sim.schedule import Checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +54,25 @@ class DeadPoolParams:
     width: costs.WidthScaling = costs.WidthScaling()  # throughput at reduced width after a shrink
 
 
+def host_gb_per_node(layout, calib: Mapping) -> float:
+    """Host memory the snapshot engine holds on a node: ``snapshot_host_copies`` x each GPU's state
+    for its local slots, plus the receive buffers of the ward's replicas (``replicate``'s bytes)."""
+    from sim import network
+
+    local = float(calib.get("snapshot_host_copies", 0.0)) * layout.state_bytes_per_node
+    received = float(calib.get("snapshot_receive_copies", 0.0)) * network.replicated_bytes_per_node(
+        layout, str(calib.get("replicate", "unique")))
+    return (local + received) / 1e9
+
+
+def check_host_memory(layout, calib: Mapping) -> None:
+    """Refuse a layout whose snapshots do not fit ``host_mem_gb_per_node`` (when the cluster gives it)."""
+    cap = layout.host_mem_gb_per_node
+    need = host_gb_per_node(layout, calib)
+    if cap is not None and need > cap:
+        raise ValueError(f"snapshots need {need:.0f} GB of host memory per node, the node has {cap:.0f} GB")
+
+
 class DeadPool(Job):
     def __init__(self, env, cluster, layout, ledger, p: DeadPoolParams):
         super().__init__(env, cluster, layout, ledger, p.detect)
@@ -62,7 +80,7 @@ class DeadPool(Job):
             raise ValueError(f"on_no_spare must be wait or shrink, got {p.on_no_spare!r}")
         self.p = p
         self.width = p.width
-        self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.ckpt = p.disk.checkpoints(p.disk_interval_s)
         if p.snap.overhead_frac > 0:
             self.factors["snapshot"] = 1.0 / (1.0 + p.snap.overhead_frac)
         self.pending: set[int] = set()  # slots whose state now lives only on the buddy
@@ -71,8 +89,9 @@ class DeadPool(Job):
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> DeadPoolParams:
+        check_host_memory(layout, calib)
         return DeadPoolParams(detect=costs.detection(calib), reconfig=costs.reconfig(layout, calib),
-                              snap=costs.snapshots(layout, calib),
+                              snap=costs.snapshots(layout, calib, float(scfg["disk_ckpt_interval_s"])),
                               disk=costs.disk_from_snapshots(layout, calib, scfg["disk_ckpt_mode"]),
                               disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
                               on_no_spare=str(scfg.get("on_no_spare", "wait")),

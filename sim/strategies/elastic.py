@@ -6,18 +6,25 @@ grain). A failed node takes its group out of the job: the group's healthy nodes 
 pool, the job reconfigures (shared detection + plan + rebuild) and continues at
 ``active_groups / num_groups`` of nominal throughput (the shortfall is badput "degraded"). When
 the pool holds a group's worth of nodes (the idle survivors plus a repaired or rebooted node) a
-group is re-formed, paying rebuild + state transfer from a live replica. Below
+group is re-formed, paying rebuild + state transfer from a live replica (``regrow: background``:
+the transfer runs while the job trains at its current width, and only plan + rebuild +
+warm-up pause it; ``blocking``: the whole of it pauses the job). Below
 ``min_width_frac`` of the groups the job stalls until it can regrow. No reserved spares: the
 elastic job is charged only for its own nodes.
 
 What a lost replica loses depends on where the optimizer state lives (``optimizer_state``):
 - ``cluster``: the cluster's layout. With ZeRO-1 over all data-parallel ranks
   (``optimizer_sharded_over_dp``) the dropped replica held the only copy of its optimizer
-  shard: the job restores from the newest durable disk checkpoint (rollback + restart, where
-  the restart re-shards over the narrower width);
+  shard: the job rolls back to the newest durable disk checkpoint. ``shard_loss`` says how:
+  ``in_place`` (survivors keep their processes, re-shard over the narrower width and read the
+  checkpoint: plan + rebuild + storage load + warm-up, ``costs.inplace_reload_s``; counted as
+  ``reloads``) or ``restart`` (a full requeue and relaunch, ``costs.restart_s``);
 - ``replicated``: HSDP / torchft style, every replica holds the whole optimizer state: only the
-  step in flight is lost. That costs ``(bytes_per_param_state - 2) * params / (tp*pp)`` more GPU
-  memory per GPU than ZeRO-1, which this simulator does not charge.
+  step in flight is lost. That needs ``(bytes_per_param_state - 2) * params / (tp*pp)`` more GPU
+  memory per GPU than ZeRO-1, which is charged: when weights + optimizer + activations +
+  reserved memory do not fit ``hbm_gb_per_gpu``, ``on_memory_overflow: shard`` shards the
+  optimizer over the fewest replicas k (1, 2, 4, ...) that fit, and k replicas become one
+  failure unit (an HSDP shard group: losing a node drops all k); ``refuse`` raises.
 - ``replica``: the runtime's ``ft=elastic``: ZeRO-1 over all ranks, but the snapshot engine keeps
   every shard on a buddy as well, so the dropped shard is restored from there and only the step
   in flight is lost (the rollback of ``replicated``, without its memory cost).
@@ -45,7 +52,6 @@ from typing import Mapping
 from sim import costs
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
-from sim.schedule import Checkpoints
 from sim.strategies.checkpoint_restart import checkpoint_interval_s
 
 
@@ -61,13 +67,33 @@ class ElasticParams:
     disk_interval_s: float
     width: costs.WidthScaling = costs.WidthScaling()
     relaunch_s: tuple[float, ...] | None = None  # shrink=relaunch: cost by active groups after it
+    reload_s: float | None = None  # shard_loss=in_place: survivors reload from storage (else disk.restart_s)
+    regrow_transfer_s: float = 0.0  # regrow=background: state into the new replica while the job trains narrower
+    group_replicas: int = 1  # replicas per failure unit (HSDP shard group sized to fit memory)
+
+
+def replicas_per_shard_group(layout, on_overflow: str) -> int:
+    """Fewest data-parallel replicas (a power of 2) whose combined memory holds one replicated
+    optimizer state beside each GPU's weights, activations and reserved memory."""
+    k = 1
+    while k <= layout.dp:
+        if layout.fits(layout.state_gb_per_gpu_sharded(k)):
+            return k
+        if on_overflow != "shard":
+            break
+        k *= 2
+    raise ValueError(f"elastic with a replicated optimizer does not fit {layout.hbm_gb_per_gpu} GB per GPU: "
+                     f"{layout.state_gb_per_gpu_sharded(1):.1f} GB of state + {layout.activation_gb_per_gpu} GB "
+                     f"activations + {layout.reserved_gb_per_gpu} GB reserved (on_memory_overflow={on_overflow})")
 
 
 class Elastic(Job):
     def __init__(self, env, cluster, layout, ledger, p: ElasticParams):
+        if p.group_replicas > 1:
+            layout = dataclasses.replace(layout, replicas_per_group=p.group_replicas)
         super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
-        self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.ckpt = p.disk.checkpoints(p.disk_interval_s)
         self.width = p.width
         self.factors["degraded"] = 1.0
         self.shrink_pending = False
@@ -82,12 +108,22 @@ class Elastic(Job):
         shrink = str(scfg.get("shrink", "in_place"))
         if shrink not in ("in_place", "relaunch"):
             raise ValueError(f"shrink must be in_place or relaunch, got {shrink!r}")
+        regrow = str(scfg.get("regrow", "blocking"))
+        if regrow not in ("background", "blocking"):
+            raise ValueError(f"regrow must be background or blocking, got {regrow!r}")
+        shard_loss = str(scfg.get("shard_loss", "restart"))
+        if shard_loss not in ("in_place", "restart"):
+            raise ValueError(f"shard_loss must be in_place or restart, got {shard_loss!r}")
+        k = 1
+        if where == "replicated":
+            k = replicas_per_shard_group(layout, str(scfg.get("on_memory_overflow", "shard")))
+            layout = dataclasses.replace(layout, replicas_per_group=k)
         d = costs.disk(layout, calib, scfg["disk_ckpt_mode"])
         relaunch = None
         if shrink == "relaunch":
             npg = layout.nodes_per_group
             relaunch = tuple(d.write_s + costs.relaunch_s(layout, calib, g * npg) + costs.storage_load_s(layout, calib)
-                             for g in range(layout.num_groups + 1))
+                             + costs.restart_warmup_s(layout, calib) for g in range(layout.num_groups + 1))
         return ElasticParams(
             detect=costs.detection(calib),
             shrink_s=rc.plan_s + rc.rebuild_s,
@@ -99,6 +135,9 @@ class Elastic(Job):
             disk_interval_s=checkpoint_interval_s({"ckpt_interval_s": scfg.get("disk_ckpt_interval_s")}, d, mtbf_s),
             width=costs.width_scaling(calib),
             relaunch_s=relaunch,
+            reload_s=costs.inplace_reload_s(layout, calib) if shard_loss == "in_place" and shrink == "in_place" else None,
+            regrow_transfer_s=rc.transfer_s if regrow == "background" and shrink == "in_place" else 0.0,
+            group_replicas=k,
         )
 
     def on_interrupt(self, cause) -> None:
@@ -127,21 +166,33 @@ class Elastic(Job):
     def recover(self):
         yield from self.detection()
         if self.restore_pending:
-            yield from self.phase("restart", self.p.disk.restart_s)
-            self.ledger.count("restarts")
+            if self.p.reload_s is None:
+                yield from self.phase("restart", self.p.disk.restart_s)
+                self.ledger.count("restarts")
+            else:  # survivors stay; re-shard and read the checkpoint in place
+                yield from self.phase("restart", self.p.reload_s)
+                self.ledger.count("reloads")
             self.restore_pending = self.shrink_pending = False
         if self.shrink_pending:
             cost = self.p.shrink_s if self.p.relaunch_s is None else self.p.relaunch_s[self.active_groups]
             yield from self.phase("reconfiguration", cost)
             self.shrink_pending = False
-        grew = 0
+        grew, background = 0, False
+        if self.p.regrow_transfer_s > 0 and self.can_regrow() and self.active_groups >= self.p.min_groups:
+            # the new replicas receive state from live ones while the job trains at its width
+            yield from self.compute_for(self.p.regrow_transfer_s)
+            background = True
         while self.can_regrow() or self.active_groups < self.p.min_groups:
             if not self.can_regrow():
                 yield from self.wait_for_pool(self._npg)
+                background = False  # below the minimum width nothing trains: the transfer blocks
             self.regrow_one()
             grew += 1
         if grew:
-            cost = self.p.regrow_s if self.p.relaunch_s is None else self.p.relaunch_s[self.active_groups]
+            if self.p.relaunch_s is not None:
+                cost = self.p.relaunch_s[self.active_groups]
+            else:
+                cost = self.p.regrow_s - (self.p.regrow_transfer_s if background else 0.0)
             yield from self.phase("reconfiguration", cost)
         self.background_need = self._npg if self.active_groups < len(self.group_active) else 0
         self.mem_floor = self.W

@@ -6,8 +6,16 @@ costs ``redundant_compute_frac`` of throughput always (badput "redundant") and o
 ``redundant_gpu_frac`` extra GPUs (charged in fleet goodput; 0 for in-bubble redundancy,
 1 for full dual replicas). When one copy is lost the buddy takes over at once: detection +
 ``failover_s``, no rollback, and the job runs at ``failover_throughput_frac`` (badput
-"degraded") until a pool node replaces the failed one (rebuild + transfer). With an empty
-pool it keeps running degraded until a node comes back. If the buddy fails before the
+"degraded") until a pool node replaces the failed one. ``replace: background`` (the default)
+transfers the state into the replacement while the job keeps running degraded and pauses only
+to join it (plan + rebuild + warm-up); ``blocking`` pauses for the whole swap. With an empty
+pool it keeps running degraded until a node comes back.
+
+Memory: a buddy must hold its pair's state to take over without a rollback, so each GPU holds
+two nodes' model state beside its activations; when that does not fit ``hbm_gb_per_gpu`` the
+strategy refuses (``ValueError``). Its redundancy (``redundant_compute_frac``) has no published
+measurement for this layout, so replication is left out of the headline strategy list and
+sampled over its whole range in the ranking study (experiments/sim/ranking.py). If the buddy fails before the
 replacement is in, both copies are gone: restart from the newest durable disk checkpoint.
 A silent corruption spreads to the pair through the computation they share (and to everyone
 through the gradient all-reduce): it also restarts from a disk checkpoint taken before it began.
@@ -24,7 +32,6 @@ from typing import Mapping
 from sim import costs, placement
 from sim.cluster import Fault, NodesAvailable
 from sim.job import Job
-from sim.schedule import Checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,25 +44,40 @@ class ReplicationParams:
     disk: costs.DiskCosts
     disk_interval_s: float
     buddy_placement: str
+    replace: str = "blocking"  # background | blocking
+    transfer_s: float = 0.0  # background part of the replacement (state transfer)
 
 
 class Replication(Job):
     def __init__(self, env, cluster, layout, ledger, p: ReplicationParams):
         super().__init__(env, cluster, layout, ledger, p.detect)
         self.p = p
-        self.ckpt = Checkpoints(p.disk_interval_s, p.disk.stall_s, p.disk.persist_lag_s)
+        self.ckpt = p.disk.checkpoints(p.disk_interval_s)
         self.factors["redundant"] = 1.0 / (1.0 + p.redundant_compute_frac)
         self.factors["degraded"] = 1.0
         self.pairs = placement.pairs(p.buddy_placement, layout.num_nodes, layout.nodes_per_rack)
         self.failover_pending = False
         self.fallback = False
+        self.joining: set[int] = set()  # slots given a pool node whose state is still arriving
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> ReplicationParams:
+        replace = str(scfg.get("replace", "blocking"))
+        if replace not in ("background", "blocking"):
+            raise ValueError(f"replace must be background or blocking, got {replace!r}")
+        pair_state_gb = 2.0 * layout.state_bytes_per_gpu / 1e9
+        if not layout.fits(pair_state_gb):
+            raise ValueError(f"replication does not fit {layout.hbm_gb_per_gpu} GB per GPU: {pair_state_gb:.1f} GB of own "
+                             f"and pair state + {layout.activation_gb_per_gpu} GB activations + "
+                             f"{layout.reserved_gb_per_gpu} GB reserved")
+        rc = costs.reconfig(layout, calib)
+        background = rc.transfer_s if replace == "background" else 0.0
         return ReplicationParams(
             detect=costs.detection(calib),
             failover_s=float(scfg["failover_s"]),
-            replace_s=costs.reconfig(layout, calib).swap_s,
+            replace_s=rc.swap_s - background,
+            replace=replace,
+            transfer_s=background,
             redundant_compute_frac=float(scfg["redundant_compute_frac"]),
             failover_throughput_frac=float(scfg["failover_throughput_frac"]),
             disk=costs.disk(layout, calib, scfg["disk_ckpt_mode"]),
@@ -97,17 +119,23 @@ class Replication(Job):
             yield from self.phase("restart", self.p.disk.restart_s)
             self.ledger.count("restarts")
             self.fallback = self.failover_pending = False
+            self.joining.clear()
         if self.failover_pending:
             yield from self.phase("reconfiguration", self.p.failover_s)
             self.failover_pending = False
-        self.factors["degraded"] = self.p.failover_throughput_frac if self.vacant else 1.0
+        self.factors["degraded"] = self.p.failover_throughput_frac if self.vacant or self.joining else 1.0
         if self.vacant and self.cluster.pool_size():
             for slot in sorted(self.vacant):
                 if not self.cluster.pool_size():
                     break
                 self.cluster.assign(slot, self.cluster.take())
                 self.vacant.discard(slot)
+                self.joining.add(slot)
                 self.ledger.count("swaps")
+        if self.joining:
+            # background: the state arrives while the buddies carry the work (an interrupt redoes it)
+            yield from self.compute_for(self.p.transfer_s)
             yield from self.phase("reconfiguration", self.p.replace_s)
+            self.joining.clear()
         self.factors["degraded"] = self.p.failover_throughput_frac if self.vacant else 1.0
         self.background_need = 1 if self.vacant else 0

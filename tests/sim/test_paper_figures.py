@@ -11,7 +11,7 @@ import pytest
 import sim.config
 
 FIGS = sim.config.REPO_ROOT / "paper_figures"
-NEW = ("fig09_overhead", "fig10_recovery_projection", "fig11_pareto", "fig12_timeline")
+NEW = ("fig09_overhead", "fig10_recovery_projection", "fig11_pareto", "fig12_timeline", "fig13_ranking")
 
 
 def _env():  # the shipped results, whatever the caller's environment points at
@@ -91,3 +91,26 @@ def test_runtime_figure_skips_without_results_and_draws_with_them(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "fig05_runtime_recovery.png").exists()
+
+
+def test_ranking_figure_draws_from_its_csvs(tmp_path):
+    """fig13 reads only the ranking study's CSVs (here a handmade pair, 2 samples x 2 scales)."""
+    import pandas as pd
+
+    d = tmp_path / "ranking"
+    d.mkdir()
+    rows = []
+    for sample in range(2):
+        for gpus in (16384, 131072):
+            for s, g in (("deadpool", 0.95 + 0.01 * sample), ("checkpoint_restart", 0.96), ("elastic_hsdp", 0.9)):
+                rows.append(dict(sample=sample, num_gpus=gpus, strategy=s, feasible=True, goodput=g,
+                                 fleet_goodput=g - 0.01))
+    pd.DataFrame(rows).to_csv(d / "samples.csv", index=False)
+    pf = [dict(num_gpus=g, metric=m, strategy=s, p_first=p, ci95_lo=0.0, ci95_hi=1.0, n_samples=2)
+          for g in (16384, 131072) for m in ("goodput", "fleet_goodput")
+          for s, p in (("deadpool", 0.5), ("checkpoint_restart", 0.5), ("elastic_hsdp", 0.0))]
+    pd.DataFrame(pf).to_csv(d / "p_first.csv", index=False)
+    p = subprocess.run([sys.executable, str(FIGS / "fig13_ranking.py"), "--input", str(d), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tmp_path / "fig13_ranking.png").stat().st_size > 10_000

@@ -27,8 +27,7 @@ def test_sim_run_writes_summary_and_prints_ettr(tmp_path):
     assert p.returncode == 0, p.stderr
     df = pd.read_csv(out / "summary.csv")
     assert {"strategy", "seed", "goodput", "fleet_goodput", "failures", "planned_maintenance"} <= set(df.columns)
-    assert sorted(df.strategy.unique()) == ["checkpoint_restart", "deadpool", "elastic", "inmem_restart",
-                                            "replication"]
+    assert sorted(df.strategy.unique()) == ["checkpoint_restart", "deadpool", "elastic", "elastic_hsdp", "inmem_restart"]
     assert len(df) == 10
     agg = pd.read_csv(out / "aggregate.csv")
     assert {"goodput_mean", "goodput_ci95_lo", "goodput_ci95_hi"} <= set(agg.columns)

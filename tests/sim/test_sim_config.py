@@ -23,8 +23,9 @@ def compose_sim(overrides=(), hydra_cfg=False):
 
 def test_defaults_compose_and_build():
     cfg = compose_sim()
-    assert list(cfg.strategies) == ["deadpool", "inmem_restart", "checkpoint_restart", "replication", "elastic"]
-    assert set(cfg.strategy) == set(cfg.strategies)
+    assert list(cfg.strategies) == ["deadpool", "inmem_restart", "checkpoint_restart", "elastic", "elastic_hsdp"]
+    assert set(cfg.strategies) <= set(cfg.strategy) and "replication" in cfg.strategy  # runnable, not in the headline
+    assert cfg.calibration.name == "gpu_h100"  # GPU projections use a GPU profile
     lay = Layout.from_cfg(OmegaConf.to_container(cfg.cluster))
     assert (lay.num_nodes, lay.dp, lay.nodes_per_group, lay.num_spares) == (2048, 128, 16, 21)
     assert lay.step_time_s == pytest.approx(6.29, abs=0.01)

@@ -92,21 +92,29 @@ def test_deadpool_no_spare_shrinks(layout, calib, strategy_cfgs, handmade):
 def test_elastic_shrinks_and_regrows(layout, calib, strategy_cfgs, handmade):
     tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
     r = run("elastic", strategy_cfgs("elastic"), calib, layout(), tr)
-    # detect 5 + shrink (plan 0 + rebuild 20) -> 3/4 width from 1025 to 4000, regrow 25
+    # detect 5 + shrink (plan 0 + rebuild 20) -> 3/4 width from 1025 until the new replica has its
+    # state (4000 + transfer 5, in the background), then it joins (rebuild 20)
     assert (r["shrinks"], r["regrows"], r["charged_spare_nodes"], r["restarts"]) == (1, 1, 0, 0)
-    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2975 + T - 4025) / T, abs=1e-6)
+    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2980 + T - 4025) / T, abs=1e-6)
     assert r["fleet_goodput"] == pytest.approx(r["goodput"])
+    r = run("elastic", strategy_cfgs("elastic") | {"regrow": "blocking"}, calib, layout(), tr)
+    assert r["goodput"] == pytest.approx((1000 + 0.75 * 2975 + T - 4025) / T, abs=1e-6)  # the whole regrow blocks
 
 
 def test_elastic_with_zero1_pays_for_the_lost_optimizer_shard(layout, calib, strategy_cfgs, handmade):
     """ZeRO-1 over data parallelism: the dropped replica held the only copy of its shard, so the
-    job rolls back to the newest durable checkpoint and restarts (110 s) before running narrower."""
+    job rolls back to the newest durable checkpoint; in place the survivors re-shard and read it
+    (rebuild 20 s + load 10 s), with ``shard_loss: restart`` the job restarts (110 s)."""
     lay = layout(optimizer_sharded_over_dp=True)
     s = strategy_cfgs("elastic") | {"disk_ckpt_interval_s": 500.0, "disk_ckpt_mode": "sync"}
     tr = handmade([(1300.0, 3, "fail", False, 3000.0)], 10, T)
     r = run("elastic", s, calib, lay, tr)
     # sync checkpoints of 10 s at W=500 (t=510) and W=1000 (t=1020): at t=1300 W=1280 -> lose 280
-    assert r["restarts"] == 1
+    assert (r["restarts"], r["reloads"]) == (0, 1)
+    assert badput_s(r, "lost") == pytest.approx(280.0)
+    assert badput_s(r, "restart") == pytest.approx(20.0 + 10.0)
+    r = run("elastic", s | {"shard_loss": "restart"}, calib, lay, tr)
+    assert (r["restarts"], r["reloads"]) == (1, 0)
     assert badput_s(r, "lost") == pytest.approx(280.0)
     assert badput_s(r, "restart") == pytest.approx(110.0)
     hsdp = run("elastic", strategy_cfgs("elastic_hsdp") | {"disk_ckpt_mode": "sync"}, calib, lay, tr)
@@ -144,15 +152,20 @@ def test_checkpoint_restart_planned_drain_loses_nothing(layout, calib, strategy_
 def test_replication_absorbs_one_loss(layout, calib, strategy_cfgs, handmade):
     tr = handmade([(1000.0, 2, "fail", False, 3000.0)], 10, T)
     r = run("replication", strategy_cfgs("replication"), calib, layout(), tr)
-    # detect 5 + failover 10 + replace 25; redundant computation costs 1/1.1 throughout
+    # detect 5 + failover 10, the 5 s transfer at 0.7 throughput, join (rebuild) 20; redundant
+    # computation costs 1/1.1 throughout
     assert (r["absorbed"], r["restarts"], r["swaps"]) == (1, 0, 1)
-    assert r["goodput"] == pytest.approx((T - 40) / 1.1 / T, abs=1e-6)
+    assert r["goodput"] == pytest.approx((T - 35 - 0.3 * 5) / 1.1 / T, abs=1e-6)
+    assert badput_s(r, "degraded") == pytest.approx(0.3 * 5 / 1.1)
+    r = run("replication", strategy_cfgs("replication") | {"replace": "blocking"}, calib, layout(), tr)
+    assert r["goodput"] == pytest.approx((T - 40) / 1.1 / T, abs=1e-6)  # detect + failover + the whole swap
 
 
 def test_replication_without_spares_runs_degraded(layout, calib, strategy_cfgs, handmade):
     tr = handmade([(1000.0, 2, "fail", False, 3000.0)], 8, T)
     r = run("replication", strategy_cfgs("replication"), calib, layout(num_spares=0), tr)
-    assert r["goodput"] == pytest.approx((1000 + 0.7 * 2985 + T - 4025) / 1.1 / T, abs=1e-6)
+    # degraded from 1015 s until the repaired node's state is in (4000 + 5 s), then joins (20 s)
+    assert r["goodput"] == pytest.approx((1000 + 0.7 * 2990 + T - 4025) / 1.1 / T, abs=1e-6)
 
 
 def test_replication_both_copies_lost_restarts(layout, calib, strategy_cfgs, handmade):
@@ -270,5 +283,5 @@ def test_elastic_relaunch_shrink_pays_a_relaunch_at_the_new_width(layout, calib,
 def test_reduced_width_speed_follows_the_calibration(layout, calib, strategy_cfgs, handmade, exponent, table, speed):
     tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 10, T)
     c = calib | {"width_scaling_exponent": exponent, "width_step_time_ratio": table}
-    r = run("elastic", strategy_cfgs("elastic"), c, layout(), tr)
-    assert r["goodput"] == pytest.approx((1000 + speed * 2975 + T - 4025) / T, abs=1e-6)
+    r = run("elastic", strategy_cfgs("elastic"), c, layout(), tr)  # narrower until 4000 + 5 s of background transfer
+    assert r["goodput"] == pytest.approx((1000 + speed * 2980 + T - 4025) / T, abs=1e-6)

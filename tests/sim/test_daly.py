@@ -60,6 +60,7 @@ POINTS = [(24 * H, []),  # trace=daly_poisson alone
           (15 * MIN, ["trace.unexpected_per_1000_node_days=96000", "duration_days=4200"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m_s, overrides", POINTS)
 def test_daly_points_through_the_scenario_config(m_s, overrides):
     with initialize_config_dir(version_base="1.3", config_dir=str(sim.config.CONF_DIR)):
@@ -70,6 +71,7 @@ def test_daly_points_through_the_scenario_config(m_s, overrides):
     assert row["goodput"] == pytest.approx(daly_goodput(m_s), rel=0.01)
 
 
+@pytest.mark.slow
 def test_daly_point_through_the_command_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(sim.config.REPO_ROOT))
     p = subprocess.run([sys.executable, "-m", "sim.run", "trace=daly_poisson", f"hydra.run.dir={tmp_path}"],
@@ -79,6 +81,7 @@ def test_daly_point_through_the_command_line(tmp_path):
     assert got == pytest.approx(daly_goodput(24 * H), rel=0.01)
 
 
+@pytest.mark.slow
 def test_best_simulated_interval_is_near_daly_optimum():
     m_s = 6 * H
     tau_opt = daly_tau_opt(DELTA, m_s)

@@ -34,6 +34,7 @@ def test_parts_add_up_to_the_documented_formula():
     assert costs.snapshots(lay, c).overhead_frac == pytest.approx(p.total)
 
 
+@pytest.mark.results
 @pytest.mark.parametrize("ends", [dict(snapshot_issue_exposed_frac=0.29, host_contention_frac=0.0),
                                   dict(snapshot_issue_exposed_frac=0.0, host_contention_frac=0.0126)])
 def test_either_end_of_the_split_reproduces_the_measured_h100_ab(ends):
@@ -83,6 +84,7 @@ def test_pipeline_activations_compete_for_the_nic():
     assert network.activation_bytes_per_node(Layout(**{**lay.__dict__, "hidden_size": 0})) == 0.0
 
 
+@pytest.mark.results
 def test_gpu_profile_overhead_is_small_at_16k_and_grows_with_shorter_steps():
     """Not a ranking: the GPU parts give well under the CPU A/B's 3 %, and a fixed per-snapshot
     cost weighs more at 131k where a step is 8x shorter."""

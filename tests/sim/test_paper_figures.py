@@ -43,6 +43,7 @@ def test_python_m_paper_figures_draws_every_figure(tmp_path):
     assert f"{len(scripts)}/{len(scripts)} figures in" in p.stdout
 
 
+@pytest.mark.slow
 def test_python_m_paper_figures_reports_failures_and_goes_on(tmp_path):
     """A figure that raises is named in the exit status; the figures after it still run."""
     pkg = tmp_path / "repo" / "paper_figures"
@@ -65,6 +66,7 @@ def test_python_m_paper_figures_reports_failures_and_goes_on(tmp_path):
     assert p.returncode != 0 and "no figure script matches" in p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_new_figures_skip_without_results(tmp_path, name):
     p = subprocess.run([sys.executable, str(FIGS / f"{name}.py"), "--input", str(tmp_path / "none"),
@@ -76,6 +78,7 @@ def test_new_figures_skip_without_results(tmp_path, name):
         assert p.stdout.startswith("skip:") and not (tmp_path / f"{name}.png").exists()
 
 
+@pytest.mark.slow
 def test_runtime_figure_skips_without_results_and_draws_with_them(tmp_path):
     script = str(FIGS / "fig05_runtime_recovery.py")
     p = subprocess.run([sys.executable, script, "--input", str(tmp_path / "none"), "--out", str(tmp_path)],

@@ -7,6 +7,10 @@ each strategy's goodput: the mean over a schedule's repeats. One run on a shared
 sits further off (a relaunch that took a second longer, a slow phase of the host: single
 elastic runs measured up to 16 % from the mean's replay), so a single run is allowed 20 %.
 A held-out check fits the calibration without one repeat and replays that repeat.
+
+These bounds were set after looking at the runs (the 20 % after a 16 % run): they are outcomes,
+marked ``results`` (reported apart from the invariants by ``make test``), and a miss means the
+simulator no longer reproduces the shipped measurements, not that the code is wrong.
 """
 
 import json
@@ -50,11 +54,13 @@ def test_the_shipped_runs_cover_every_strategy_schedule_and_repeats():
     assert len(REPEATED) >= 2 and len(DIRS) > len(groups)
 
 
+@pytest.mark.results
 def test_each_strategys_mean_goodput_within_ten_percent(rows):
     for g in replay.by_group(rows):
         assert abs(g["rel_error"]) <= 0.10, g
 
 
+@pytest.mark.results
 @pytest.mark.parametrize("run_dir", DIRS, ids=lambda p: "/".join(p.relative_to(RUNS).parts))
 def test_each_run_within_twenty_percent_on_the_recovery_path(run_dir, calib):
     row = replay.replay(run_dir, calib)
@@ -63,6 +69,7 @@ def test_each_run_within_twenty_percent_on_the_recovery_path(run_dir, calib):
         assert row[MODE[row["strategy"]]] >= 1, row  # the simulator took the strategy's recovery path
 
 
+@pytest.mark.results
 @pytest.mark.parametrize("held_out", REPEATED)
 def test_a_repeat_held_out_of_the_calibration_is_reproduced(held_out, tmp_path):
     test = [d for d in DIRS if held_out in d.parts]
@@ -72,6 +79,7 @@ def test_a_repeat_held_out_of_the_calibration_is_reproduced(held_out, tmp_path):
     assert all(abs(r["rel_error"]) <= 0.20 for r in got), got
 
 
+@pytest.mark.results
 def test_the_calibration_measures_width_scaling_and_per_process_launch(calib):
     # both come from the runs: reduced-width generations and relaunches at 2, 3 and 4 ranks
     assert {f for f, _ in calib["width_step_time_ratio"]} == {0.5, 0.75}

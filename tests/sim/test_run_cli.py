@@ -20,6 +20,7 @@ def sim_run(tmp_path, *overrides, multirun=False):
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_sim_run_writes_summary_and_prints_ettr(tmp_path):
     out = tmp_path / "run"
     p = sim_run(tmp_path, "trace=llama3", "cluster.num_gpus=1024", "duration_days=3", "seeds=2",
@@ -35,6 +36,7 @@ def test_sim_run_writes_summary_and_prints_ettr(tmp_path):
     assert "seed 2/2" in p.stderr  # progress
 
 
+@pytest.mark.slow
 def test_strategies_restricts_the_set_and_traces_are_saved(tmp_path):
     out = tmp_path / "run"
     p = sim_run(tmp_path, "strategies=[deadpool,elastic]", "cluster.num_gpus=1024", "duration_days=2",
@@ -52,6 +54,7 @@ def test_strategies_restricts_the_set_and_traces_are_saved(tmp_path):
     assert a.loc["deadpool", "goodput"] == pytest.approx(b.loc["deadpool", "goodput"])
 
 
+@pytest.mark.slow
 def test_unknown_strategy_is_a_clear_error(tmp_path):
     p = sim_run(tmp_path, "strategies=[deadpool,nope]", "seeds=1", "duration_days=1",
                 f"hydra.run.dir={tmp_path / 'x'}")

@@ -14,8 +14,12 @@ def scenario(overrides):
         return OmegaConf.to_container(compose("sim", overrides=overrides), resolve=True)
 
 
-def test_llama3_unexpected_interruptions_match_published_419(capsys):
-    """16,384 GPUs x 54 days: mean over 20 seeds within 5% of the published 419; print ETTRs."""
+@pytest.mark.slow
+def test_llama3_trace_reproduces_the_rate_its_preset_is_derived_from(capsys):
+    """The failure generator's check, not a validation: the llama3 preset's per-node rate is
+    derived from the published 419 unexpected (and 47 planned) interruptions of 16,384 GPUs in
+    54 days, so 20 seeds of that scenario must give back about those counts. (Validation against
+    outcomes the inputs were not derived from: ``python -m sim.validate``.)"""
     cfg = scenario(["trace=llama3", "cluster.num_gpus=16384", "duration_days=54", "seeds=20"])
     rows = simulate.run_scenario(cfg, progress=False)
     dp = [r for r in rows if r["strategy"] == "deadpool"]

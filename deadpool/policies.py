@@ -32,23 +32,31 @@ class BuddyPolicy:
 
 
 class RingOverNodes(BuddyPolicy):
-    """Each rank's buddy is the rank with the same local index on the next node (wrapping).
+    """Each rank's buddy is the rank with the same local index one rack further (wrapping), so
+    a rack lost whole (its switch, its power) takes no rank together with its replica.
 
-    ranks_per_node=2, 3 nodes::
+    ranks_per_node=2, 3 nodes, one node per rack (``parallel.nodes_per_rack=1``)::
 
         node0: [0 1]   node1: [2 3]   node2: [4 5]
         0 -> 2   1 -> 3   2 -> 4   3 -> 5   4 -> 0   5 -> 1
 
-    Losing a whole node loses no replica of its ranks (their buddies are elsewhere); losing a node
-    and the next one within one replication window loses the first node's state.
-    With a single node there is no other failure domain; the ring then runs over ranks.
+    ranks_per_node=1, 4 nodes, ``nodes_per_rack=2``::
+
+        rack0: [0] [1]   rack1: [2] [3]
+        0 -> 2   1 -> 3   2 -> 0   3 -> 1
+
+    Losing a whole node (or rack) loses no replica of its ranks (their buddies are elsewhere);
+    losing it and the next one within one replication window loses the first one's state. With
+    a single rack the ring runs over nodes; with a single node, over ranks.
     """
 
     def buddy(self, rank: int, dims) -> int:
         if dims.num_nodes == 1:
             return (rank + 1) % dims.world_size
+        npr = getattr(dims, "nodes_per_rack", 1)
+        stride = npr if dims.num_nodes > npr else 1
         node, local = divmod(rank, dims.ranks_per_node)
-        return ((node + 1) % dims.num_nodes) * dims.ranks_per_node + local
+        return ((node + stride) % dims.num_nodes) * dims.ranks_per_node + local
 
 
 class _ShiftAlong(BuddyPolicy):
@@ -185,6 +193,13 @@ def check_placement(dims, policy="ring_over_nodes", replicate: str = "unique") -
     if sorted(table) != list(range(dims.world_size)):
         out.append(f"buddy policy {policy!r} is not a permutation: some ranks hold two replicas, "
                    f"some none")
+    if dims.num_nodes > dims.nodes_per_rack > 1:
+        racked = [r for r, b in enumerate(table) if dims.rack_of(r) == dims.rack_of(b)]
+        if racked:
+            out.append(f"{len(racked)} rank(s) have their buddy in their own rack (e.g. rank "
+                       f"{racked[0]} -> {table[racked[0]]}, rack {dims.rack_of(racked[0])}): losing "
+                       f"that rack loses the rank's state and its only replica; use buddy_policy "
+                       f"ring_over_nodes")
     same = [r for r, b in enumerate(table) if dims.node_of(r) == dims.node_of(b)]
     if same:
         out.append(f"{len(same)} rank(s) have their buddy on their own node (e.g. rank {same[0]} -> "

@@ -21,6 +21,7 @@ class ParallelDims:
     pp: int = 1
     ranks_per_node: int = 1
     zero: bool = True  # ZeRO-1: the optimizer state is sharded over the data-parallel group
+    nodes_per_rack: int = 1  # nodes behind one rack switch (a failure domain of its own)
 
     @classmethod
     def from_config(cls, parallel: dict) -> "ParallelDims":
@@ -28,10 +29,11 @@ class ParallelDims:
         ``ranks_per_node`` (a what-if estimate) a node holds one tensor-parallel group."""
         tp = int(parallel.get("tp", 1))
         return cls(int(parallel["dp"]), tp, int(parallel.get("pp", 1)),
-                   int(parallel.get("ranks_per_node", tp)), bool(parallel.get("zero", True)))
+                   int(parallel.get("ranks_per_node", tp)), bool(parallel.get("zero", True)),
+                   int(parallel.get("nodes_per_rack", 1)))
 
     def __post_init__(self):
-        for axis in ("dp", "tp", "pp", "ranks_per_node"):
+        for axis in ("dp", "tp", "pp", "ranks_per_node", "nodes_per_rack"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis} must be >= 1, got {getattr(self, axis)}")
         if self.world_size > self.ranks_per_node and self.world_size % self.ranks_per_node:
@@ -83,6 +85,9 @@ class ParallelDims:
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
+
+    def rack_of(self, rank: int) -> int:
+        return self.node_of(rank) // self.nodes_per_rack
 
     @property
     def num_nodes(self) -> int:

@@ -127,3 +127,22 @@ def test_the_a100_layouts_survive_any_node_loss_from_memory(name):
         p = yaml.safe_load(f.read_text())
         dims = ParallelDims(p["dp"], p["tp"], p["pp"], p["ranks_per_node"])
         assert check_placement(dims, name) == [], f.name
+
+
+def test_ring_over_nodes_goes_one_rack_over_when_nodes_share_a_rack():
+    dims = ParallelDims(dp=4, ranks_per_node=1, nodes_per_rack=2)
+    assert list(buddy_table(dims, "ring_over_nodes")) == [2, 3, 0, 1]  # the docstring's picture
+    for layout in [(16, 4, 8, 4, True, 2), (8, 1, 1, 2, True, 2), (6, 1, 1, 1, True, 3)]:
+        d = ParallelDims(*layout)
+        table = buddy_table(d, "ring_over_nodes")
+        assert sorted(table) == list(range(d.world_size))
+        assert all(d.rack_of(r) != d.rack_of(b) for r, b in enumerate(table)), layout
+        assert check_placement(d, "ring_over_nodes") == []
+    # one rack only: the ring runs over its nodes
+    assert list(buddy_table(ParallelDims(dp=2, ranks_per_node=1, nodes_per_rack=2),
+                            "ring_over_nodes")) == [1, 0]
+
+
+def test_a_buddy_in_the_same_rack_is_reported():
+    dims = ParallelDims(dp=4, ranks_per_node=1, nodes_per_rack=2)
+    assert any("own rack" in w for w in check_placement(dims, "next_dp_replica"))

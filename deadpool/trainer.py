@@ -263,6 +263,8 @@ class Trainer:
                # a disk checkpoint taken by the training thread at this step: its time on the
                # critical path (async: the host copy, and waiting for the previous write)
                "checkpoint_s": checkpoint_s,
+               # the Young/Daly probe's measurements and this rank's proposed interval (once)
+               "checkpoint_interval_proposal": self.__dict__.pop("_proposal", None),
                "t": time.time()}
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg["log_every_steps"])
@@ -299,6 +301,8 @@ class Trainer:
         cost = ckpt_s - write_s if ft.get("persist_async", True) else ckpt_s
         mine = max(young_daly_steps(max(cost, 0.0), float(ft["mtbf_s"]), step_s),
                    int(write_s // max(step_s, 1e-9)) + 1 if ft.get("persist_async", True) else 1)
+        # what this rank measured and proposed, in this step's metrics record
+        self._proposal = {"proposed": mine, "cost_s": cost, "step_s": step_s, "write_s": write_s}
         store, keys, world = comm.store, comm.keys, comm.topo.dims.world_size
         store.set(keys.checkpoint_interval(self.rank), str(mine))
         want = [keys.checkpoint_interval(r) for r in range(world)]

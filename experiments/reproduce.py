@@ -12,6 +12,9 @@ Config: conf/reproduce.yaml. Steps, in order (each prints its time):
     bench3d      experiments/bench_3d.py                dp2 x tp2 x pp2 overhead and recovery
     sim_scale, sim_mtbf, sim_spares                     Hydra multirun sweeps (conf/experiment/sim_*.yaml)
     sensitivity, correlated, spare_sizing, fair         experiments/sim/*.py
+    headline     experiments/sim/headline.py            old vs new defaults at 16k and 131k GPUs
+    validate     python -m sim.validate                 the simulator against published fleets
+    ranking      experiments/sim/ranking.py             P(each strategy first), Latin hypercube
     figures      python -m paper_figures                every figure, from the files written above
 
 ``reproduce.scale=full`` writes where the shipped results live (experiments/results/,
@@ -33,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("strategies", "calibrate", "replay", "overhead", "bench3d", "sim_scale", "sim_mtbf", "sim_spares",
-         "sensitivity", "correlated", "spare_sizing", "fair", "figures")
+         "sensitivity", "correlated", "spare_sizing", "fair", "headline", "validate", "ranking",
+         "figures")
 
 
 def paths(r: dict) -> dict:
@@ -73,6 +77,9 @@ def commands(r: dict, p: dict) -> dict[str, list[list[str]]]:
         "correlated": [[py, "experiments/sim/correlated.py", "--out", str(res / "sim/correlated"), *a["correlated"]]],
         "spare_sizing": [[py, "experiments/sim/spare_sizing.py", "--out", str(res / "sim/spare_sizing")]],
         "fair": [[py, "experiments/sim/fair.py", "--out", str(res / "sim/fair"), *a["fair"]]],
+        "headline": [[py, "experiments/sim/headline.py", "--out", str(res / "sim/headline"), *a["headline"]]],
+        "validate": [[py, "-m", "sim.validate", "--out", str(res / "sim/validation"), *a["validate"]]],
+        "ranking": [[py, "experiments/sim/ranking.py", "--out", str(res / "sim/ranking"), *a["ranking"]]],
         "figures": [[py, "-m", "paper_figures", "--out", str(p["figures"])]],
     }
 

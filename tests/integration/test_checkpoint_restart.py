@@ -80,11 +80,13 @@ def test_young_daly_interval_is_measured_and_agreed(tmp_path):
         k = later[1] - later[0]
         # one agreed interval k: every multiple of k after the probe, and nothing else
         assert later == list(range(k * (2 // k + 1), steps + 1, k)), (ckpt, k)
-        # the widest of the ranks' Young/Daly proposals from the probe's own measurements (the
-        # step's time before its checkpoint is not logged apart: +-1 for that rounding)
-        probe = [x for x in rows if x["step"] == 2 and x["checkpoint_s"] is not None]
-        want = max(young_daly_steps(x["checkpoint_s"], mtbf, x["step_time_s"] - x["checkpoint_s"])
-                   for x in probe)
-        assert want - 1 <= k <= want + 1, (k, want)
+        # each rank proposed Young/Daly's interval for what it measured at the probe, with this
+        # MTBF, and every rank adopted the widest proposal
+        props = [x["checkpoint_interval_proposal"] for x in rows
+                 if x["step"] == 2 and x["checkpoint_interval_proposal"] is not None]
+        assert len(props) == 4
+        for p in props:
+            assert p["proposed"] == young_daly_steps(p["cost_s"], mtbf, p["step_s"]), p
+        assert k == max(p["proposed"] for p in props), (k, props)
         if mtbf < 1:
             assert k == 1

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from points import run_points
+from points import variant_study
 
 HERE = Path(__file__).resolve().parent
 STRATS = ("deadpool", "inmem_restart", "checkpoint_restart", "replication", "elastic", "elastic_hsdp")
@@ -73,16 +73,7 @@ def main() -> None:
     ap.add_argument("--days", type=float, default=54)
     ap.add_argument("--out", default=str(HERE.parents[1] / "experiments" / "results" / "sim" / "headline"))
     a = ap.parse_args()
-    frames = []
-    for gpus, seeds in ((16384, a.seeds), (131072, a.seeds_131k)):
-        points = [({"variant": v}, o) for v, o in VARIANTS.items()]
-        base = [f"cluster.num_gpus={gpus}", f"duration_days={a.days:g}", f"seeds={seeds}", "progress=false",
-                f"strategies=[{','.join(STRATS)}]"]
-        frames.append(run_points(points, base, Path(a.out) / f"gpus{gpus}", keys=("variant",)))
-    agg = pd.concat(frames, ignore_index=True)
-    agg.to_csv(Path(a.out) / "aggregate.csv", index=False)
-    (Path(a.out) / "table.md").write_text(table(agg))
-    print(table(agg))
+    variant_study(VARIANTS, STRATS, {16384: a.seeds, 131072: a.seeds_131k}, a.days, a.out, table)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,22 @@ def run_points(points: list[tuple[dict, list[str]]], base: list[str], out: str |
     agg = report.aggregate(df, keys=(*keys, "strategy", "num_gpus"))
     agg.to_csv(out / "aggregate.csv", index=False)
     return agg
+
+
+def variant_study(variants: dict[str, list[str]], strategies: list[str],
+                  seeds_by_gpus: dict[int, int], days: float, out: str | Path, table) -> pd.DataFrame:
+    """Every variant (label -> overrides) against ``strategies`` at each scale (GPUs -> seeds),
+    written as ``out/gpus<N>/aggregate.csv``, ``out/aggregate.csv`` and ``out/table.md``
+    (``table(aggregate) -> markdown``, also printed)."""
+    frames = []
+    for gpus, seeds in seeds_by_gpus.items():
+        points = [({"variant": v}, o) for v, o in variants.items()]
+        base = [f"cluster.num_gpus={gpus}", f"duration_days={days:g}", f"seeds={seeds}",
+                "progress=false", f"strategies=[{','.join(strategies)}]"]
+        frames.append(run_points(points, base, Path(out) / f"gpus{gpus}", keys=("variant",)))
+    agg = pd.concat(frames, ignore_index=True)
+    agg.to_csv(Path(out) / "aggregate.csv", index=False)
+    (Path(out) / "table.md").write_text(table(agg))
+    print(table(agg))
+    return agg
+

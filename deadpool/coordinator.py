@@ -40,9 +40,6 @@ from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Liveness
 
-__all__ = ["Coordinator", "JobFailed", "Membership"]
-
-
 @dataclass
 class Membership:
     """Who is who. ``ranks`` maps rank -> launch slot; ``spares`` are warm, unassigned slots."""
@@ -205,7 +202,7 @@ class Coordinator:
         if fallbacks.stalled(self, decision, rec, t_detect):
             return
         assignments, need, spares_used = plan.assign_spares(self)
-        rec.spare_slot = timeline._one_or_list(spares_used)
+        rec.spare_slot = timeline.one_or_list(spares_used)
         rec.sources = {str(r): s.describe() for r, s in sorted(decision.sources.items())
                        if s.kind != "live"}
         if len(assignments) < self.dims.world_size:

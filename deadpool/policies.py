@@ -53,8 +53,7 @@ class RingOverNodes(BuddyPolicy):
     def buddy(self, rank: int, dims) -> int:
         if dims.num_nodes == 1:
             return (rank + 1) % dims.world_size
-        npr = getattr(dims, "nodes_per_rack", 1)
-        stride = npr if dims.num_nodes > npr else 1
+        stride = dims.nodes_per_rack if dims.num_nodes > dims.nodes_per_rack else 1
         node, local = divmod(rank, dims.ranks_per_node)
         return ((node + stride) % dims.num_nodes) * dims.ranks_per_node + local
 

@@ -48,6 +48,11 @@ class ParallelDims:
         return self.dp * self.tp * self.pp
 
     @property
+    def layout(self) -> dict[str, int]:
+        """The degrees a checkpoint records (meta.json), so a job at another width can load it."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+    @property
     def optimizer_sharded(self) -> bool:
         """Each rank holds an optimizer shard no data-parallel peer has (ZeRO-1 with dp > 1)."""
         return self.zero and self.dp > 1

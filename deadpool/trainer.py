@@ -53,6 +53,7 @@ class Trainer:
         self.persist_auto = every == "auto"
         self.persist_every = 0 if self.persist_auto else int(every or 0)
         self._ckpt_buf: torch.Tensor | None = None  # host staging copy for async checkpoints
+        self._proposal: dict | None = None  # this rank's Young/Daly measurements (_decide_interval)
         self.microbatches = num_microbatches(cfg)
         # measurement aid (experiments/bench_runtime.py): snapshot only in alternate blocks of this
         # many steps, so on/off step times are compared inside one run; 0 = every interval
@@ -68,6 +69,7 @@ class Trainer:
             probe_every=int(ft.get("snapshot_probe_every_steps", 64)))
         self._cycle_seen = -1  # the engine's done_step last fed to the schedule
         self.coords: dict | None = None  # what the stage and optimizer are built for
+        self.dims: ParallelDims | None = None  # the layout they are built in
         self.drawn = False  # their values are the seed's initial state (else undrawn)
         self.stage = self.opt = self.engine = None
         self.params: list[torch.nn.Parameter] = []
@@ -117,12 +119,11 @@ class Trainer:
             self.engine.persister = checkpoint.AsyncPersister(ft["checkpoint_dir"],
                                                              nice=int(ft["snapshot_nice"]))
             self.engine.persist_world = dims.world_size
-            self.engine.persister.layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+            self.engine.persister.layout = dims.layout
             if self.snapshots_on:
                 self.engine.persist_every = self.persist_every  # written from snapshots
         self.coords = coords
-        self.world_size = dims.world_size
-        self.layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}  # written into meta.json
+        self.dims = dims
         self.drawn = init
         return time.perf_counter() - t0
 
@@ -137,7 +138,7 @@ class Trainer:
         self.step = int(header["step"])
         self.dirty = False
         if header.get("rng_cpu") is not None:
-            torch.set_rng_state(checkpoint.decode_rng_state(header["rng_cpu"]).clone())
+            torch.set_rng_state(checkpoint.decode_rng_state(header["rng_cpu"]))
 
     def snapshot_now(self) -> None:
         """Take (and finish copying) a local snapshot of the current step, e.g. after a restore."""
@@ -248,7 +249,7 @@ class Trainer:
             first = False
 
     def record_metrics(self, comm, loss: float | None, step_time_s: float, blocked_s: float,
-            snapshot: bool, checkpoint_s: float | None = None) -> None:
+                       snapshot: bool, checkpoint_s: float | None = None) -> None:
         """One metrics record per rank and step; the loss exists on the last pipeline stage (its
         data-parallel rank's micro-batch mean). Rank (last stage, dp 0, tp 0) prints progress."""
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
@@ -264,8 +265,9 @@ class Trainer:
                # critical path (async: the host copy, and waiting for the previous write)
                "checkpoint_s": checkpoint_s,
                # the Young/Daly probe's measurements and this rank's proposed interval (once)
-               "checkpoint_interval_proposal": self.__dict__.pop("_proposal", None),
+               "checkpoint_interval_proposal": self._proposal,
                "t": time.time()}
+        self._proposal = None  # recorded once, in the probe step
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg["log_every_steps"])
         dims = comm.topo.dims
@@ -289,7 +291,7 @@ class Trainer:
         (``rank_state.save_live``; ``ft.persist_async``, the default, writes off this thread).
         ``wait``: block until the write is on disk (to measure it)."""
         ft = self.cfg["ft"]
-        rank_state.save_live(self, ft["checkpoint_dir"], step, self.world_size,
+        rank_state.save_live(self, ft["checkpoint_dir"], step, self.dims,
                              asynchronous=ft.get("persist_async", True), wait=wait)
 
     def _decide_interval(self, comm, ckpt_s: float, step_s: float) -> None:

@@ -29,7 +29,7 @@ from deadpool.snapshot.transfer import outgoing
 from deadpool.topology import ParallelDims
 
 
-def save_live(trainer, root, step: int, world: int, asynchronous: bool, wait: bool) -> None:
+def save_live(trainer, root, step: int, dims: ParallelDims, asynchronous: bool, wait: bool) -> None:
     """Write the rank's live state to disk as the checkpoint of ``step``.
 
     ``asynchronous`` (ft.persist_async, the default): copy the state into a host staging buffer
@@ -39,7 +39,7 @@ def save_live(trainer, root, step: int, world: int, asynchronous: bool, wait: bo
     block until the write is on disk (to measure it)."""
     if not asynchronous:
         save_rank_state(root, step, trainer.rank, trainer.state_dict(), trainer.header())
-        write_meta(root, step, world, "periodic", layout=trainer.layout)
+        write_meta(root, step, dims.world_size, "periodic", layout=dims.layout)
         return
     persister, layout = trainer.engine.persister, trainer.engine.layout
     persister.wait()  # raises CheckpointWriteError for a failed previous write
@@ -48,7 +48,7 @@ def save_live(trainer, root, step: int, world: int, asynchronous: bool, wait: bo
     for dst, src in zip(layout.views(trainer._ckpt_buf), trainer.engine.tensors):
         dst.copy_(src.detach())
     persister.rank = trainer.rank
-    persister.submit(step, layout.state_dict(trainer._ckpt_buf), trainer.header(), world)
+    persister.submit(step, layout.state_dict(trainer._ckpt_buf), trainer.header(), dims.world_size)
     if wait:
         persister.wait()
 
@@ -93,8 +93,7 @@ def write_held(trainer, dims: ParallelDims, root, reason: str) -> list[int]:
     """Write every consistent state this rank holds: its local snapshots and the replicas it
     holds of the newest protected step it knows and anything newer (the snapshot invariant keeps
     those). Returns the steps of its own state written."""
-    eng, world, written = trainer.engine, dims.world_size, []
-    layout = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
+    eng, world, layout, written = trainer.engine, dims.world_size, dims.layout, []
     floor = eng.protected_floor()
     for step in eng.local_steps():
         if step >= floor:

@@ -30,7 +30,7 @@ def no_recovery(coord, failed: dict[int, str], t_detect: float) -> None:
     ``job.run_job`` tears every process down and relaunches the job from the newest complete
     checkpoint (the record says which)."""
     g = coord.gen
-    rec = RecoveryRecord(g + 1, failed_rank=timeline._one_or_list(sorted(failed)),
+    rec = RecoveryRecord(g + 1, failed_rank=timeline.one_or_list(sorted(failed)),
                          detected_by=failed[min(failed)] if failed else "collective_error",
                          detect_s=None, t_detect=t_detect)
     if not coord.strategy.restarts:
@@ -127,7 +127,7 @@ def _wait_checkpoint(coord, p: Plan) -> None:
                between=coord.tick, timeout_s=300)
     dims = coord.dims
     checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,
-                          layout={"dp": dims.dp, "tp": dims.tp, "pp": dims.pp})
+                          layout=dims.layout)
     coord.outcome = "checkpoint_and_stop"
     coord.message = (f"stopping ({p.reason}): state of step {p.resume_step} "
                      f"written to {coord.ft['checkpoint_dir']}/step_{p.resume_step}; resume with "

@@ -20,7 +20,7 @@ from deadpool.protocol import UNSET, Keys, RankTimings, RecoveryRecord
 INTERRUPTED = "interrupted by another failure"
 
 
-def _one_or_list(xs: list):
+def one_or_list(xs: list):
     return xs[0] if len(xs) == 1 else xs
 
 
@@ -30,8 +30,8 @@ def open_record(coord, failed: dict[int, str], faults: dict[int, dict], decision
     dead = sorted(failed)
     t_kill = min(min([f["t"] for f in faults.values()] or [t_detect]), t_detect)
     rec = RecoveryRecord(
-        coord.gen + 1, failed_rank=_one_or_list(dead),
-        failed_slot=_one_or_list([coord.members.ranks[d] for d in dead]),
+        coord.gen + 1, failed_rank=one_or_list(dead),
+        failed_slot=one_or_list([coord.members.ranks[d] for d in dead]),
         fault=next(iter(faults.values()))["kind"] if faults else "unknown",
         detected_by=failed[dead[0]] if dead else "collective_error",
         resume_step=decision.resume_step, steps_recomputed=decision.steps_recomputed,

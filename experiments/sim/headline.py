@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import pandas as pd
-
 from points import variant_study
 
 HERE = Path(__file__).resolve().parent
@@ -53,19 +51,6 @@ VARIANTS = {
 }
 
 
-def table(agg: pd.DataFrame) -> str:
-    lines = []
-    for n, g in agg.groupby("num_gpus"):
-        lines += [f"\n### {n:,} GPUs: ETTR / fleet goodput (mean of seeds)\n",
-                  "| variant | " + " | ".join(STRATS) + " |", "|---|" + "---|" * len(STRATS)]
-        for v in VARIANTS:
-            d = g[g.variant == v].set_index("strategy")
-            cells = [f"{d.loc[s, 'goodput_mean']:.4f} / {d.loc[s, 'fleet_goodput_mean']:.4f}" if s in d.index else "-"
-                     for s in STRATS]
-            lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5, help="seeds at 16,384 GPUs")
@@ -73,7 +58,7 @@ def main() -> None:
     ap.add_argument("--days", type=float, default=54)
     ap.add_argument("--out", default=str(HERE.parents[1] / "experiments" / "results" / "sim" / "headline"))
     a = ap.parse_args()
-    variant_study(VARIANTS, STRATS, {16384: a.seeds, 131072: a.seeds_131k}, a.days, a.out, table)
+    variant_study(VARIANTS, STRATS, {16384: a.seeds, 131072: a.seeds_131k}, a.days, a.out)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,26 @@ def run_points(points: list[tuple[dict, list[str]]], base: list[str], out: str |
     return agg
 
 
+def variant_table(agg: pd.DataFrame, variants, strategies: list[str]) -> str:
+    """Markdown: per scale, a row per variant, ETTR / fleet goodput (mean of seeds) per
+    strategy ("-" where a strategy did not run)."""
+    lines = []
+    for n, g in agg.groupby("num_gpus"):
+        lines += [f"\n### {n:,} GPUs: ETTR / fleet goodput (mean of seeds)\n",
+                  "| variant | " + " | ".join(strategies) + " |", "|---|" + "---|" * len(strategies)]
+        for v in variants:
+            d = g[g.variant == v].set_index("strategy")
+            cells = [f"{d.loc[s, 'goodput_mean']:.4f} / {d.loc[s, 'fleet_goodput_mean']:.4f}"
+                     if s in d.index else "-" for s in strategies]
+            lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def variant_study(variants: dict[str, list[str]], strategies: list[str],
-                  seeds_by_gpus: dict[int, int], days: float, out: str | Path, table) -> pd.DataFrame:
+                  seeds_by_gpus: dict[int, int], days: float, out: str | Path) -> pd.DataFrame:
     """Every variant (label -> overrides) against ``strategies`` at each scale (GPUs -> seeds),
     written as ``out/gpus<N>/aggregate.csv``, ``out/aggregate.csv`` and ``out/table.md``
-    (``table(aggregate) -> markdown``, also printed)."""
+    (``variant_table``, also printed)."""
     frames = []
     for gpus, seeds in seeds_by_gpus.items():
         points = [({"variant": v}, o) for v, o in variants.items()]
@@ -62,7 +77,8 @@ def variant_study(variants: dict[str, list[str]], strategies: list[str],
         frames.append(run_points(points, base, Path(out) / f"gpus{gpus}", keys=("variant",)))
     agg = pd.concat(frames, ignore_index=True)
     agg.to_csv(Path(out) / "aggregate.csv", index=False)
-    (Path(out) / "table.md").write_text(table(agg))
-    print(table(agg))
+    table = variant_table(agg, variants, strategies)
+    (Path(out) / "table.md").write_text(table)
+    print(table)
     return agg
 

@@ -231,8 +231,9 @@ class ZeroOptimizer:
         self._state = self._adam.state[self._master]
         self._state["step"] = torch.tensor(0.0, dtype=torch.float32,
                                            device=device if adamw == "fused" else "cpu")
-        self._state["exp_avg"] = torch.zeros_like(self._master.detach())
-        self._state["exp_avg_sq"] = torch.zeros_like(self._master.detach())
+        self._master_data = self._master.detach()  # one object: the snapshot engine keeps it
+        self._state["exp_avg"] = torch.zeros_like(self._master_data)
+        self._state["exp_avg_sq"] = torch.zeros_like(self._master_data)
 
         if self.main_grads is not None:  # before the buckets' hooks: they post what this folds
             for p, off in zip(self.params, self.offsets):
@@ -252,7 +253,7 @@ class ZeroOptimizer:
 
     @property
     def master(self) -> torch.Tensor:
-        return self._master.detach()
+        return self._master_data
 
     @property
     def grad_shard(self) -> torch.Tensor:
@@ -354,7 +355,7 @@ class ZeroOptimizer:
             torch._foreach_mul_(self._decay_views, 1.0 - group["lr"] * self.weight_decay)
         self._adam.step()
         if self.mixed:
-            self._param_shard.copy_(self._master.detach())
+            self._param_shard.copy_(self._master_data)
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
             comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
@@ -371,7 +372,7 @@ class ZeroOptimizer:
         st = self._state
         out = [("params", self.flat_params, True)]
         if self.mixed:
-            out.append(("master", self._master.detach(), not self.shard))
+            out.append(("master", self._master_data, not self.shard))
         return out + [("exp_avg", st["exp_avg"], not self.shard),
                       ("exp_avg_sq", st["exp_avg_sq"], not self.shard),
                       ("step", st["step"], not self.shard)]

@@ -417,6 +417,7 @@ def test_bf16_unsharded_master_is_shared_and_sized_like_the_estimate():
     assert [(name, sh) for name, _, sh in opt.state_tensors()] == [
         ("params", True), ("master", True), ("exp_avg", True), ("exp_avg_sq", True), ("step", True)]
     assert opt.state_nbytes() == state_nbytes(35, 2, False, precision="bf16")
+    assert all(a is b for (_, a, _), (_, b, _) in zip(opt.state_tensors(), opt.state_tensors()))
     assert state_nbytes(35, 2, True) == state_nbytes(35, 2, True, precision="fp32")
 
 

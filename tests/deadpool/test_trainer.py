@@ -107,3 +107,25 @@ def test_a_non_finite_gradient_norm_skips_the_update_and_is_counted(tmp_path, mo
     # bytes (headers aside), and step 6 moved on
     flat = {s: tr.engine.local_slot(s).flat.clone() for s in (4, 5, 6)}
     assert torch.equal(flat[4], flat[5]) and not torch.equal(flat[5], flat[6])
+
+
+def test_a_bf16_run_resumed_from_disk_ends_with_the_same_bits(tmp_path):
+    """The disk checkpoint (written from the snapshots) holds the bf16 parameters, the fp32
+    master and the skipped-step count; a fresh trainer loaded from the middle one finishes
+    like the run that never stopped."""
+    from deadpool.checkpoint import rank_state
+
+    ckpt = tmp_path / "ckpt"
+    tr, comm = trainer(tmp_path, extra=BF16 + ("ft.persist_interval_steps=3",
+                                              f"ft.checkpoint_dir={ckpt}"))
+    tr.train(comm)
+    tr.engine.drain()
+    tr.engine.persister.wait()
+    final = {k: v.clone() for k, v in tr.state_dict().items()}
+    fresh, comm2 = trainer(tmp_path, name="fresh", extra=BF16)
+    rank_state.load(fresh, fresh.dims, ckpt / "step_3", 0)
+    assert fresh.step == 3 and fresh.state_dict()["master"].dtype == torch.float32
+    assert not torch.equal(fresh.state_dict()["master"], final["master"])
+    fresh.train(comm2)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(final[k], v), k

@@ -115,10 +115,10 @@ class Trainer:
         par = cfg["parallel"]
         # Weight decay on matrices only (linear layers and the embedding), none on the RMSNorm
         # weights (1-D): decaying a norm gain pulls it toward 0, i.e. shrinks the activations,
-        # which is not regularisation. The embedding is decayed, as in LLaMA's and Megatron's
-        # recipes and nanoGPT's (every 2-D tensor): its rows are weights like any other here
-        # (untied from the head), and the synthetic and real token distributions alike leave
-        # rare rows to decay.
+        # which is not regularisation. The embedding is decayed, as in Megatron's and LLaMA's
+        # recipes and nanoGPT's (every 2-D tensor): untied from the head, it is a matrix like
+        # any other; the known cost, rows of rare tokens shrinking between their updates, is
+        # the one those recipes accept.
         self.opt = ZeroOptimizer(self.params, dp_size=dims.dp, dp_rank=coords["dp"], lr=cfg["lr"],
                                  weight_decay=cfg["weight_decay"], shard=dims.optimizer_sharded,
                                  adamw=cfg.get("adamw", "fused"),

@@ -254,7 +254,7 @@ class Trainer:
             if skip:
                 self.skipped_steps += 1
             else:
-                self.opt.step(comm, lr=lr)
+                self.opt.step(comm, lr=lr, on_updated=lambda: fire(s, "param_gather"))
             self.step += 1
             self.dirty = False
             # every rank snapshots the same steps: the agreed interval, and the persist steps

@@ -4,7 +4,7 @@ spare, ``precision=bf16 grad_clip=1.0 lr_schedule=cosine warmup_steps=5``.
 Each rank's state is its bf16 parameters (shared with its data-parallel peer) and its fp32
 master shard, moments and step (its own). A rank is SIGKILLed at a few positions that together
 cover a tensor-parallel peer, the first and the last pipeline stage, both data-parallel
-replicas and the optimizer step (the survivors are then mid-update and roll back); the final
+replicas and the inside of the optimizer step (a survivor is then mid-update and rolls back); the final
 state must equal a failure-free run of the same layout bit for bit (``torch.equal`` on every
 tensor: bf16 parameters, fp32 master, moments, step). The loss curve matches the single-process
 model trained the same way in bf16. (``tests/integration/test_3d.py`` covers every phase in fp32;
@@ -52,7 +52,9 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("rank,phase", [
     (1, "forward"),     # a tensor-parallel peer of the first stage, data-parallel replica 0
     (7, "mid_step"),    # the last stage's tensor-parallel peer, replica 1, after its backward
-    (3, "optimizer"),   # first stage, replica 1, at its optimizer step: survivors mid-update
+    (3, "param_gather"),  # first stage, replica 1, inside its optimizer step: its master
+                          # shard updated, its data-parallel peer (rank 1) mid-update in the
+                          # all-gather (it rolls back)
 ])
 def test_bf16_state_after_a_kill_equals_the_failure_free_run(reference, tmp_path, rank, phase):
     ev = f"faults.events=[{{rank: {rank}, step: 5, phase: {phase}, kind: kill}}]"

@@ -343,11 +343,13 @@ class ZeroOptimizer:
         if pg is not None:
             self._master.grad.div_(self.grad_div)
 
-    def step(self, comm, lr: float | None = None) -> None:
+    def step(self, comm, lr: float | None = None, on_updated=None) -> None:
         """AdamW on the owned shard at learning rate ``lr`` (None: the last one set), then
         all-gather the shards into ``flat_params`` (abortable; nothing to gather when not
         sharded). Under bf16 the updated master shard is rounded into this rank's slice of the
-        bf16 parameters first, so every rank gathers the same rounding of every shard."""
+        bf16 parameters first, so every rank gathers the same rounding of every shard.
+        ``on_updated()`` runs between the update and the gather (in every layout: a
+        fault-injection point inside the step)."""
         group = self._adam.param_groups[0]
         if lr is not None:
             group["lr"] = lr
@@ -356,6 +358,8 @@ class ZeroOptimizer:
         self._adam.step()
         if self.mixed:
             self._param_shard.copy_(self._master_data)
+        if on_updated is not None:
+            on_updated()
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
             comm.wait(pg._allgather_base(self.flat_params, self._param_shard))

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deadpool.comm import Communicator
 from deadpool.model import build_model

@@ -132,7 +132,8 @@ class Trainer:
         self.norm_runs = self.opt.owned_runs(lambda p: id(p) not in once)
         state = self.opt.state_tensors()
         # shared tensors (equal across the data-parallel group) first: see snapshot/layout.py.
-        # With dp == 1 nothing is shared: every byte is unique to the rank.
+        # With dp == 1 nothing is shared: every byte is unique to the rank. Under bf16 with ZeRO
+        # the bf16 parameters are shared and the fp32 master shard is unique (zero.py).
         shared = [(n, t) for n, t, sh in state if sh and dims.dp > 1]
         unique = [(n, t) for n, t, sh in state if not (sh and dims.dp > 1)]
         self.engine = SnapshotEngine(

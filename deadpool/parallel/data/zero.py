@@ -340,7 +340,7 @@ class ZeroOptimizer:
                 comm.wait(w)
         if self.mixed and self.main_grads is None:  # reduced in bf16: AdamW reads fp32
             self._master.grad.copy_(self.flat_grads[self._sl])
-        if pg is not None:
+        if pg is not None or self.grad_div != 1:  # an elastic dp=1 rank computing 2+ batches
             self._master.grad.div_(self.grad_div)
 
     def step(self, comm, lr: float | None = None, on_updated=None) -> None:

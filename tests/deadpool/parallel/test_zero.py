@@ -446,3 +446,20 @@ def test_bf16_micro_batch_gradients_accumulate_in_fp32():
         want += torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).float()
     assert torch.equal(opt.main_grads[:opt.numel], want)
     assert torch.all(opt.flat_grads == 0)  # each micro-batch's bf16 gradient moved out
+
+
+def test_a_single_rank_standing_in_for_several_divides_by_the_global_batch():
+    """An elastic job shrunk to dp=1 computes the batches of every original replica
+    (``grad_div`` = the original width): its gradient is their mean, as at full width, also
+    without a data-parallel group to reduce over (a clipped norm would otherwise double)."""
+    master = master_store()  # kept referenced: the client connects to it
+    comm = Communicator.build(Topology(ParallelDims(dp=1), 0, 0), client(master.port))
+    params = make_params()
+    opt = ZeroOptimizer(params, dp_size=1, dp_rank=0, shard=False, adamw="for_loop", **HP)
+    opt.grad_div = 2
+    opt.zero_grad()
+    for p, a, b in zip(params, grads(0, 0), grads(1, 0)):
+        p.grad.add_(a + b)
+    opt.reduce_grads(comm)
+    want = torch.cat([(a + b).reshape(-1) / 2 for a, b in zip(grads(0, 0), grads(1, 0))])
+    assert torch.equal(opt.grad_shard[:35], want)

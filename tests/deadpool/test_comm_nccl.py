@@ -307,3 +307,25 @@ def test_release_drops_the_parked_nccl_groups_once_their_aborts_are_done(monkeyp
     t.join(5.0)
     watcher.join(5.0)
     assert not t.is_alive() and not watcher.is_alive()
+
+
+def test_the_gpu_check_script_runs_its_dry_run_on_cpu(tmp_path):
+    """experiments/gpu/check_nccl_multirank.py must be runnable as it stands on a GPU machine:
+    its dry run checks the arguments, the per-process NCCL environments and the job configs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "experiments" / "gpu" / "check_nccl_multirank.py"
+    p = subprocess.run([sys.executable, str(script), str(tmp_path), "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    plan = json.loads((tmp_path / "check_nccl_multirank.json").read_text())
+    assert plan["scenarios"] == ["S0", "S1", "S2", "S3", "S4"]
+    assert plan["worker_env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert plan["S3"]["faults"][0]["phase"] == "allreduce"
+    assert plan["S4"]["parallel"] == {"dp": 2, "tp": 2, "pp": 2}
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path), "--scenarios", "S9"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--scenarios" in bad.stderr

@@ -62,7 +62,7 @@ def check_against_dense(results, tp, b):
         if stage_loss is not None:
             assert abs(stage_loss - loss.item()) < 1e-5 * abs(loss.item())
         for name, g in grads.items():
-            torch.testing.assert_close(g, shard(name, dense[name], c["tp"], tp), rtol=1e-4,
+            torch.testing.assert_close(g, shard(name, dense[name], c["tp"], tp, TINY), rtol=1e-4,
                                        atol=1e-7, msg=name)
             covered.add(name)
     assert covered == set(dense)

@@ -17,6 +17,7 @@ from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 
 TP = 2
+MHA = dict(vocab_size=16, d_model=8, n_layers=1, n_heads=4, ffn_mult=2, max_seq_len=8)
 close = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -96,7 +97,7 @@ def test_vocab_parallel_embedding_and_cross_entropy_match_dense():
 def test_qkv_shard_holds_whole_heads_of_q_k_and_v():
     d, tp = 8, 2  # 4 heads of 2: rank 1 holds heads 2, 3 of each of q, k, v
     full = torch.arange(3 * d).float().unsqueeze(1).expand(3 * d, 3)
-    rows = shard("blocks.0.attn.qkv.weight", full, 1, tp)[:, 0].tolist()
+    rows = shard("blocks.0.attn.qkv.weight", full, 1, tp, MHA)[:, 0].tolist()
     assert rows == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
     assert shard("blocks.0.attn.out.weight", full[:d, :].T, 1, tp).shape == (3, 4)
     assert torch.equal(shard("norm.weight", full, 1, tp), full)

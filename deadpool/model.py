@@ -22,9 +22,9 @@ Activation checkpointing (``activation_checkpointing``, conf/train.yaml) is per 
 with ``torch.utils.checkpoint`` (non-reentrant):
 
   none        autograd keeps every activation of every block.
-  full        a block keeps only its input; backward re-runs its forward (one more forward pass of
-              compute; under tensor parallelism the recomputation re-runs the block's forward
-              all-reduces too, see ``parallel/tensor/layers.py``).
+  full        a block keeps only its input; backward re-runs its forward (about one more
+              forward pass of compute; under tensor parallelism the recomputation re-runs the
+              attention's all-reduce too, see ``parallel/tensor/layers.py``).
   selective   only the SwiGLU activation ``silu(gate) * up`` is recomputed: elementwise, so ~T*f
               flops against the block's ~(8 d^2 + 6 d f) T of matmuls, and it drops silu(gate), one
               of the four ``T x f`` tensors the MLP keeps (the largest per-layer activations:

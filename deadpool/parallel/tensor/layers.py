@@ -25,16 +25,18 @@ Each layer holds this rank's slice of the full parameter, under the full model's
 Every forward takes the generation's ``comm``; nothing here stores it.
 
 Activation checkpointing and communication. ``full`` checkpoints a whole ``ParallelBlock``,
-communication included: backward re-runs the block's forward with its two all-reduces
-(``reduce_from_tp`` after attention and after the MLP), as Megatron's full recomputation does.
-That is correct because (1) every rank of a TP group recomputes the same blocks of the same
-micro-batches in the same order (the schedule and the graph are the same on each), so each
-issues the same sequence of collectives and the groups' op counters stay equal; (2) the sums
-are of the same inputs as in the forward, and an all-reduce of equal inputs over the same group
-is bitwise repeatable (gloo's ring, NCCL with its algorithm fixed by size), so the recomputed
-activations equal the forward's and gradients are bitwise those without checkpointing (tested
-at tp=2). They are abortable like every other wait. ``selective`` recomputes only
-``silu(gate) * up``, which contains no communication.
+communication included, as Megatron's full recomputation does: backward re-runs the block's
+forward up to its last saved tensor (non-reentrant checkpointing stops there), which repeats the
+attention's ``reduce_from_tp`` all-reduce; the MLP's comes after the last saved tensor and is
+not repeated. So one more all-reduce per block and micro-batch. That is correct because (1)
+every rank of a TP group recomputes the same blocks of the same micro-batches in the same order
+(the schedule and the graph are the same on each), so each issues the same sequence of
+collectives and the groups' op counters stay equal; (2) the sum is of the same inputs as in the
+forward, and an all-reduce of equal inputs over the same group is bitwise repeatable (gloo's
+ring; NCCL with its algorithm fixed by message size), so the recomputed activations equal the
+forward's and gradients are bitwise those without checkpointing (tested at tp=2, with the
+collective counts). The recomputed all-reduce is abortable like every other wait. ``selective``
+recomputes only ``silu(gate) * up``, which contains no communication.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ class Trainer:
         if self.engine is not None:
             self.engine.close()
         self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
-                                 tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init)
+                                 tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init,
+                                 activation_checkpointing=cfg.get("activation_checkpointing", "none"))
         self.params = list(self.stage.parameters())
         par = cfg["parallel"]
         self.opt = ZeroOptimizer(self.params, dp_size=dims.dp, dp_rank=coords["dp"], lr=cfg["lr"],

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import os
 
+from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.settings import num_microbatches
 from deadpool.topology import ParallelDims, layer_range
 
@@ -56,7 +57,9 @@ GiB = 2**30
 # bytes per element: parameter, gradient, optimizer state per parameter (master + m + v), activation
 PRECISIONS = {
     "fp32": {"param": 4, "grad": 4, "optim": 8, "act": 4},
-    "bf16-mixed": {"param": 2, "grad": 2, "optim": 12, "act": 2},  # projection, not the runtime
+    # bf16 parameters and gradients; fp32 master + moments. With grad_reduce_dtype=fp32 (the
+    # default) gradients are also accumulated and reduced in an fp32 buffer: +4 bytes each.
+    "bf16": {"param": 2, "grad": 2, "optim": 12, "act": 2},
 }
 _STEP_BYTES = 4  # AdamW's fp32 step counter
 
@@ -68,11 +71,10 @@ def stage_layers(n_layers: int, pp: int, pp_rank: int) -> int:
 
 def stage_params(model_cfg, tp: int, pp: int, pp_rank: int) -> int:
     """Parameters held by one rank of stage ``pp_rank`` (its tensor-parallel shard)."""
-    from deadpool.model import model_config
-
     m = model_config(model_cfg)
-    d, f, v = m.d_model, m.ffn_hidden, m.vocab_size
-    per_layer = (4 * d * d + 3 * d * f) // tp + 2 * d  # qkv + out, gate + up + down; two norms
+    d, f, v, kv = m.d_model, m.ffn_hidden, m.vocab_size, m.n_kv_heads * m.head_dim
+    # q + k + v + out, gate + up + down, split over tp; two norms, replicated
+    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) // tp + 2 * d
     n = stage_layers(m.n_layers, pp, pp_rank) * per_layer
     if pp_rank == 0:
         n += v * d // tp            # embedding, vocabulary-parallel
@@ -86,37 +88,86 @@ def model_params(model_cfg) -> int:
     return stage_params(model_cfg, 1, 1, 0)
 
 
-def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: int, seq_len: int,
-                      microbatches: int, act_bytes: int) -> int:
-    """Bytes of activations kept for backward on stage ``pp_rank`` at the 1F1B peak."""
-    from deadpool.model import model_config
+def layer_activations(model_cfg, tp: int, tokens: int, act_bytes: int, mode: str = "none") -> int:
+    """Bytes autograd keeps for one transformer block's backward, one micro-batch of ``tokens``
+    tokens, the block's own ops as ``deadpool/model.py`` and ``parallel/tensor/layers.py`` run
+    them (each term a tensor it saves; ``tests/deadpool/test_memory.py`` measures them)::
 
+      each RMSNorm (2)  input, x * rsqrt, output: 3 T d; rsqrt: T          replicated over tp
+      attention         q/k/v projection output T (d + 2 kv), rotated q T d and k T kv,
+                        attention output T d and its (b, t, d) copy T d            / tp
+                        logsumexp T H x 4 bytes (fp32 in every precision)          / tp
+      MLP               gate, silu(gate), up, silu(gate) * up: 4 T f               / tp
+
+    ``kv = n_kv_heads * head_dim``. ``selective``: 3 T f in the MLP (silu(gate) is recomputed).
+    ``full``: the block's input, T d (the rest is recomputed in backward: see
+    ``stage_activations`` for the one block alive during its recomputation)."""
     m = model_config(model_cfg)
-    d, f, v, tokens = m.d_model, m.ffn_hidden, m.vocab_size, micro_bs * seq_len
-    per_layer = tokens * (4 * d + 4 * (d + f) // tp) * act_bytes
+    d, f, t, kv, heads = m.d_model, m.ffn_hidden, tokens, m.n_kv_heads * m.head_dim, m.n_heads
+    if mode == "full":
+        return t * d * act_bytes
+    mlp = (3 if mode == "selective" else 4) * t * f
+    norms = 2 * (3 * t * d + t)
+    attention = t * (d + 2 * kv) + t * (d + kv) + 2 * t * d
+    return (norms + (attention + mlp) // tp) * act_bytes + t * heads // tp * 4
+
+
+def saved_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, tokens: int, act_bytes: int,
+                      mode: str = "none") -> int:
+    """Bytes autograd keeps for one micro-batch on stage ``pp_rank``: its blocks, plus on the
+    first stage the token ids and the vocabulary mask (9 T bytes), on the last the final norm
+    (3 T d + T), the fp32 softmax of its vocabulary slice (T V / tp x 4), the targets (int64) and
+    the vocabulary-parallel loss's mask (T bytes; at tp 1 torch's loss keeps a 4-byte total)."""
+    m = model_config(model_cfg)
+    n = stage_layers(m.n_layers, pp, pp_rank) * layer_activations(m, tp, tokens, act_bytes, mode)
+    if pp_rank == 0:
+        n += 9 * tokens
+    if pp_rank == pp - 1:
+        n += (3 * tokens * m.d_model + tokens) * act_bytes + tokens * m.vocab_size // tp * 4
+        n += 8 * tokens + (tokens if tp > 1 else 4)
+    return n
+
+
+def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: int, seq_len: int,
+                      microbatches: int, act_bytes: int, mode: str = "none") -> int:
+    """Bytes of activations kept for backward on stage ``pp_rank`` at the 1F1B peak: the saved
+    activations of each micro-batch in flight (``saved_activations``), plus, on a non-last stage,
+    each one's output (held by the schedule until its backward); under ``full`` checkpointing
+    one block's activations alive while it is recomputed."""
+    m = model_config(model_cfg)
+    tokens = micro_bs * seq_len
     in_flight = min(pp - pp_rank, microbatches)
-    total = in_flight * stage_layers(m.n_layers, pp, pp_rank) * per_layer
-    if pp_rank == pp - 1:  # final norm + logits and fp32 log-softmax of one micro-batch
-        total += tokens * (2 * d * act_bytes + v // tp * (act_bytes + 4))
+    per_micro = saved_activations(m, tp, pp, pp_rank, tokens=tokens, act_bytes=act_bytes, mode=mode)
+    if pp_rank < pp - 1:
+        per_micro += tokens * m.d_model * act_bytes
+    total = in_flight * per_micro
+    if mode == "full":
+        total += layer_activations(m, tp, tokens, act_bytes, "none")
     return total
 
 
 def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbatches: int,
-             precision: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
+             precision: str = "fp32", activation_checkpointing: str = "none",
+             grad_reduce_dtype: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
              replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0) -> dict:
     """Memory of the worst rank of a layout, in bytes.
 
     ``batch_size`` is sequences per data-parallel rank per step, split into ``microbatches``.
-    Returns ``{"precision", "projection", "model_params", "params_per_rank", "stage", "gpu":
-    {params, grads, optimizer, activations, overhead, total}, "host_per_rank": {local_ring,
-    replicas, persist, total}, "host_per_node", "ranks_per_node", "replicated_per_step"}``;
-    ``stage`` is the worst rank's pipeline stage, ``projection`` is True for bf16-mixed.
+    Returns ``{"precision", "model_params", "params_per_rank", "stage", "gpu": {params, grads,
+    optimizer, activations, overhead, total}, "host_per_rank": {local_ring, replicas, persist,
+    total}, "host_per_node", "ranks_per_node", "replicated_per_step"}``; ``stage`` is the worst
+    rank's pipeline stage.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     if replicate not in ("unique", "full"):
         raise ValueError(f"replicate must be 'unique' or 'full', got {replicate!r}")
-    b = PRECISIONS[precision]
+    if grad_reduce_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"grad_reduce_dtype must be fp32 or bf16, got {grad_reduce_dtype!r}")
+    check_activation_checkpointing(activation_checkpointing)
+    b = dict(PRECISIONS[precision])
+    if precision == "bf16" and grad_reduce_dtype == "fp32":
+        b["grad"] += 4  # the fp32 accumulation / reduction buffer beside autograd's bf16 grads
     dims = ParallelDims.from_config(parallel_cfg)
     dp, tp, pp, sharded = dims.dp, dims.tp, dims.pp, dims.optimizer_sharded
     micro_bs = max(1, int(batch_size) // int(microbatches))
@@ -128,7 +179,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
         gpu = {"params": padded * b["param"], "grads": padded * b["grad"], "optimizer": optim,
                "activations": stage_activations(model_cfg, tp, pp, s, micro_bs=micro_bs,
                                                 seq_len=seq_len, microbatches=int(microbatches),
-                                                act_bytes=b["act"]),
+                                                act_bytes=b["act"], mode=activation_checkpointing),
                "overhead": int(overhead_gb * GiB)}
         gpu["total"] = sum(gpu.values())
         if best is None or gpu["total"] > best[1]["total"]:
@@ -140,8 +191,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
             "persist": state if persist else 0}
     host["total"] = sum(host.values())
     per_node = min(int(parallel_cfg.get("ranks_per_node", 1)), dp * tp * pp)
-    return {"precision": precision, "projection": precision != "fp32",
-            "model_params": model_params(model_cfg), "params_per_rank": n, "stage": stage,
+    return {"precision": precision, "model_params": model_params(model_cfg), "params_per_rank": n, "stage": stage,
             "gpu": gpu, "host_per_rank": host, "ranks_per_node": per_node,
             "host_per_node": per_node * host["total"], "replicated_per_step": replicated}
 
@@ -151,9 +201,14 @@ def _gb(nbytes: float) -> str:
 
 
 def _hint(cfg: dict, micro_tokens: int) -> str:
-    return (f"raise parallel.tp or parallel.pp, enable parallel.zero (sharded optimizer), or use "
-            f"fewer tokens per micro-batch (now {micro_tokens}: batch_size / microbatches x "
-            f"seq_len)")
+    more = []
+    if cfg.get("activation_checkpointing", "none") != "full":
+        more.append("activation_checkpointing=full")
+    if cfg.get("precision", "fp32") == "fp32":
+        more.append("precision=bf16")
+    return (f"raise parallel.tp or parallel.pp, enable parallel.zero (sharded optimizer), "
+            + "".join(f"{m}, " for m in more) + f"or use fewer tokens per micro-batch (now "
+            f"{micro_tokens}: batch_size / microbatches x seq_len)")
 
 
 def check_fits(cfg: dict) -> None:
@@ -172,7 +227,9 @@ def check_fits(cfg: dict) -> None:
     mb = num_microbatches(cfg)
     cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
     est = estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),
-                   microbatches=mb, num_local_slots=int(ft.get("num_local_slots", 3)),
+                   microbatches=mb, precision=cfg.get("precision", "fp32"),
+                   activation_checkpointing=cfg.get("activation_checkpointing", "none"),
+                   grad_reduce_dtype=cfg.get("grad_reduce_dtype", "fp32"), num_local_slots=int(ft.get("num_local_slots", 3)),
                    replicate=ft.get("replicate", "unique"),
                    persist=bool(ft.get("persist_interval_steps")),
                    overhead_gb=0.25 if cpu and not mem else 1.0)

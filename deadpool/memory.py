@@ -5,28 +5,33 @@ largest total: the first holds the embedding and the most micro-batches in fligh
 the LM head and the logits), what training keeps resident, and per node what DeadPool's snapshot
 engine adds in host memory. ``check_fits(cfg)`` refuses a job that cannot fit before any process
 starts (``deadpool.job.validate`` calls it). ``python -m deadpool.memory`` prints the table of
-the LLaMA sizes on A100 nodes that README.md shows.
+the LLaMA-shaped models on A100 nodes that README.md shows; ``--measured`` the table that checks
+the counts against the runtime's own objects (``measure``).
 
 What is counted, and why (all sizes in GiB = 2**30 bytes; ``gpu_gb`` means GiB too):
 
 * Parameters of the rank: its stage's layers (``n_layers // pp``, the first ``n_layers % pp``
-  stages one more), with the Megatron split over tp (qkv, out, gate, up, down and the
-  vocabulary-parallel embedding and head divided by tp; RMSNorm weights replicated). The flat
-  ZeRO buffer is padded to a multiple of dp, as in ``deadpool.parallel.data.zero``.
-* Gradients: one per parameter, unsharded (ZeRO-1 shards only the optimizer).
-* Optimizer: AdamW ``exp_avg`` + ``exp_avg_sq`` (+ an fp32 master copy under bf16-mixed), divided
+  stages one more), with the Megatron split over tp (q, k, v, out, gate, up, down and the
+  vocabulary-parallel embedding and head divided by tp; k and v have ``n_kv_heads`` heads;
+  RMSNorm weights replicated). The flat ZeRO buffer is padded to a multiple of dp, as in
+  ``deadpool.parallel.data.zero`` (``state_bytes``).
+* Gradients: one per parameter, unsharded (ZeRO-1 shards only the optimizer); under bf16 with
+  ``grad_reduce_dtype=fp32`` (the default) also the fp32 accumulation buffer they are reduced in.
+* Optimizer: AdamW ``exp_avg`` + ``exp_avg_sq`` (+ the fp32 master copy under bf16), divided
   by dp when ``zero`` and dp > 1.
-* Activations: what autograd keeps for backward, per layer and micro-batch of ``T = micro_bs x
-  seq`` tokens, with a fused RMSNorm and memory-efficient attention (no seq x seq scores):
-  attention block ``2 T d`` (norm input and output, replicated over tp: there is no sequence
-  parallelism) + ``4 T d / tp`` (q, k, v, attention output); MLP block ``2 T d`` + ``4 T f / tp``
-  (gate, silu(gate), up, their product). 1F1B keeps at most ``min(pp - pp_rank, microbatches)``
-  micro-batches in flight on stage ``pp_rank``, so stage 0 holds ``n_layers`` layers' worth
-  whatever pp is: only tp and fewer tokens per micro-batch shrink it. The last stage adds the
-  final norm and the logits of one micro-batch (``T V / tp`` at activation precision plus an
-  fp32 log-softmax). No activation checkpointing (the runtime has none).
-* Overhead: a fixed ``overhead_gb`` per rank (CUDA context, NCCL buffers, allocator slack;
-  for CPU processes: the interpreter and torch).
+* Activations: what autograd keeps for backward, per micro-batch of ``T = micro_bs x seq``
+  tokens, tensor by tensor as the runtime's eager ops save them (``layer_activations``,
+  ``saved_activations``: unfused RMSNorm, memory-efficient attention with no seq x seq scores,
+  norms replicated over tp: there is no sequence parallelism), under each
+  ``activation_checkpointing`` mode. The count is exact: tests measure autograd's saved
+  storages of built stages (every mode, tp 1 and 2, fp32 and bf16) and compare bytes. 1F1B
+  keeps at most ``min(pp - pp_rank, microbatches)`` micro-batches in flight on stage
+  ``pp_rank`` (plus each one's output on a non-last stage), so stage 0 holds ``n_layers``
+  layers' worth whatever pp is: only tp, checkpointing, bf16 and fewer tokens per micro-batch
+  shrink it. ``full`` adds one block's activations, alive while it is recomputed.
+* Overhead: a fixed ``overhead_gb`` per rank (CUDA context, NCCL buffers, allocator slack,
+  temporaries such as a recomputation's or the optimizer step's; for CPU processes: the
+  interpreter and torch).
 
 Host memory per rank (pinned on CUDA), from ``deadpool.snapshot``: a local ring of
 ``num_local_slots`` (3 by default; 2 is a double buffer) snapshots of the rank's full state (parameters + its
@@ -37,11 +42,11 @@ data-parallel peer; nothing with an unsharded optimizer and dp > 1; everything w
 or dp == 1), and, when disk checkpoints are on, one persist buffer of the full state (they are
 written from it while the ring moves on).
 
-Precision: ``"fp32"`` is what the runtime trains in today (fp32 parameters, gradients, AdamW state
-and activations). ``"bf16-mixed"`` is a projection for a runtime that does not exist yet: bf16
-parameters, gradients and activations, fp32 master weights and AdamW state (both sharded by
-ZeRO-1, as in Megatron's distributed optimizer); its snapshots hold the bf16 parameters and the
-fp32 optimizer shard.
+Precision (``precision``, conf/train.yaml): ``"fp32"``: fp32 parameters, gradients, AdamW state
+and activations. ``"bf16"``: bf16 parameters, gradients and activations, fp32 master weights and
+AdamW moments sharded by ZeRO-1 (Megatron's distributed optimizer, as ``ZeroOptimizer`` lays it
+out); its snapshots hold the bf16 parameters and the fp32 optimizer shard (master + moments),
+which is what is replicated.
 """
 
 from __future__ import annotations
@@ -146,6 +151,18 @@ def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: in
     return total
 
 
+def state_bytes(numel: int, dp: int, sharded: bool, precision: str = "fp32",
+                grad_reduce_dtype: str = "fp32") -> dict:
+    """``{"params", "grads", "optimizer"}`` bytes of a rank holding ``numel`` parameters, as
+    ``ZeroOptimizer`` allocates them: flat buffers padded to a multiple of dp, the AdamW state
+    (and the fp32 master copy under bf16) of its shard when ``sharded``, plus the step counter."""
+    b = PRECISIONS[precision]
+    padded = -(-numel // dp) * dp
+    grad = b["grad"] + (4 if precision == "bf16" and grad_reduce_dtype == "fp32" else 0)
+    return {"params": padded * b["param"], "grads": padded * grad,
+            "optimizer": (padded // dp if sharded else padded) * b["optim"] + _STEP_BYTES}
+
+
 def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbatches: int,
              precision: str = "fp32", activation_checkpointing: str = "none",
              grad_reduce_dtype: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
@@ -165,21 +182,17 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     if grad_reduce_dtype not in ("fp32", "bf16"):
         raise ValueError(f"grad_reduce_dtype must be fp32 or bf16, got {grad_reduce_dtype!r}")
     check_activation_checkpointing(activation_checkpointing)
-    b = dict(PRECISIONS[precision])
-    if precision == "bf16" and grad_reduce_dtype == "fp32":
-        b["grad"] += 4  # the fp32 accumulation / reduction buffer beside autograd's bf16 grads
+    act_bytes = PRECISIONS[precision]["act"]
     dims = ParallelDims.from_config(parallel_cfg)
-    dp, tp, pp, sharded = dims.dp, dims.tp, dims.pp, dims.optimizer_sharded
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
     micro_bs = max(1, int(batch_size) // int(microbatches))
     best = None
     for s in range(pp):
         n = stage_params(model_cfg, tp, pp, s)
-        padded = -(-n // dp) * dp
-        optim = (padded // dp if sharded else padded) * b["optim"] + _STEP_BYTES
-        gpu = {"params": padded * b["param"], "grads": padded * b["grad"], "optimizer": optim,
+        gpu = {**state_bytes(n, dp, dims.optimizer_sharded, precision, grad_reduce_dtype),
                "activations": stage_activations(model_cfg, tp, pp, s, micro_bs=micro_bs,
                                                 seq_len=seq_len, microbatches=int(microbatches),
-                                                act_bytes=b["act"], mode=activation_checkpointing),
+                                                act_bytes=act_bytes, mode=activation_checkpointing),
                "overhead": int(overhead_gb * GiB)}
         gpu["total"] = sum(gpu.values())
         if best is None or gpu["total"] > best[1]["total"]:
@@ -206,7 +219,7 @@ def _hint(cfg: dict, micro_tokens: int) -> str:
         more.append("activation_checkpointing=full")
     if cfg.get("precision", "fp32") == "fp32":
         more.append("precision=bf16")
-    return (f"raise parallel.tp or parallel.pp, enable parallel.zero (sharded optimizer), "
+    return ("raise parallel.tp or parallel.pp, enable parallel.zero (sharded optimizer), "
             + "".join(f"{m}, " for m in more) + f"or use fewer tokens per micro-batch (now "
             f"{micro_tokens}: batch_size / microbatches x seq_len)")
 
@@ -279,7 +292,10 @@ def check_fits(cfg: dict) -> None:
 
 # usable memory of the GPUs as torch reports it (A100-SXM4 40 GB / 80 GB)
 A100_GB = {"40g": 39.4, "80g": 79.1}
-MODELS = ["llama_7b", "llama_13b", "llama_30b", "llama_65b"]
+# model -> the layouts' name prefix (the grouped-query models share the LLaMA layout of their shape)
+MODELS = {"llama_7b": "llama7b", "llama3_8b": "llama7b", "llama_13b": "llama13b",
+          "llama_30b": "llama30b", "llama_65b": "llama65b", "llama2_70b": "llama65b"}
+MODES = ("none", "selective", "full")
 
 
 def _load(group: str, name: str) -> dict:
@@ -290,33 +306,113 @@ def _load(group: str, name: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def table(precisions=("fp32", "bf16-mixed")) -> str:
-    """Markdown table: each LLaMA size on its 40 GB and 80 GB A100 layouts, micro-batches of one
-    full-length sequence (``batch_size = microbatches = 2 x pp``, as ``microbatches: auto`` picks)."""
-    rows = ["| model | GPU | layout (dp x tp x pp) | GPUs | precision | GPU GB per rank: params / "
-            "grads / optimizer / activations / total (with 1 GB overhead) | fits? | host GB per node (snapshots + "
-            "replicas) | replicated MB per rank per step |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for model in MODELS:
+def table(precisions=("fp32", "bf16"), seq_len: int = 2048) -> str:
+    """Markdown table: each LLaMA-shaped model on its 40 GB and 80 GB A100 layouts, micro-batches
+    of one ``seq_len``-token sequence (``batch_size = microbatches = 2 x pp``, as ``microbatches:
+    auto`` picks), without activation checkpointing and with each mode."""
+    rows = ["| model | GPU | layout (dp x tp x pp) | GPUs | precision | GPU GB per rank, no "
+            "checkpointing: params / grads / optimizer / activations / total (with 1 GB overhead) "
+            "| fits? | activations / total GB with selective; with full checkpointing | host GB "
+            "per node (snapshots + replicas) | replicated MB per rank per step |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for model, prefix in MODELS.items():
         m = _load("model", model)
         for gpu, cap in A100_GB.items():
-            name = f"{model.replace('_', '')}_a100_{gpu}"
+            name = f"{prefix}_a100_{gpu}"
             p = _load("parallel", name)
             mb = 2 * p["pp"] if p["pp"] > 1 else 1
             for prec in precisions:
-                e = estimate(m, p, batch_size=mb, seq_len=m["max_seq_len"], microbatches=mb,
-                             precision=prec)
-                g = e["gpu"]
+                e = {mode: estimate(m, p, batch_size=mb, seq_len=seq_len, microbatches=mb,
+                                    precision=prec, activation_checkpointing=mode)
+                     for mode in MODES}
+                g = e["none"]["gpu"]
                 parts = " / ".join(_gb(g[k]) for k in ("params", "grads", "optimizer",
                                                         "activations", "total"))
-                label = prec + (" (projection)" if e["projection"] else "")
+                ckpt = "; ".join(
+                    f"{_gb(e[mode]['gpu']['activations'])} / {_gb(e[mode]['gpu']['total'])}"
+                    + ("" if e[mode]["gpu"]["total"] <= cap * GiB else " (**no**)")
+                    for mode in ("selective", "full"))
                 fits = "yes" if g["total"] <= cap * GiB else "**no**"
                 rows.append(
                     f"| {model} | A100 {gpu[:2]} GB | `{name}`: {p['dp']} x {p['tp']} x {p['pp']} "
-                    f"| {p['dp'] * p['tp'] * p['pp']} | {label} | {parts} | {fits} | "
-                    f"{_gb(e['host_per_node'])} | {e['replicated_per_step'] / 2**20:.0f} |")
+                    f"| {p['dp'] * p['tp'] * p['pp']} | {prec} | {parts} | {fits} | {ckpt} | "
+                    f"{_gb(e['none']['host_per_node'])} | "
+                    f"{e['none']['replicated_per_step'] / 2**20:.0f} |")
+    return "\n".join(rows)
+
+
+# -- the measured path ----------------------------------------------------------------------------
+
+def measure(model_cfg, *, pp: int, pp_rank: int, dp: int, micro_bs: int, seq_len: int,
+            precision: str = "fp32", activation_checkpointing: str = "none") -> dict:
+    """Bytes the runtime's own objects hold for one rank (tp 1) on the CPU: the stage
+    (``build_stage``) with its ``ZeroOptimizer`` (fp32: its flat parameter and gradient buffers
+    and the AdamW shard; None under bf16, whose optimizer this measurement does not build), and
+    the storages autograd saves in one micro-batch's forward (``saved_tensors_hooks``; the
+    stage's parameters and buffers excluded). ``saved_activations`` must equal ``activations``."""
+    import torch
+
+    from deadpool.parallel.data.zero import ZeroOptimizer
+    from deadpool.parallel.stage import build_stage
+
+    m = model_config(model_cfg)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    stage = build_stage(m, 0, pp_rank=pp_rank, pp=pp, tp_rank=0, tp=1,
+                        activation_checkpointing=activation_checkpointing)
+    state = None
+    if precision == "fp32":
+        opt = ZeroOptimizer(list(stage.parameters()), dp_size=dp, dp_rank=0, lr=1e-3,
+                            weight_decay=0.0, shard=dp > 1)
+        state = {"params": opt.flat_params.numel() * 4, "grads": opt.flat_grads.numel() * 4,
+                 "optimizer": opt.state_nbytes()["unique" if dp > 1 else "shared"]
+                 - opt.flat_params.numel() * (4 if dp == 1 else 0)}
+    stage = stage.to(dtype)
+    skip = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (micro_bs, seq_len)
+    inp = (torch.randint(0, m.vocab_size, shape, generator=gen) if pp_rank == 0 else
+           torch.randn(*shape, m.d_model, generator=gen).to(dtype).requires_grad_())
+    targets = torch.randint(0, m.vocab_size, shape, generator=gen) if pp_rank == pp - 1 else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage(inp, None, targets)
+    return {"state": state, "activations": sum(saved.values())}
+
+
+def measured_table(model: str = "tiny", layout=(2, 2), micro_bs: int = 2, seq_len: int = 64) -> str:
+    """Markdown table: the estimate against ``measure`` for each stage of ``model`` at dp x pp =
+    ``layout`` (tp 1), every checkpointing mode, fp32 and bf16 activations."""
+    dp, pp = layout
+    m = _load("model", model)
+    rows = [f"| `{model}` stage (dp{dp} x pp{pp}) | precision | checkpointing | state bytes: params "
+            "/ grads / optimizer, measured | activations bytes per micro-batch: estimated / "
+            "measured |", "|---|---|---|---|---|"]
+    for s in range(pp):
+        for prec in ("fp32", "bf16"):
+            for mode in MODES:
+                got = measure(m, pp=pp, pp_rank=s, dp=dp, micro_bs=micro_bs, seq_len=seq_len,
+                              precision=prec, activation_checkpointing=mode)
+                want = saved_activations(m, 1, pp, s, tokens=micro_bs * seq_len,
+                                         act_bytes=PRECISIONS[prec]["act"], mode=mode)
+                est = tuple(state_bytes(stage_params(m, 1, pp, s), dp, dp > 1).values())
+                if got["state"] is None:
+                    state = "(bf16 optimizer not measured here)"
+                else:
+                    meas = tuple(got["state"][k] for k in ("params", "grads", "optimizer"))
+                    state = " / ".join(f"{b:,}" for b in meas) + (" (= estimate)" if meas == est
+                                                                  else f" (estimated {est})")
+                rows.append(f"| {s} | {prec} | {mode} | {state} | {want:,} / "
+                            f"{got['activations']:,} |")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
-    print(table())
+    import sys
+
+    print(measured_table() if "--measured" in sys.argv[1:] else table())

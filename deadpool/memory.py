@@ -104,7 +104,9 @@ def layer_activations(model_cfg, tp: int, tokens: int, act_bytes: int, mode: str
                         logsumexp T H x 4 bytes (fp32 in every precision)          / tp
       MLP               gate, silu(gate), up, silu(gate) * up: 4 T f               / tp
 
-    ``kv = n_kv_heads * head_dim``. ``selective``: 3 T f in the MLP (silu(gate) is recomputed).
+    ``kv = n_kv_heads * head_dim`` (grouped-query attention without copying KV heads; on CUDA in
+    fp32 they are copied, ``model.native_gqa``, and attention keeps 2 T (d - kv) more).
+    ``selective``: 3 T f in the MLP (silu(gate) is recomputed).
     ``full``: the block's input, T d (the rest is recomputed in backward: see
     ``stage_activations`` for the one block alive during its recomputation)."""
     m = model_config(model_cfg)

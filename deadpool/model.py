@@ -191,14 +191,27 @@ def attention_core(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: i
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Causal attention from the fused projection ``qkv`` ``(b, t, (n_heads + 2 n_kv_heads) hd)``
     (q, k, v row blocks as in the module docstring) to ``(b, t, n_heads * hd)``. Query head h uses
-    KV head ``h // (n_heads / n_kv_heads)``; the KV heads are not copied (``enable_gqa``)."""
+    KV head ``h // (n_heads / n_kv_heads)``; the KV heads are not copied (``enable_gqa``) where
+    the kernel allows it (``native_gqa``)."""
     b, t, _ = qkv.shape
     q, k, v = qkv.split((n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim), dim=-1)
     q = q.view(b, t, n_heads, head_dim).transpose(1, 2)
     k, v = (z.view(b, t, n_kv_heads, head_dim).transpose(1, 2) for z in (k, v))
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_kv_heads != n_heads)
+    grouped = n_kv_heads != n_heads
+    if grouped and not native_gqa(q):
+        k, v = (z.repeat_interleave(n_heads // n_kv_heads, dim=1) for z in (k, v))
+        grouped = False
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
     return y.transpose(1, 2).reshape(b, t, n_heads * head_dim)
+
+
+def native_gqa(q: torch.Tensor) -> bool:
+    """Whether ``scaled_dot_product_attention(enable_gqa=True)`` runs a memory-efficient kernel
+    for ``q``: on the CPU always; on CUDA only flash attention supports it (fp16/bf16), and fp32
+    would fall back to the math kernel, which materialises the seq x seq scores. There the KV
+    heads are repeated instead (2 T (d - kv) more bytes per layer than the memory estimate)."""
+    return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
 
 
 class Attention(nn.Module):

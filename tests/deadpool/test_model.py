@@ -58,6 +58,18 @@ def test_attention_matches_a_written_out_reference(n_kv_heads, theta):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_repeated_kv_heads_give_what_native_gqa_gives(monkeypatch):
+    """The path for kernels without grouped-query support (CUDA fp32): KV heads copied to their
+    groups, the same attention."""
+    import deadpool.model as model_mod
+
+    torch.set_num_threads(1)
+    x, y = tokens()
+    native = build_model(GQA, 2)(x, y)
+    monkeypatch.setattr(model_mod, "native_gqa", lambda q: False)
+    torch.testing.assert_close(build_model(GQA, 2)(x, y), native, rtol=1e-6, atol=0)
+
+
 def test_multi_head_default_is_the_three_block_layout_bit_for_bit():
     """No n_kv_heads: as many KV heads as query heads, and attention computes exactly what it did
     before grouped-query attention (q, k, v = thirds of the fused projection)."""

@@ -55,8 +55,9 @@ def shard(name: str, full: torch.Tensor, tp_rank: int, tp: int, model_cfg=None) 
 
       embed / head / ffn.gate / ffn.up    dim 0 chunk (vocabulary or output features)
       attn.qkv                            dim 0, per q/k/v: rows of this rank's query heads, then
-                                          of its KV heads in k and in v (needs ``model_cfg``: the
-                                          row split of q, k, v)
+                                          of its KV heads in k and in v (``model_cfg`` gives the
+                                          q/k/v row split; without it the weight must be
+                                          multi-head, [3 d, d], and is cut in thirds)
       attn.out / ffn.down                 dim 1 chunk (input features; heads for attn.out)
       norms                               replicated (full)
     """
@@ -64,8 +65,8 @@ def shard(name: str, full: torch.Tensor, tp_rank: int, tp: int, model_cfg=None) 
         return full.clone()
     leaf = name.split(".")[-2]
     if leaf == "qkv":
-        parts = _qkv_parts(name, full, tp, model_cfg)  # q, k, v
-        return torch.cat([part.chunk(tp, dim=0)[tp_rank] for part in parts])
+        rows = _qkv_rows(name, full.shape, tp, model_cfg)
+        return torch.cat([part.chunk(tp, dim=0)[tp_rank] for part in full.split(rows, dim=0)])
     dim = 1 if leaf in ("out", "down") else 0
     if leaf not in ("embed", "head", "gate", "up", "out", "down"):
         raise ValueError(f"no tensor-parallel slicing rule for {name!r}")
@@ -83,23 +84,30 @@ def unshard(name: str, pieces: list[torch.Tensor], model_cfg=None) -> torch.Tens
         return pieces[0].clone()
     leaf = name.split(".")[-2]
     if leaf == "qkv":
-        rows = [r // tp for r in model_config(model_cfg).qkv_rows] if model_cfg is not None else None
-        if rows is None or any(p.shape[0] != sum(rows) for p in pieces):
-            raise ValueError(f"{name}: unshard needs the model config (q/k/v rows) of these pieces")
+        full_shape = (tp * pieces[0].shape[0], pieces[0].shape[1])
+        rows = [r // tp for r in _qkv_rows(name, full_shape, tp, model_cfg)]
         split = [p.split(rows, dim=0) for p in pieces]  # per rank: (q, k, v)
         return torch.cat([torch.cat([s[i] for s in split]) for i in range(3)])
     return torch.cat(pieces, dim=1 if leaf in ("out", "down") else 0)
 
 
-def _qkv_parts(name: str, full: torch.Tensor, tp: int, model_cfg) -> tuple[torch.Tensor, ...]:
+def _qkv_rows(name: str, shape, tp: int, model_cfg) -> tuple[int, int, int]:
+    """Rows of q, k, v in the fused weight of full ``shape``. Without ``model_cfg`` only a
+    multi-head weight ([3 d, d]: as many KV heads as query heads) is accepted, since a grouped-
+    query weight's split depends on the head counts."""
     if model_cfg is None:
-        raise ValueError(f"{name}: slicing the fused q/k/v weight needs the model config")
-    cfg = model_config(model_cfg)
-    if full.shape[0] != sum(cfg.qkv_rows):
-        raise ValueError(f"{name}: {full.shape[0]} rows, the config says q/k/v {cfg.qkv_rows}")
-    if cfg.n_kv_heads % tp:
-        raise ValueError(f"model n_kv_heads={cfg.n_kv_heads} is not divisible by tp={tp}")
-    return full.split(cfg.qkv_rows, dim=0)
+        if shape[0] != 3 * shape[1]:
+            raise ValueError(f"{name}: a grouped-query q/k/v weight {tuple(shape)} needs the model "
+                             "config to be split")
+        rows = (shape[1],) * 3
+    else:
+        cfg = model_config(model_cfg)
+        rows = cfg.qkv_rows
+        if cfg.n_kv_heads % tp:
+            raise ValueError(f"model n_kv_heads={cfg.n_kv_heads} is not divisible by tp={tp}")
+    if shape[0] != sum(rows) or any(r % tp for r in rows):
+        raise ValueError(f"{name}: {shape[0]} rows do not split into q/k/v {rows} over tp={tp}")
+    return rows
 
 
 class ColumnParallelLinear(nn.Module):

@@ -110,8 +110,11 @@ def test_qkv_shard_under_gqa_keeps_each_query_head_with_its_kv_head():
     full = torch.arange(16).float().unsqueeze(1).expand(16, 3)
     rows = [shard("blocks.0.attn.qkv.weight", full, r, 2, gqa)[:, 0].tolist() for r in range(2)]
     assert rows == [[0, 1, 2, 3, 8, 9, 12, 13], [4, 5, 6, 7, 10, 11, 14, 15]]
-    with pytest.raises(ValueError, match="needs the model config"):
+    with pytest.raises(ValueError, match="grouped-query q/k/v weight .* needs the model config"):
         shard("blocks.0.attn.qkv.weight", full, 0, 2)
+    mha = torch.arange(24).float().unsqueeze(1).expand(24, 8)  # [3 d, d]: thirds, config or not
+    assert torch.equal(shard("blocks.0.attn.qkv.weight", mha, 1, 2),
+                       shard("blocks.0.attn.qkv.weight", mha, 1, 2, MHA))
     with pytest.raises(ValueError, match="n_kv_heads=2 is not divisible by tp=4"):
         shard("blocks.0.attn.qkv.weight", full, 0, 4, gqa)
 

@@ -11,8 +11,8 @@ dim 0, ``[(n_heads + 2 * n_kv_heads) * head_dim, d_model]`` with ``head_dim = d_
     rows [(H+KV)*hd, (H+2KV)*hd)   v                                            = HF v_proj
 
 (H = ``n_heads``, KV = ``n_kv_heads``). Query head h reads KV head ``h // (H / KV)`` (grouped-
-query attention; KV = H is multi-head attention, and then the layout is today's ``3 * d_model``
-rows, bit for bit). ``attn.out.weight`` is ``[d_model, H*hd]`` (HF o_proj). Rotary embedding
+query attention; KV = H is multi-head attention, whose weight is the ``[3 * d_model, d_model]``
+of q, k and v thirds, with the same initial values and results bit for bit). ``attn.out.weight`` is ``[d_model, H*hd]`` (HF o_proj). Rotary embedding
 rotates adjacent pairs ``(2i, 2i+1)`` of each q and k head with frequency
 ``rope_theta ** (-2i / head_dim)``, as Meta's reference code does; Hugging Face's LlamaAttention
 rotates halves ``(i, i + head_dim/2)``, so an exporter permutes the rows of each q and k head

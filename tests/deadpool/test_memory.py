@@ -257,6 +257,20 @@ def test_the_layout_files_fit_their_gpus(model, gpu, tmp_path):
         validate(cfg)
 
 
+def test_the_job_precision_and_checkpointing_reach_the_check(tmp_path):
+    """check_fits reads precision, grad_reduce_dtype and activation_checkpointing from the job:
+    LLaMA-65B on its 80 GB layout is refused in fp32 and fits in bf16 (59 GB), or in bf16 with
+    bf16 gradient reduction and selective checkpointing."""
+    cfg = layout_cfg("llama_65b", "llama65b_a100_80g", tmp_path, gpu_gb=A100_GB["80g"])
+    with pytest.raises(ValueError, match="does not fit"):
+        check_fits(cfg)
+    check_fits(dict(cfg, precision="bf16"))
+    check_fits(dict(cfg, precision="bf16", grad_reduce_dtype="bf16",
+                    activation_checkpointing="selective"))
+    with pytest.raises(ValueError, match="does not fit"):
+        check_fits(dict(cfg, precision="bf16", memory={"gpu_gb": 55}))
+
+
 def test_host_memory_per_node_is_checked_when_given(tmp_path):
     cfg = layout_cfg("llama_13b", "llama13b_a100_40g", tmp_path)
     cfg["memory"] = {"gpu_gb": 39.4, "host_gb_per_node": 64}

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from deadpool import auth, checkpoint
+from deadpool import auth, checkpoint, lr_schedule, precision
 from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator
 from deadpool.errors import JobFailed
@@ -39,6 +39,11 @@ def validate(cfg: dict) -> None:
     validate_layout(cfg)
     if int(cfg["num_steps"]) < 1:
         raise ValueError("num_steps must be >= 1")
+    precision.check(cfg)
+    lr_schedule.check(cfg)
+    clip = cfg.get("grad_clip")
+    if clip is not None and not float(clip) > 0:
+        raise ValueError(f"grad_clip must be > 0 or null, got {clip!r}")
     strategy_of(ft)  # raises on an unknown strategy or a contradicting knob
     SnapshotSchedule(int(ft["snapshot_interval_steps"]), int(ft["max_snapshot_lag_steps"]),
                      every=int(ft["snapshot_adapt_every_steps"]),
@@ -90,9 +95,11 @@ def validate(cfg: dict) -> None:
         if not torch.cuda.is_available():
             raise ValueError("device=cuda but no CUDA device is visible")
         n_gpu = torch.cuda.device_count()
-        if (backend != "gloo" and cfg["launcher"]["name"] == "local" and slots > n_gpu):
+        if (backend != "gloo" and cfg["launcher"]["name"] == "local" and slots > n_gpu
+                and not cfg["launcher"].get("share_gpu")):
             raise ValueError(f"NCCL needs one GPU per process: {slots} processes (ranks + spares) "
-                             f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs")
+                             f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs, or "
+                             "launcher.share_gpu=true (a test mode: NCCL over loopback sockets)")
     check_fits(cfg)
 
 
@@ -167,7 +174,8 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     n_workers = ParallelDims.from_config(cfg["parallel"]).world_size
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
     if cfg["launcher"]["name"] == "local":
-        launcher = LocalLauncher(run_dir, job_json, secret)
+        launcher = LocalLauncher(run_dir, job_json, secret,
+                                 share_gpu=bool(cfg["launcher"].get("share_gpu")))
         launcher.start(slots)
         log(f"[deadpool] {n_workers} workers + {cfg['ft']['num_spares']} warm spare(s) started; "
             f"store on port {master.port}; run dir {run_dir}")

@@ -348,10 +348,11 @@ def table(precisions=("fp32", "bf16"), seq_len: int = 2048) -> str:
 def measure(model_cfg, *, pp: int, pp_rank: int, dp: int, micro_bs: int, seq_len: int,
             precision: str = "fp32", activation_checkpointing: str = "none") -> dict:
     """Bytes the runtime's own objects hold for one rank (tp 1) on the CPU: the stage
-    (``build_stage``) with its ``ZeroOptimizer`` (fp32: its flat parameter and gradient buffers
-    and the AdamW shard; None under bf16, whose optimizer this measurement does not build), and
-    the storages autograd saves in one micro-batch's forward (``saved_tensors_hooks``; the
-    stage's parameters and buffers excluded). ``saved_activations`` must equal ``activations``."""
+    (``build_stage``, cast to the precision's dtype as the trainer does) with its
+    ``ZeroOptimizer`` (the flat parameter buffer; the gradient buffers, bf16's fp32 accumulation
+    buffer included; the AdamW state, with bf16's fp32 master, of its shard), and the storages
+    autograd saves in one micro-batch's forward (``saved_tensors_hooks``; the stage's parameters
+    and buffers excluded). ``state_bytes`` and ``saved_activations`` must equal them."""
     import torch
 
     from deadpool.parallel.data.zero import ZeroOptimizer
@@ -360,22 +361,26 @@ def measure(model_cfg, *, pp: int, pp_rank: int, dp: int, micro_bs: int, seq_len
     m = model_config(model_cfg)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     stage = build_stage(m, 0, pp_rank=pp_rank, pp=pp, tp_rank=0, tp=1,
-                        activation_checkpointing=activation_checkpointing)
-    state = None
-    if precision == "fp32":
-        opt = ZeroOptimizer(list(stage.parameters()), dp_size=dp, dp_rank=0, lr=1e-3,
-                            weight_decay=0.0, shard=dp > 1)
-        state = {"params": opt.flat_params.numel() * 4, "grads": opt.flat_grads.numel() * 4,
-                 "optimizer": opt.state_nbytes()["unique" if dp > 1 else "shared"]
-                 - opt.flat_params.numel() * (4 if dp == 1 else 0)}
-    stage = stage.to(dtype)
+                        activation_checkpointing=activation_checkpointing).to(dtype)
+    opt = ZeroOptimizer(list(stage.parameters()), dp_size=dp, dp_rank=0, lr=1e-3,
+                        weight_decay=0.0, shard=dp > 1)
+
+    def nbytes(t):
+        return 0 if t is None else t.numel() * t.element_size()
+
+    params = nbytes(opt.flat_params)
+    region = opt.state_nbytes()  # the optimizer state is the unique region (sharded) or shared
+    state = {"params": params, "grads": nbytes(opt.flat_grads) + nbytes(opt.main_grads),
+             "optimizer": region["unique"] if dp > 1 else region["shared"] - params}
     skip = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
     saved: dict[int, int] = {}
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in skip:
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        # detached: a saved output returned as itself would hold its own graph node (a cycle
+        # that keeps the whole graph, and what it references, alive)
+        return t.detach()
 
     gen = torch.Generator().manual_seed(0)
     shape = (micro_bs, seq_len)
@@ -402,13 +407,10 @@ def measured_table(model: str = "tiny", layout=(2, 2), micro_bs: int = 2, seq_le
                               precision=prec, activation_checkpointing=mode)
                 want = saved_activations(m, 1, pp, s, tokens=micro_bs * seq_len,
                                          act_bytes=PRECISIONS[prec]["act"], mode=mode)
-                est = tuple(state_bytes(stage_params(m, 1, pp, s), dp, dp > 1).values())
-                if got["state"] is None:
-                    state = "(bf16 optimizer not measured here)"
-                else:
-                    meas = tuple(got["state"][k] for k in ("params", "grads", "optimizer"))
-                    state = " / ".join(f"{b:,}" for b in meas) + (" (= estimate)" if meas == est
-                                                                  else f" (estimated {est})")
+                est = tuple(state_bytes(stage_params(m, 1, pp, s), dp, dp > 1, prec).values())
+                meas = tuple(got["state"][k] for k in ("params", "grads", "optimizer"))
+                state = " / ".join(f"{b:,}" for b in meas) + (" (= estimate)" if meas == est
+                                                              else f" (estimated {est})")
                 rows.append(f"| {s} | {prec} | {mode} | {state} | {want:,} / "
                             f"{got['activations']:,} |")
     return "\n".join(rows)

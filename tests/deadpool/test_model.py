@@ -128,7 +128,9 @@ def saved_activation_bytes(model, x, y):
         s = t.untyped_storage()
         if s.data_ptr() not in params:
             seen[s.data_ptr()] = s.nbytes()
-        return t
+        # detached: a saved output returned as itself would hold its own graph node (a cycle
+        # that keeps the whole graph, and what it references, alive)
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(x, y)

@@ -49,6 +49,12 @@ from deadpool.model import ModelConfig, RMSNorm, attention_core, model_config, s
 from deadpool.parallel.tensor.ops import copy_to_tp, reduce_from_tp
 
 
+def tp_replicated(name: str) -> bool:
+    """Parameter ``name`` is held whole, with identical values and gradients, by every
+    tensor-parallel rank (the norms): it must be counted once in sums over tp."""
+    return name.endswith("norm.weight")
+
+
 def shard(name: str, full: torch.Tensor, tp_rank: int, tp: int, model_cfg=None) -> torch.Tensor:
     """This TP rank's slice of the full parameter ``name`` (a copy). The one place that defines
     the slicing convention: the stage builder, ``unshard`` and the tests use it.
@@ -61,7 +67,7 @@ def shard(name: str, full: torch.Tensor, tp_rank: int, tp: int, model_cfg=None) 
       attn.out / ffn.down                 dim 1 chunk (input features; heads for attn.out)
       norms                               replicated (full)
     """
-    if tp == 1 or name.endswith("norm.weight"):
+    if tp == 1 or tp_replicated(name):
         return full.clone()
     leaf = name.split(".")[-2]
     if leaf == "qkv":
@@ -80,7 +86,7 @@ def unshard(name: str, pieces: list[torch.Tensor], model_cfg=None) -> torch.Tens
     of ``shard``, for tools that consolidate a tensor-parallel run (an exporter, a checkpoint
     converter)."""
     tp = len(pieces)
-    if tp == 1 or name.endswith("norm.weight"):
+    if tp == 1 or tp_replicated(name):
         return pieces[0].clone()
     leaf = name.split(".")[-2]
     if leaf == "qkv":

@@ -23,6 +23,7 @@ from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
+from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.policies import check_placement
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
@@ -103,16 +104,20 @@ def validate(cfg: dict) -> None:
 
 
 def validate_layout(cfg: dict) -> None:
-    """The model must split evenly over the layout (heads, vocabulary and FFN over tp; layers over
-    pp; the batch into micro-batches)."""
-    p, m = cfg["parallel"], cfg["model"]
+    """The model must hold together (``model.model_config``: heads, KV heads, rotary base) and
+    split evenly over the layout (query and KV heads, vocabulary and FFN over tp; layers over pp;
+    the batch into micro-batches); ``activation_checkpointing`` must name a mode."""
+    p, m = cfg["parallel"], model_config(cfg["model"])
+    check_activation_checkpointing(cfg.get("activation_checkpointing", "none"))
     ParallelDims.from_config(p)  # degrees and node shape
     tp, pp = int(p["tp"]), int(p["pp"])
-    for key in ("n_heads", "vocab_size"):
-        if int(m[key]) % tp:
-            raise ValueError(f"model.{key}={m[key]} is not divisible by parallel.tp={tp}")
-    if int(m["n_layers"]) < pp:
-        raise ValueError(f"model.n_layers={m['n_layers']} is fewer than parallel.pp={pp} stages")
+    for what, n in (("model.n_heads", m.n_heads), ("model.vocab_size", m.vocab_size),
+                    ("model.n_kv_heads", m.n_kv_heads),  # a rank holds whole KV heads
+                    ("the SwiGLU width (model.ffn_mult, ffn_multiple_of)", m.ffn_hidden)):
+        if n % tp:
+            raise ValueError(f"{what}={n} is not divisible by parallel.tp={tp}")
+    if m.n_layers < pp:
+        raise ValueError(f"model.n_layers={m.n_layers} is fewer than parallel.pp={pp} stages")
     mb = num_microbatches(cfg)
     if mb < 1 or int(cfg["batch_size"]) % mb:
         raise ValueError(f"parallel.microbatches={mb} must divide batch_size={cfg['batch_size']}")

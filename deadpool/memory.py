@@ -5,28 +5,33 @@ largest total: the first holds the embedding and the most micro-batches in fligh
 the LM head and the logits), what training keeps resident, and per node what DeadPool's snapshot
 engine adds in host memory. ``check_fits(cfg)`` refuses a job that cannot fit before any process
 starts (``deadpool.job.validate`` calls it). ``python -m deadpool.memory`` prints the table of
-the LLaMA sizes on A100 nodes that README.md shows.
+the LLaMA-shaped models on A100 nodes that README.md shows; ``--measured`` the table that checks
+the counts against the runtime's own objects (``measure``).
 
 What is counted, and why (all sizes in GiB = 2**30 bytes; ``gpu_gb`` means GiB too):
 
 * Parameters of the rank: its stage's layers (``n_layers // pp``, the first ``n_layers % pp``
-  stages one more), with the Megatron split over tp (qkv, out, gate, up, down and the
-  vocabulary-parallel embedding and head divided by tp; RMSNorm weights replicated). The flat
-  ZeRO buffer is padded to a multiple of dp, as in ``deadpool.parallel.data.zero``.
-* Gradients: one per parameter, unsharded (ZeRO-1 shards only the optimizer).
-* Optimizer: AdamW ``exp_avg`` + ``exp_avg_sq`` (+ an fp32 master copy under bf16-mixed), divided
+  stages one more), with the Megatron split over tp (q, k, v, out, gate, up, down and the
+  vocabulary-parallel embedding and head divided by tp; k and v have ``n_kv_heads`` heads;
+  RMSNorm weights replicated). The flat ZeRO buffer is padded to a multiple of dp, as in
+  ``deadpool.parallel.data.zero`` (``state_bytes``).
+* Gradients: one per parameter, unsharded (ZeRO-1 shards only the optimizer); under bf16 with
+  ``grad_reduce_dtype=fp32`` (the default) also the fp32 accumulation buffer they are reduced in.
+* Optimizer: AdamW ``exp_avg`` + ``exp_avg_sq`` (+ the fp32 master copy under bf16), divided
   by dp when ``zero`` and dp > 1.
-* Activations: what autograd keeps for backward, per layer and micro-batch of ``T = micro_bs x
-  seq`` tokens, with a fused RMSNorm and memory-efficient attention (no seq x seq scores):
-  attention block ``2 T d`` (norm input and output, replicated over tp: there is no sequence
-  parallelism) + ``4 T d / tp`` (q, k, v, attention output); MLP block ``2 T d`` + ``4 T f / tp``
-  (gate, silu(gate), up, their product). 1F1B keeps at most ``min(pp - pp_rank, microbatches)``
-  micro-batches in flight on stage ``pp_rank``, so stage 0 holds ``n_layers`` layers' worth
-  whatever pp is: only tp and fewer tokens per micro-batch shrink it. The last stage adds the
-  final norm and the logits of one micro-batch (``T V / tp`` at activation precision plus an
-  fp32 log-softmax). No activation checkpointing (the runtime has none).
-* Overhead: a fixed ``overhead_gb`` per rank (CUDA context, NCCL buffers, allocator slack;
-  for CPU processes: the interpreter and torch).
+* Activations: what autograd keeps for backward, per micro-batch of ``T = micro_bs x seq``
+  tokens, tensor by tensor as the runtime's eager ops save them (``layer_activations``,
+  ``saved_activations``: unfused RMSNorm, memory-efficient attention with no seq x seq scores,
+  norms replicated over tp: there is no sequence parallelism), under each
+  ``activation_checkpointing`` mode. The count is exact: tests measure autograd's saved
+  storages of built stages (every mode, tp 1 and 2, fp32 and bf16) and compare bytes. 1F1B
+  keeps at most ``min(pp - pp_rank, microbatches)`` micro-batches in flight on stage
+  ``pp_rank`` (plus each one's output on a non-last stage), so stage 0 holds ``n_layers``
+  layers' worth whatever pp is: only tp, checkpointing, bf16 and fewer tokens per micro-batch
+  shrink it. ``full`` adds one block's activations, alive while it is recomputed.
+* Overhead: a fixed ``overhead_gb`` per rank (CUDA context, NCCL buffers, allocator slack,
+  temporaries such as a recomputation's or the optimizer step's; for CPU processes: the
+  interpreter and torch).
 
 Host memory per rank (pinned on CUDA), from ``deadpool.snapshot``: a local ring of
 ``num_local_slots`` (3 by default; 2 is a double buffer) snapshots of the rank's full state (parameters + its
@@ -37,17 +42,18 @@ data-parallel peer; nothing with an unsharded optimizer and dp > 1; everything w
 or dp == 1), and, when disk checkpoints are on, one persist buffer of the full state (they are
 written from it while the ring moves on).
 
-Precision: ``"fp32"`` is what the runtime trains in today (fp32 parameters, gradients, AdamW state
-and activations). ``"bf16-mixed"`` is a projection for a runtime that does not exist yet: bf16
-parameters, gradients and activations, fp32 master weights and AdamW state (both sharded by
-ZeRO-1, as in Megatron's distributed optimizer); its snapshots hold the bf16 parameters and the
-fp32 optimizer shard.
+Precision (``precision``, conf/train.yaml): ``"fp32"``: fp32 parameters, gradients, AdamW state
+and activations. ``"bf16"``: bf16 parameters, gradients and activations, fp32 master weights and
+AdamW moments sharded by ZeRO-1 (Megatron's distributed optimizer, as ``ZeroOptimizer`` lays it
+out); its snapshots hold the bf16 parameters and the fp32 optimizer shard (master + moments),
+which is what is replicated.
 """
 
 from __future__ import annotations
 
 import os
 
+from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.settings import num_microbatches
 from deadpool.topology import ParallelDims, layer_range
 
@@ -56,7 +62,9 @@ GiB = 2**30
 # bytes per element: parameter, gradient, optimizer state per parameter (master + m + v), activation
 PRECISIONS = {
     "fp32": {"param": 4, "grad": 4, "optim": 8, "act": 4},
-    "bf16-mixed": {"param": 2, "grad": 2, "optim": 12, "act": 2},  # projection, not the runtime
+    # bf16 parameters and gradients; fp32 master + moments. With grad_reduce_dtype=fp32 (the
+    # default) gradients are also accumulated and reduced in an fp32 buffer: +4 bytes each.
+    "bf16": {"param": 2, "grad": 2, "optim": 12, "act": 2},
 }
 _STEP_BYTES = 4  # AdamW's fp32 step counter
 
@@ -68,11 +76,10 @@ def stage_layers(n_layers: int, pp: int, pp_rank: int) -> int:
 
 def stage_params(model_cfg, tp: int, pp: int, pp_rank: int) -> int:
     """Parameters held by one rank of stage ``pp_rank`` (its tensor-parallel shard)."""
-    from deadpool.model import model_config
-
     m = model_config(model_cfg)
-    d, f, v = m.d_model, m.ffn_hidden, m.vocab_size
-    per_layer = (4 * d * d + 3 * d * f) // tp + 2 * d  # qkv + out, gate + up + down; two norms
+    d, f, v, kv = m.d_model, m.ffn_hidden, m.vocab_size, m.n_kv_heads * m.head_dim
+    # q + k + v + out, gate + up + down, split over tp; two norms, replicated
+    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) // tp + 2 * d
     n = stage_layers(m.n_layers, pp, pp_rank) * per_layer
     if pp_rank == 0:
         n += v * d // tp            # embedding, vocabulary-parallel
@@ -86,49 +93,108 @@ def model_params(model_cfg) -> int:
     return stage_params(model_cfg, 1, 1, 0)
 
 
-def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: int, seq_len: int,
-                      microbatches: int, act_bytes: int) -> int:
-    """Bytes of activations kept for backward on stage ``pp_rank`` at the 1F1B peak."""
-    from deadpool.model import model_config
+def layer_activations(model_cfg, tp: int, tokens: int, act_bytes: int, mode: str = "none") -> int:
+    """Bytes autograd keeps for one transformer block's backward, one micro-batch of ``tokens``
+    tokens, the block's own ops as ``deadpool/model.py`` and ``parallel/tensor/layers.py`` run
+    them (each term a tensor it saves; ``tests/deadpool/test_memory.py`` measures them)::
 
+      each RMSNorm (2)  input, x * rsqrt, output: 3 T d; rsqrt: T          replicated over tp
+      attention         q/k/v projection output T (d + 2 kv), rotated q T d and k T kv,
+                        attention output T d and its (b, t, d) copy T d            / tp
+                        logsumexp T H x 4 bytes (fp32 in every precision)          / tp
+      MLP               gate, silu(gate), up, silu(gate) * up: 4 T f               / tp
+
+    ``kv = n_kv_heads * head_dim`` (grouped-query attention without copying KV heads; on CUDA in
+    fp32 they are copied, ``model.native_gqa``, and attention keeps 2 T (d - kv) more).
+    ``selective``: 3 T f in the MLP (silu(gate) is recomputed).
+    ``full``: the block's input, T d (the rest is recomputed in backward: see
+    ``stage_activations`` for the one block alive during its recomputation)."""
     m = model_config(model_cfg)
-    d, f, v, tokens = m.d_model, m.ffn_hidden, m.vocab_size, micro_bs * seq_len
-    per_layer = tokens * (4 * d + 4 * (d + f) // tp) * act_bytes
+    d, f, t, kv, heads = m.d_model, m.ffn_hidden, tokens, m.n_kv_heads * m.head_dim, m.n_heads
+    if mode == "full":
+        return t * d * act_bytes
+    mlp = (3 if mode == "selective" else 4) * t * f
+    norms = 2 * (3 * t * d + t)
+    attention = t * (d + 2 * kv) + t * (d + kv) + 2 * t * d
+    return (norms + (attention + mlp) // tp) * act_bytes + t * heads // tp * 4
+
+
+def saved_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, tokens: int, act_bytes: int,
+                      mode: str = "none") -> int:
+    """Bytes autograd keeps for one micro-batch on stage ``pp_rank``: its blocks, plus on the
+    first stage the token ids and the vocabulary mask (9 T bytes), on the last the final norm
+    (3 T d + T), the fp32 softmax of its vocabulary slice (T V / tp x 4), the targets (int64) and
+    the vocabulary-parallel loss's mask (T bytes; at tp 1 torch's loss keeps a 4-byte total)."""
+    m = model_config(model_cfg)
+    n = stage_layers(m.n_layers, pp, pp_rank) * layer_activations(m, tp, tokens, act_bytes, mode)
+    if pp_rank == 0:
+        n += 9 * tokens
+    if pp_rank == pp - 1:
+        n += (3 * tokens * m.d_model + tokens) * act_bytes + tokens * m.vocab_size // tp * 4
+        n += 8 * tokens + (tokens if tp > 1 else 4)
+    return n
+
+
+def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: int, seq_len: int,
+                      microbatches: int, act_bytes: int, mode: str = "none") -> int:
+    """Bytes of activations kept for backward on stage ``pp_rank`` at the 1F1B peak: the saved
+    activations of each micro-batch in flight (``saved_activations``), plus, on a non-last stage,
+    each one's output (held by the schedule until its backward); under ``full`` checkpointing
+    one block's activations alive while it is recomputed."""
+    m = model_config(model_cfg)
+    tokens = micro_bs * seq_len
     in_flight = min(pp - pp_rank, microbatches)
-    total = in_flight * stage_layers(m.n_layers, pp, pp_rank) * per_layer
-    if pp_rank == pp - 1:  # final norm + logits and fp32 log-softmax of one micro-batch
-        total += tokens * (2 * d * act_bytes + v // tp * (act_bytes + 4))
+    per_micro = saved_activations(m, tp, pp, pp_rank, tokens=tokens, act_bytes=act_bytes, mode=mode)
+    if pp_rank < pp - 1:
+        per_micro += tokens * m.d_model * act_bytes
+    total = in_flight * per_micro
+    if mode == "full":
+        total += layer_activations(m, tp, tokens, act_bytes, "none")
     return total
 
 
+def state_bytes(numel: int, dp: int, sharded: bool, precision: str = "fp32",
+                grad_reduce_dtype: str = "fp32") -> dict:
+    """``{"params", "grads", "optimizer"}`` bytes of a rank holding ``numel`` parameters, as
+    ``ZeroOptimizer`` allocates them: flat buffers padded to a multiple of dp, the AdamW state
+    (and the fp32 master copy under bf16) of its shard when ``sharded``, plus the step counter."""
+    b = PRECISIONS[precision]
+    padded = -(-numel // dp) * dp
+    grad = b["grad"] + (4 if precision == "bf16" and grad_reduce_dtype == "fp32" else 0)
+    return {"params": padded * b["param"], "grads": padded * grad,
+            "optimizer": (padded // dp if sharded else padded) * b["optim"] + _STEP_BYTES}
+
+
 def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbatches: int,
-             precision: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
+             precision: str = "fp32", activation_checkpointing: str = "none",
+             grad_reduce_dtype: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
              replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0) -> dict:
     """Memory of the worst rank of a layout, in bytes.
 
     ``batch_size`` is sequences per data-parallel rank per step, split into ``microbatches``.
-    Returns ``{"precision", "projection", "model_params", "params_per_rank", "stage", "gpu":
-    {params, grads, optimizer, activations, overhead, total}, "host_per_rank": {local_ring,
-    replicas, persist, total}, "host_per_node", "ranks_per_node", "replicated_per_step"}``;
-    ``stage`` is the worst rank's pipeline stage, ``projection`` is True for bf16-mixed.
+    Returns ``{"precision", "model_params", "params_per_rank", "stage", "gpu": {params, grads,
+    optimizer, activations, overhead, total}, "host_per_rank": {local_ring, replicas, persist,
+    total}, "host_per_node", "ranks_per_node", "replicated_per_step"}``; ``stage`` is the worst
+    rank's pipeline stage.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     if replicate not in ("unique", "full"):
         raise ValueError(f"replicate must be 'unique' or 'full', got {replicate!r}")
-    b = PRECISIONS[precision]
+    if grad_reduce_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"grad_reduce_dtype must be fp32 or bf16, got {grad_reduce_dtype!r}")
+    check_activation_checkpointing(activation_checkpointing)
+    act_bytes = PRECISIONS[precision]["act"]
     dims = ParallelDims.from_config(parallel_cfg)
-    dp, tp, pp, sharded = dims.dp, dims.tp, dims.pp, dims.optimizer_sharded
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
     micro_bs = max(1, int(batch_size) // int(microbatches))
     best = None
     for s in range(pp):
         n = stage_params(model_cfg, tp, pp, s)
-        padded = -(-n // dp) * dp
-        optim = (padded // dp if sharded else padded) * b["optim"] + _STEP_BYTES
-        gpu = {"params": padded * b["param"], "grads": padded * b["grad"], "optimizer": optim,
+        gpu = {**state_bytes(n, dp, dims.optimizer_sharded, precision, grad_reduce_dtype),
                "activations": stage_activations(model_cfg, tp, pp, s, micro_bs=micro_bs,
                                                 seq_len=seq_len, microbatches=int(microbatches),
-                                                act_bytes=b["act"]),
+                                                act_bytes=act_bytes, mode=activation_checkpointing),
                "overhead": int(overhead_gb * GiB)}
         gpu["total"] = sum(gpu.values())
         if best is None or gpu["total"] > best[1]["total"]:
@@ -140,8 +206,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
             "persist": state if persist else 0}
     host["total"] = sum(host.values())
     per_node = min(int(parallel_cfg.get("ranks_per_node", 1)), dp * tp * pp)
-    return {"precision": precision, "projection": precision != "fp32",
-            "model_params": model_params(model_cfg), "params_per_rank": n, "stage": stage,
+    return {"precision": precision, "model_params": model_params(model_cfg), "params_per_rank": n, "stage": stage,
             "gpu": gpu, "host_per_rank": host, "ranks_per_node": per_node,
             "host_per_node": per_node * host["total"], "replicated_per_step": replicated}
 
@@ -151,9 +216,14 @@ def _gb(nbytes: float) -> str:
 
 
 def _hint(cfg: dict, micro_tokens: int) -> str:
-    return (f"raise parallel.tp or parallel.pp, enable parallel.zero (sharded optimizer), or use "
-            f"fewer tokens per micro-batch (now {micro_tokens}: batch_size / microbatches x "
-            f"seq_len)")
+    more = []
+    if cfg.get("activation_checkpointing", "none") != "full":
+        more.append("activation_checkpointing=full")
+    if cfg.get("precision", "fp32") == "fp32":
+        more.append("precision=bf16")
+    return ("raise parallel.tp or parallel.pp, enable parallel.zero (sharded optimizer), "
+            + "".join(f"{m}, " for m in more) + f"or use fewer tokens per micro-batch (now "
+            f"{micro_tokens}: batch_size / microbatches x seq_len)")
 
 
 def check_fits(cfg: dict) -> None:
@@ -172,7 +242,9 @@ def check_fits(cfg: dict) -> None:
     mb = num_microbatches(cfg)
     cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
     est = estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),
-                   microbatches=mb, num_local_slots=int(ft.get("num_local_slots", 3)),
+                   microbatches=mb, precision=cfg.get("precision", "fp32"),
+                   activation_checkpointing=cfg.get("activation_checkpointing", "none"),
+                   grad_reduce_dtype=cfg.get("grad_reduce_dtype", "fp32"), num_local_slots=int(ft.get("num_local_slots", 3)),
                    replicate=ft.get("replicate", "unique"),
                    persist=bool(ft.get("persist_interval_steps")),
                    overhead_gb=0.25 if cpu and not mem else 1.0)
@@ -222,7 +294,10 @@ def check_fits(cfg: dict) -> None:
 
 # usable memory of the GPUs as torch reports it (A100-SXM4 40 GB / 80 GB)
 A100_GB = {"40g": 39.4, "80g": 79.1}
-MODELS = ["llama_7b", "llama_13b", "llama_30b", "llama_65b"]
+# model -> the layouts' name prefix (the grouped-query models share the LLaMA layout of their shape)
+MODELS = {"llama_7b": "llama7b", "llama3_8b": "llama7b", "llama_13b": "llama13b",
+          "llama_30b": "llama30b", "llama_65b": "llama65b", "llama2_70b": "llama65b"}
+MODES = ("none", "selective", "full")
 
 
 def _load(group: str, name: str) -> dict:
@@ -233,33 +308,115 @@ def _load(group: str, name: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def table(precisions=("fp32", "bf16-mixed")) -> str:
-    """Markdown table: each LLaMA size on its 40 GB and 80 GB A100 layouts, micro-batches of one
-    full-length sequence (``batch_size = microbatches = 2 x pp``, as ``microbatches: auto`` picks)."""
-    rows = ["| model | GPU | layout (dp x tp x pp) | GPUs | precision | GPU GB per rank: params / "
-            "grads / optimizer / activations / total (with 1 GB overhead) | fits? | host GB per node (snapshots + "
-            "replicas) | replicated MB per rank per step |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for model in MODELS:
+def table(precisions=("fp32", "bf16"), seq_len: int = 2048) -> str:
+    """Markdown table: each LLaMA-shaped model on its 40 GB and 80 GB A100 layouts, micro-batches
+    of one ``seq_len``-token sequence (``batch_size = microbatches = 2 x pp``, as ``microbatches:
+    auto`` picks), without activation checkpointing and with each mode."""
+    rows = ["| model | GPU | layout (dp x tp x pp) | GPUs | precision | GPU GB per rank, no "
+            "checkpointing: params / grads / optimizer / activations / total (with 1 GB overhead) "
+            "| fits? | activations / total GB with selective; with full checkpointing | host GB "
+            "per node (snapshots + replicas) | replicated MB per rank per step |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for model, prefix in MODELS.items():
         m = _load("model", model)
         for gpu, cap in A100_GB.items():
-            name = f"{model.replace('_', '')}_a100_{gpu}"
+            name = f"{prefix}_a100_{gpu}"
             p = _load("parallel", name)
             mb = 2 * p["pp"] if p["pp"] > 1 else 1
             for prec in precisions:
-                e = estimate(m, p, batch_size=mb, seq_len=m["max_seq_len"], microbatches=mb,
-                             precision=prec)
-                g = e["gpu"]
+                e = {mode: estimate(m, p, batch_size=mb, seq_len=seq_len, microbatches=mb,
+                                    precision=prec, activation_checkpointing=mode)
+                     for mode in MODES}
+                g = e["none"]["gpu"]
                 parts = " / ".join(_gb(g[k]) for k in ("params", "grads", "optimizer",
                                                         "activations", "total"))
-                label = prec + (" (projection)" if e["projection"] else "")
+                ckpt = "; ".join(
+                    f"{_gb(e[mode]['gpu']['activations'])} / {_gb(e[mode]['gpu']['total'])}"
+                    + ("" if e[mode]["gpu"]["total"] <= cap * GiB else " (**no**)")
+                    for mode in ("selective", "full"))
                 fits = "yes" if g["total"] <= cap * GiB else "**no**"
                 rows.append(
                     f"| {model} | A100 {gpu[:2]} GB | `{name}`: {p['dp']} x {p['tp']} x {p['pp']} "
-                    f"| {p['dp'] * p['tp'] * p['pp']} | {label} | {parts} | {fits} | "
-                    f"{_gb(e['host_per_node'])} | {e['replicated_per_step'] / 2**20:.0f} |")
+                    f"| {p['dp'] * p['tp'] * p['pp']} | {prec} | {parts} | {fits} | {ckpt} | "
+                    f"{_gb(e['none']['host_per_node'])} | "
+                    f"{e['none']['replicated_per_step'] / 2**20:.0f} |")
+    return "\n".join(rows)
+
+
+# -- the measured path ----------------------------------------------------------------------------
+
+def measure(model_cfg, *, pp: int, pp_rank: int, dp: int, micro_bs: int, seq_len: int,
+            precision: str = "fp32", activation_checkpointing: str = "none") -> dict:
+    """Bytes the runtime's own objects hold for one rank (tp 1) on the CPU: the stage
+    (``build_stage``, cast to the precision's dtype as the trainer does) with its
+    ``ZeroOptimizer`` (the flat parameter buffer; the gradient buffers, bf16's fp32 accumulation
+    buffer included; the AdamW state, with bf16's fp32 master, of its shard), and the storages
+    autograd saves in one micro-batch's forward (``saved_tensors_hooks``; the stage's parameters
+    and buffers excluded). ``state_bytes`` and ``saved_activations`` must equal them."""
+    import torch
+
+    from deadpool.parallel.data.zero import ZeroOptimizer
+    from deadpool.parallel.stage import build_stage
+
+    m = model_config(model_cfg)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    stage = build_stage(m, 0, pp_rank=pp_rank, pp=pp, tp_rank=0, tp=1,
+                        activation_checkpointing=activation_checkpointing).to(dtype)
+    opt = ZeroOptimizer(list(stage.parameters()), dp_size=dp, dp_rank=0, lr=1e-3,
+                        weight_decay=0.0, shard=dp > 1)
+
+    def nbytes(t):
+        return 0 if t is None else t.numel() * t.element_size()
+
+    params = nbytes(opt.flat_params)
+    region = opt.state_nbytes()  # the optimizer state is the unique region (sharded) or shared
+    state = {"params": params, "grads": nbytes(opt.flat_grads) + nbytes(opt.main_grads),
+             "optimizer": region["unique"] if dp > 1 else region["shared"] - params}
+    skip = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        # detached: a saved output returned as itself would hold its own graph node (a cycle
+        # that keeps the whole graph, and what it references, alive)
+        return t.detach()
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (micro_bs, seq_len)
+    inp = (torch.randint(0, m.vocab_size, shape, generator=gen) if pp_rank == 0 else
+           torch.randn(*shape, m.d_model, generator=gen).to(dtype).requires_grad_())
+    targets = torch.randint(0, m.vocab_size, shape, generator=gen) if pp_rank == pp - 1 else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stage(inp, None, targets)
+    return {"state": state, "activations": sum(saved.values())}
+
+
+def measured_table(model: str = "tiny", layout=(2, 2), micro_bs: int = 2, seq_len: int = 64) -> str:
+    """Markdown table: the estimate against ``measure`` for each stage of ``model`` at dp x pp =
+    ``layout`` (tp 1), every checkpointing mode, fp32 and bf16 activations."""
+    dp, pp = layout
+    m = _load("model", model)
+    rows = [f"| `{model}` stage (dp{dp} x pp{pp}) | precision | checkpointing | state bytes: params "
+            "/ grads / optimizer, measured | activations bytes per micro-batch: estimated / "
+            "measured |", "|---|---|---|---|---|"]
+    for s in range(pp):
+        for prec in ("fp32", "bf16"):
+            for mode in MODES:
+                got = measure(m, pp=pp, pp_rank=s, dp=dp, micro_bs=micro_bs, seq_len=seq_len,
+                              precision=prec, activation_checkpointing=mode)
+                want = saved_activations(m, 1, pp, s, tokens=micro_bs * seq_len,
+                                         act_bytes=PRECISIONS[prec]["act"], mode=mode)
+                est = tuple(state_bytes(stage_params(m, 1, pp, s), dp, dp > 1, prec).values())
+                meas = tuple(got["state"][k] for k in ("params", "grads", "optimizer"))
+                state = " / ".join(f"{b:,}" for b in meas) + (" (= estimate)" if meas == est
+                                                              else f" (estimated {est})")
+                rows.append(f"| {s} | {prec} | {mode} | {state} | {want:,} / "
+                            f"{got['activations']:,} |")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
-    print(table())
+    import sys
+
+    print(measured_table() if "--measured" in sys.argv[1:] else table())

@@ -107,7 +107,8 @@ class Trainer:
         if self.engine is not None:
             self.engine.close()
         self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
-                                 tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init)
+                                 tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init,
+                                 activation_checkpointing=cfg.get("activation_checkpointing", "none"))
         # bf16: the model (parameters and rotary tables) is cast before the optimizer copies
         # the fp32 master weights from it, as Megatron does (so a spare's and a peer's initial
         # master shard are the same function of the seed)

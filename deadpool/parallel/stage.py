@@ -11,6 +11,10 @@ Parameter names are the single-process model's (``deadpool.model.GPT``): blocks 
 the full one, and ``build_stage`` builds it bit-for-bit from ``model.init_param`` without building
 the whole model. Checkpoints, snapshots and tests can therefore map any layout onto any other
 through (name, tp slice).
+
+``activation_checkpointing`` (``none|full|selective``, see ``deadpool/model.py``) applies per
+block; under ``full`` the stage's forward keeps one activation per block for the pipeline's
+backward, whose recomputation runs inside the schedule's backward of that micro-batch.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from deadpool.model import GPT, RMSNorm, init_param, model_config, rotary_tables
+from deadpool.model import (GPT, RMSNorm, check_activation_checkpointing, init_param, model_config,
+                            rotary_tables, run_block)
 from deadpool.parallel.tensor.layers import (ColumnParallelLinear, ParallelBlock,
                                              VocabParallelEmbedding, shard)
 from deadpool.parallel.tensor.ops import copy_to_tp, vocab_parallel_cross_entropy
@@ -26,20 +31,23 @@ from deadpool.topology import layer_range
 
 
 class StageModel(nn.Module):
-    def __init__(self, cfg, *, pp_rank: int, pp: int, tp_rank: int, tp: int):
+    def __init__(self, cfg, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
+                 activation_checkpointing: str = "none"):
         super().__init__()
         self.cfg = cfg
+        self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing)
         self.pp_rank, self.pp, self.tp_rank, self.tp = pp_rank, pp, tp_rank, tp
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
         self.layers = layer_range(cfg.n_layers, pp, pp_rank)
         if self.is_first:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_rank, tp)
-        self.blocks = nn.ModuleDict({str(i): ParallelBlock(cfg, tp) for i in self.layers})
+        self.blocks = nn.ModuleDict({str(i): ParallelBlock(cfg, tp, activation_checkpointing)
+                                     for i in self.layers})
         if self.is_last:
             self.norm = RMSNorm(cfg.d_model)
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp)
             self.vocab_start = tp_rank * (cfg.vocab_size // tp)
-        cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -57,7 +65,7 @@ class StageModel(nn.Module):
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(inp, comm) if self.is_first else inp
         for block in self.blocks.values():
-            x = block(x, cos, sin, comm)
+            x = run_block(block, self.activation_checkpointing, x, cos, sin, comm)
         if not self.is_last:
             return x
         logits = self.head(copy_to_tp(self.norm(x), comm))
@@ -70,8 +78,8 @@ class StageModel(nn.Module):
 
 def check_layout(cfg, pp: int, tp: int) -> None:
     """Raise ``ValueError`` unless the model splits evenly over tp and has a layer per stage."""
-    for what, n in (("n_heads", cfg.n_heads), ("vocab_size", cfg.vocab_size),
-                    ("ffn hidden size", cfg.ffn_hidden)):
+    for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
+                    ("vocab_size", cfg.vocab_size), ("ffn hidden size", cfg.ffn_hidden)):
         if n % tp:
             raise ValueError(f"model {what}={n} is not divisible by tp={tp}")
     if cfg.n_layers < pp:
@@ -79,7 +87,7 @@ def check_layout(cfg, pp: int, tp: int) -> None:
 
 
 def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
-                device="cpu", init: bool = True) -> StageModel:
+                device="cpu", init: bool = True, activation_checkpointing: str = "none") -> StageModel:
     """This rank's stage, with parameters equal (bitwise) to the matching slices of
     ``deadpool.model.build_model(model_cfg, seed)``. Draws only the full parameters it holds a
     slice of (one at a time, on the CPU: the values do not depend on the device).
@@ -88,18 +96,20 @@ def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp
     transfer: drawing the init it overwrites would lengthen every hot-swap)."""
     cfg = model_config(model_cfg)
     check_layout(cfg, pp, tp)
+    kw = dict(pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp,
+              activation_checkpointing=activation_checkpointing)
     if not init:
         with torch.device("meta"):
-            stage = StageModel(cfg, pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+            stage = StageModel(cfg, **kw)
         stage = stage.to_empty(device=device)
-        cos, sin = rotary_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         stage.rope_cos.copy_(cos)
         stage.rope_sin.copy_(sin)
         return stage
     with torch.device("meta"):
         full_shapes = {n: p.shape for n, p in GPT(cfg).named_parameters()}
-    stage = StageModel(cfg, pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+    stage = StageModel(cfg, **kw)
     with torch.no_grad():
         for name, p in stage.named_parameters():
-            p.copy_(shard(name, init_param(name, full_shapes[name], seed), tp_rank, tp))
+            p.copy_(shard(name, init_param(name, full_shapes[name], seed), tp_rank, tp, cfg))
     return stage.to(device)

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from deadpool.job import validate
+from deadpool.memory import MODELS
 from deadpool.train import CONF_DIR
 from tests.conftest import compose_train
 
@@ -23,10 +24,10 @@ def test_every_option_composes(group, option, tmp_path, monkeypatch):
     monkeypatch.setenv("DEADPOOL_STORE_HOST", "127.0.0.1")
     extra = []
     if option.startswith("llama"):  # LLaMA models with their A100 layouts (memory of the GPU)
-        size = option.split("_")[1] if group == "model" else option.split("_")[0][5:]
-        extra = [f"model=llama_{size}", f"parallel=llama{size}_a100_80g" if group == "model"
-                 else f"parallel={option}", "memory.gpu_gb=80", "memory.host_gb_per_node=4096",
-                 "seq_len=1024", "batch_size=4"]
+        model, layout = ((option, f"{MODELS[option]}_a100_80g") if group == "model"
+                         else (f"llama_{option.split('_')[0][5:]}", option))
+        extra = [f"model={model}", f"parallel={layout}", "memory.gpu_gb=80",
+                 "memory.host_gb_per_node=4096", "seq_len=1024", "batch_size=4"]
     elif option == "kill_3d_two_ranks_swapped":
         extra = ["parallel=dp2_tp2_pp2"]
     cfg = compose_train([f"{group}={option}"] + extra, tmp_path)
@@ -52,7 +53,12 @@ def test_demo_experiment_is_what_the_readme_says(tmp_path):
 
 @pytest.mark.parametrize("override,msg", [
     ("parallel.tp=3", "not a multiple of ranks_per_node=4"),
-    ("model.n_heads=3", "n_heads=3 is not divisible by parallel.tp=2"),
+    ("model.n_heads=1", "n_heads=1 is not divisible by parallel.tp=2"),
+    ("model.n_heads=3", "d_model=128 must be n_heads=3 heads of an even size"),
+    ("model.n_kv_heads=3", "n_kv_heads=3 must divide model.n_heads=4"),
+    ("model.n_kv_heads=1", "n_kv_heads=1 is not divisible by parallel.tp=2"),
+    ("model.rope_theta=abc", "model.rope_theta must be a number"),
+    ("activation_checkpointing=most", "activation_checkpointing must be one of"),
     ("parallel.pp=4", "fewer than parallel.pp=4"),
     ("ft.replicate=half", "ft.replicate"),
     ("ft.num_spares=-1", "num_spares"),
@@ -69,7 +75,8 @@ def test_demo_experiment_is_what_the_readme_says(tmp_path):
 ])
 def test_validation_names_the_bad_field(override, msg, tmp_path):
     cfg = compose_train([override, "parallel=dp2"] + (
-        ["parallel.tp=2"] if override.startswith("model.n_heads") else []), tmp_path)
+        ["parallel.tp=2"] if override.startswith(("model.n_heads", "model.n_kv")) else []),
+        tmp_path)
     if msg is None:  # kill_last targets rank 3, which dp2 does not have
         with pytest.raises(ValueError, match="ranks are 0..1"):
             validate(cfg)

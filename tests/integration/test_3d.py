@@ -69,6 +69,37 @@ def test_spare_takes_any_position_and_state_matches_failure_free(reference, tmp_
     assert equal, why
 
 
+@pytest.fixture(scope="module")
+def reference_gqa(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference3d_gqa")
+    summary = run_job(compose_train(BASE + GQA_FULL + ["faults=none"], run_dir), log=quiet)
+    assert summary["outcome"] == "completed" and not summary["recoveries"]
+    return run_dir
+
+
+# grouped-query attention (4 query heads, 2 KV heads: one per TP rank) with every block
+# checkpointed: recomputation re-runs TP all-reduces inside backward
+GQA_FULL = ["model.n_kv_heads=2", "activation_checkpointing=full"]
+
+
+@pytest.mark.slow
+def test_gqa_with_full_checkpointing_hot_swaps_to_the_failure_free_state(reference_gqa, tmp_path):
+    """Killed in backward (the last stage, its TP peer waiting in a recomputed all-reduce): the
+    spare's run ends bitwise equal to the failure-free run of the same GQA model."""
+    from deadpool.memory import stage_params
+
+    ev = "faults.events=[{rank: 4, step: 5, phase: backward, kind: kill}]"
+    summary = run_job(compose_train(BASE + GQA_FULL + [ev], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    (rec,) = summary["recoveries"]
+    assert rec["failed_rank"] == 4 and rec["outcome"] == "hot-swapped"
+    equal, why = compare_final_states(tmp_path, reference_gqa)
+    assert equal, why
+    # the GQA shapes were trained: rank 0 (first stage, tp 0) holds its shard of them
+    n = stage_params(dict(compose_train(BASE, tmp_path)["model"], n_kv_heads=2), 2, 2, 0)
+    assert torch.load(tmp_path / "final" / "rank0.pt")["params"].numel() == -(-n // 2) * 2
+
+
 @pytest.mark.slow
 def test_a_shard_lost_before_its_first_replica_is_drawn_from_the_seed(reference, tmp_path):
     # killed inside the job's first group build: no replica of anything exists yet

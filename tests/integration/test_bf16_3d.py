@@ -1,5 +1,7 @@
 """bf16-mixed training under hot-swap with real processes: dp2 x tp2 x pp2 (8 ranks) + 1 warm
-spare, ``precision=bf16 grad_clip=1.0 lr_schedule=cosine warmup_steps=5``.
+spare, ``precision=bf16 grad_clip=1.0 lr_schedule=cosine warmup_steps=5
+activation_checkpointing=full`` (issue 22's recipe: every block recomputed in backward, its
+tensor-parallel all-reduce included).
 
 Each rank's state is its bf16 parameters (shared with its data-parallel peer) and its fp32
 master shard, moments and step (its own). A rank is SIGKILLed at a few positions that together
@@ -28,7 +30,8 @@ from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=10", "ft.num_spares=1",
         "ft.replication_chunk_mb=0.5", "log_every_steps=0",
-        "precision=bf16", "grad_clip=1.0", "lr_schedule=cosine", "warmup_steps=5"]
+        "precision=bf16", "grad_clip=1.0", "lr_schedule=cosine", "warmup_steps=5",
+        "activation_checkpointing=full"]
 quiet = lambda *a, **k: None  # noqa: E731
 
 # the loss of the layout against the single-process bf16 model: both round every op to bf16,

@@ -25,7 +25,7 @@ def test_stage_parameters_equal_slices_of_build_model(pp, tp):
             stage = build_stage(TINY, 7, pp_rank=s, pp=pp, tp_rank=r, tp=tp)
             assert stage.is_first == (s == 0) and stage.is_last == (s == pp - 1)
             for name, p in stage.named_parameters():
-                assert torch.equal(p, shard(name, full[name].detach(), r, tp)), name
+                assert torch.equal(p, shard(name, full[name].detach(), r, tp, TINY)), name
                 seen.add(name)
     assert seen == set(full)  # every parameter lives on some stage
 

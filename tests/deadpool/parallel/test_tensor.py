@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from deadpool.comm import Communicator
 from deadpool.errors import Aborted
+from deadpool.model import build_model
 from deadpool.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
-                                      VocabParallelEmbedding, copy_to_tp, shard,
+                                      VocabParallelEmbedding, copy_to_tp, shard, unshard,
                                       vocab_parallel_cross_entropy)
 from deadpool.parallel.stage import build_stage
 from deadpool.protocol import Keys
@@ -17,6 +18,7 @@ from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 
 TP = 2
+MHA = dict(vocab_size=16, d_model=8, n_layers=1, n_heads=4, ffn_mult=2, max_seq_len=8)
 close = dict(rtol=1e-5, atol=1e-6)
 
 # communicators with an op abandoned in flight, kept referenced (deleting such a group blocks)
@@ -99,10 +101,87 @@ def test_vocab_parallel_embedding_and_cross_entropy_match_dense():
 def test_qkv_shard_holds_whole_heads_of_q_k_and_v():
     d, tp = 8, 2  # 4 heads of 2: rank 1 holds heads 2, 3 of each of q, k, v
     full = torch.arange(3 * d).float().unsqueeze(1).expand(3 * d, 3)
-    rows = shard("blocks.0.attn.qkv.weight", full, 1, tp)[:, 0].tolist()
+    rows = shard("blocks.0.attn.qkv.weight", full, 1, tp, MHA)[:, 0].tolist()
     assert rows == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
     assert shard("blocks.0.attn.out.weight", full[:d, :].T, 1, tp).shape == (3, 4)
     assert torch.equal(shard("norm.weight", full, 1, tp), full)
+
+
+def test_qkv_shard_under_gqa_keeps_each_query_head_with_its_kv_head():
+    # 4 query heads, 2 KV heads of 2 rows each: q rows 0-7, k rows 8-11, v rows 12-15
+    gqa = dict(MHA, n_kv_heads=2)
+    full = torch.arange(16).float().unsqueeze(1).expand(16, 3)
+    rows = [shard("blocks.0.attn.qkv.weight", full, r, 2, gqa)[:, 0].tolist() for r in range(2)]
+    assert rows == [[0, 1, 2, 3, 8, 9, 12, 13], [4, 5, 6, 7, 10, 11, 14, 15]]
+    with pytest.raises(ValueError, match="grouped-query q/k/v weight .* needs the model config"):
+        shard("blocks.0.attn.qkv.weight", full, 0, 2)
+    mha = torch.arange(24).float().unsqueeze(1).expand(24, 8)  # [3 d, d]: thirds, config or not
+    assert torch.equal(shard("blocks.0.attn.qkv.weight", mha, 1, 2),
+                       shard("blocks.0.attn.qkv.weight", mha, 1, 2, MHA))
+    with pytest.raises(ValueError, match="n_kv_heads=2 is not divisible by tp=4"):
+        shard("blocks.0.attn.qkv.weight", full, 0, 4, gqa)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_unshard_inverts_shard_for_every_parameter(tp):
+    cfg = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=8, n_kv_heads=4, ffn_mult=2,
+               max_seq_len=8)
+    for name, full in build_model(cfg, 0).named_parameters():
+        pieces = [shard(name, full.detach(), r, tp, cfg) for r in range(tp)]
+        assert torch.equal(unshard(name, pieces, cfg), full), name
+
+
+GQA_TINY = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_mult=2,
+                max_seq_len=8)
+
+
+def run_tp2_step(model_cfg, activation_checkpointing="none"):
+    """One forward/backward of a tp=2 stage per rank (threads): (loss, grads, tp ops posted)."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g)
+    master = master_store()
+
+    def rank_fn(r):
+        torch.set_num_threads(1)
+        comm = tp_comm(master, r)
+        stage = build_stage(model_cfg, 9, pp_rank=0, pp=1, tp_rank=r, tp=TP,
+                            activation_checkpointing=activation_checkpointing)
+        loss = stage(x, comm, y)
+        loss.backward()
+        return (loss.detach(), {n: p.grad for n, p in stage.named_parameters()},
+                comm.groups["tp"].posted)
+
+    return run_threads(rank_fn, TP), (x, y)
+
+
+def test_gqa_tp2_matches_the_single_process_model():
+    """Query and KV heads split over two ranks reproduce the dense model: forward and every
+    gradient within float32 rounding of the differently ordered sums (rtol 1e-5)."""
+    results, (x, y) = run_tp2_step(GQA_TINY)
+    dense = build_model(GQA_TINY, 9)
+    loss = dense(x, y)
+    loss.backward()
+    for r, (got, grads, _) in enumerate(results):
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-6, atol=0)
+        for name, p in dense.named_parameters():
+            torch.testing.assert_close(grads[name], shard(name, p.grad, r, TP, GQA_TINY),
+                                       rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_at_tp2_gives_bitwise_the_same_gradients(mode):
+    """``full`` re-runs a block's forward in backward up to its last saved tensor (the MLP's down
+    projection input): the attention's all-reduce again, the MLP's not. On both ranks alike (one
+    more per block, the same count on each) and with the same sums, so every gradient is bitwise
+    the one without checkpointing. ``selective`` recomputes no communication."""
+    plain, _ = run_tp2_step(GQA_TINY)
+    ckpt, _ = run_tp2_step(GQA_TINY, mode)
+    extra = GQA_TINY["n_layers"] if mode == "full" else 0
+    for (l0, g0, ops0), (l1, g1, ops1) in zip(plain, ckpt):
+        assert torch.equal(l0, l1)
+        assert all(torch.equal(g0[n], g1[n]) for n in g0)
+        assert ops1 == ops0 + extra
+    assert ckpt[0][2] == ckpt[1][2]
 
 
 def test_a_rank_blocked_in_a_tp_allreduce_leaves_on_abort():

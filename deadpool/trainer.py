@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from deadpool import checkpoint
+from deadpool import checkpoint, tensorboard_log
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator
-from deadpool.data import SyntheticCorpus
+from deadpool.data import build_data
+from deadpool.evaluate import evaluate
 from deadpool.faults import FaultInjector
 from deadpool.settings import num_microbatches
 from deadpool.parallel.data.zero import ZeroOptimizer
@@ -45,7 +46,10 @@ class Trainer:
         self.slot = slot
         self.injector = injector
         self.device = cfg["device"]
-        self.corpus = SyntheticCorpus(cfg["model"]["vocab_size"], cfg["seed"])
+        self.corpus = build_data(cfg)  # data=synthetic | tokens (deadpool/data)
+        self.eval_every = int(cfg.get("eval_every_steps") or 0)
+        self._val_loss: float | None = None  # this step's validation loss (last stage)
+        self.board = tensorboard_log.board(cfg, slot)  # logging.tensorboard (else a no-op)
         self.snapshots_on = bool(cfg["ft"]["snapshot"])
         # disk checkpoints every N steps; 'auto' (ft=checkpoint_restart): Young/Daly, decided
         # after a first measured checkpoint (see persist_due / _decide_interval)
@@ -243,6 +247,9 @@ class Trainer:
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
             self.schedule.observe(dt, busy or cycle is not None, cycle)
+            if self.eval_every and self.step % self.eval_every == 0:  # not in the step's time
+                at(self.step, "eval")
+                self._val_loss = evaluate(self, comm)
             self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s)
             if first and on_first_step is not None:
                 on_first_step()
@@ -266,12 +273,19 @@ class Trainer:
                "checkpoint_s": checkpoint_s,
                # the Young/Daly probe's measurements and this rank's proposed interval (once)
                "checkpoint_interval_proposal": self._proposal,
+               "val_loss": self._val_loss,
                "t": time.time()}
-        self._proposal = None  # recorded once, in the probe step
+        self._proposal = self._val_loss = None  # recorded once, in their step
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg["log_every_steps"])
         dims = comm.topo.dims
-        if (self.rank == dims.rank_of(dims.pp - 1, 0, 0) and every
+        reporter = self.rank == dims.rank_of(dims.pp - 1, 0, 0)
+        self.board.write(rec, reporter)
+        if reporter and rec["val_loss"] is not None:
+            line = f"[rank {self.rank}] step {self.step:4d}  val loss {rec['val_loss']:.4f}"
+            print(line, flush=True)
+            self.publish_progress(line)
+        if (reporter and every
                 and (self.step % every == 0 or self.step == self.cfg["num_steps"])):
             line = (f"[rank {self.rank}] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
                     f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms")

@@ -39,6 +39,11 @@ from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
 
 
+def batch_indices(global_dp: int, dp: int, dp_rank: int) -> list[int]:
+    """The global batch indices data-parallel rank ``dp_rank`` of ``dp`` computes each step."""
+    return [i for i in range(global_dp) if i % dp == dp_rank]
+
+
 class Trainer:
     def __init__(self, cfg: dict, slot: int, injector: FaultInjector, metrics_path: Path,
                  publish_progress=None, progress: Progress | None = None):
@@ -181,7 +186,7 @@ class Trainer:
         # lost a data-parallel replica keeps it: rank d computes the batches of every d' = d mod
         # dp, and the summed gradients are divided by global_dp (same sequences, same mean).
         global_dp = int(cfg["parallel"].get("global_dp") or dp)
-        batches = [i for i in range(global_dp) if i % dp == dp_rank]
+        batches = batch_indices(global_dp, dp, dp_rank)
         self.opt.grad_div = global_dp
         self.schedule.start(comm.store, comm.keys, comm.topo.dims.world_size)
         if self.engine.persister is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from deadpool.data import manifest as mf
-from deadpool.data.tokenizer import EOS, byte_tokenizer, train_bpe
+from deadpool.data.tokenizer import EOS, MIN_BPE_VOCAB, byte_tokenizer, train_bpe
 
 PIECE_BYTES = 1 << 20  # a long document is encoded in pieces of about this size, cut at newlines
 
@@ -204,6 +204,9 @@ def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
     if tokenizer == "byte":
         tok = byte_tokenizer()
     elif tokenizer == "bpe":
+        if vocab_size < MIN_BPE_VOCAB:
+            raise PrepareError(f"--vocab-size {vocab_size} is too small for a byte-level BPE (at "
+                               f"least {MIN_BPE_VOCAB}: 256 bytes + the end-of-document token)")
         pick_dtype(vocab_size, dtype)  # fail before training, not after
         progress = Progress("read", total)
 

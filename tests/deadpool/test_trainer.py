@@ -63,3 +63,63 @@ def test_an_aborted_generation_stops_the_loop_before_the_next_step(tmp_path):
     with pytest.raises(Aborted, match="rank 1 failed"):
         tr.train(comm)
     assert tr.step == 0 and not tr.dirty
+
+
+@pytest.fixture(scope="module")
+def fables(tmp_path_factory):
+    """The shipped corpus, prepared (byte tokens fit the tiny model's vocabulary)."""
+    from deadpool.data.prepare import prepare
+    from tests.deadpool.data.test_prepare import ROOT
+
+    out = tmp_path_factory.mktemp("fables") / "tok"
+    prepare([ROOT / "data" / "fables.txt"], out, tokenizer="byte", documents="paragraph",
+            log=lambda *a: None)
+    return out
+
+
+def test_evaluation_does_not_change_the_final_state(tmp_path, fables):
+    data = ["data=tokens", f"data.path={fables}"]
+    (tmp_path / "off").mkdir()
+    (tmp_path / "on").mkdir()
+    off, comm = trainer(tmp_path / "off", extra=data)
+    off.train(comm)
+    on, comm = trainer(tmp_path / "on", extra=[*data, "eval_every_steps=2", "eval_batches=3"])
+    on.train(comm)
+    assert on.digest() == off.digest()
+    rows = [json.loads(line) for line in (tmp_path / "on" / "m.jsonl").read_text().splitlines()]
+    vals = {r["step"]: r["val_loss"] for r in rows if r["val_loss"] is not None}
+    assert sorted(vals) == [2, 4, 6] and all(2.0 < v < 7.0 for v in vals.values())
+    # the mean over the three held-out batches, recomputed here with the single-process model
+    from deadpool.model import build_model
+    model = build_model(on.cfg["model"], on.cfg["seed"])
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), on.stage.parameters()):
+            p.copy_(q)
+        ref = sum(float(model(*on.corpus.eval_batch(k, on.cfg["batch_size"], on.cfg["seq_len"])))
+                  for k in range(3)) / 3
+    assert abs(vals[6] - ref) < 1e-5
+
+
+def test_tensorboard_event_files_hold_the_step_metrics_and_recoveries(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from deadpool import tensorboard_log
+
+    tr, comm = trainer(tmp_path, extra=["logging.tensorboard=true", "eval_every_steps=3"])
+    tr.train(comm)
+    summary = {"recoveries": [{"generation": 1, "resume_step": 4, "detect_s": 0.05,
+                               "transfer_s": 0.02, "outcome": "hot-swapped"}]}
+    tensorboard_log.write_recoveries(tr.cfg, summary)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]  # (protection lag needs replication, not started here)
+    assert {"train/loss", "val/loss", "perf/step_time_s", "perf/tokens_per_s",
+            "snapshot/interval_steps",
+            "recovery/detect_s"} <= set(tags)
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, STEPS + 1))
+    assert [e.step for e in acc.Scalars("val/loss")] == [3, 6]
+    assert acc.Scalars("recovery/detect_s")[0].value == pytest.approx(0.05)
+    tokens = 8 * 64  # one batch of batch_size x seq_len per step at dp=1
+    first = acc.Scalars("perf/tokens_per_s")[0].value * acc.Scalars("perf/step_time_s")[0].value
+    assert first == pytest.approx(tokens, rel=1e-4)
+    assert "recovery/generation_1/text_summary" in acc.Tags()["tensors"]

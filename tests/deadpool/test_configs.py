@@ -9,7 +9,7 @@ from deadpool.job import validate
 from deadpool.train import CONF_DIR
 from tests.conftest import compose_train
 
-GROUPS = ["model", "parallel", "ft", "faults", "launcher", "experiment"]
+GROUPS = ["model", "parallel", "ft", "faults", "launcher", "data", "experiment"]
 
 
 def options(group):
@@ -30,6 +30,10 @@ def test_every_option_composes(group, option, tmp_path, monkeypatch):
     elif option == "kill_3d_two_ranks_swapped":
         extra = ["parallel=dp2_tp2_pp2"]
     cfg = compose_train([f"{group}={option}"] + extra, tmp_path)
+    if (group, option) == ("data", "tokens"):  # data.path is required (tests/deadpool/data)
+        with pytest.raises(ValueError, match="needs data.path"):
+            validate(cfg)
+        return
     assert cfg["run_dir"] == str(tmp_path)
     assert cfg["ft"]["checkpoint_dir"] == f"{tmp_path}/checkpoints"
     if (group, option) == ("model", "gpt_1b"):
@@ -59,6 +63,12 @@ def test_demo_experiment_is_what_the_readme_says(tmp_path):
     ("ft.heartbeat_timeout_s=0.05", "heartbeat_timeout_s"),
     ("backend=nccl", "backend=nccl needs device=cuda"),
     ("faults=kill_last", None),
+    ("lr=abc", "lr must be a number, got 'abc'"),
+    ("num_steps=2.5", "num_steps must be an integer"),
+    ("model.d_model=wide", "model.d_model must be a number"),
+    ("seq_len=512", "seq_len=512 exceeds model.max_seq_len=256"),
+    ("ft.resume_from=/nonexistent/ckpt", "ft.resume_from=/nonexistent/ckpt: no such directory"),
+    ("ft.resume_from=/tmp", "no complete DeadPool checkpoint"),
 ])
 def test_validation_names_the_bad_field(override, msg, tmp_path):
     cfg = compose_train([override, "parallel=dp2"] + (

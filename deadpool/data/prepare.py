@@ -28,6 +28,7 @@ from deadpool.data import manifest as mf
 from deadpool.data.tokenizer import EOS, MIN_BPE_VOCAB, byte_tokenizer, train_bpe
 
 PIECE_BYTES = 1 << 20  # a long document is encoded in pieces of about this size, cut at newlines
+ENCODE_BATCH_BYTES = 8 << 20  # text handed to the tokenizer at once
 
 
 class PrepareError(ValueError):
@@ -225,7 +226,7 @@ def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
     eos = tok.token_to_id(EOS)
     out.mkdir(parents=True, exist_ok=True)
     train = ShardWriter(out, "train", dtype, shard_tokens)
-    progress, batch, ends, n_docs = Progress("encode", total), [], [], 0
+    progress, batch, ends, n_docs, pending = Progress("encode", total), [], [], 0, 0
 
     def flush():
         for enc, end in zip(tok.encode_batch(batch, add_special_tokens=False), ends):
@@ -236,8 +237,10 @@ def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
         ends.append(end)
         n_docs += end
         progress.add(nbytes)
-        if len(batch) >= 64:
+        pending += nbytes
+        if pending >= ENCODE_BATCH_BYTES:  # encode_batch runs its batch on every core
             flush()
+            pending = 0
     flush()
     progress.add(0, final=True)
     shards = train.close()

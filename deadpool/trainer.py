@@ -10,7 +10,7 @@ bottom::
                        all-reduces inside; gradient buckets reduced over dp as backward fills
                        them) -> wait for the last buckets -> wait for the snapshot
                        copy -> AdamW on the shard + all-gather params -> snapshot (async)
-                       -> maybe persist -> metrics
+                       -> maybe persist -> maybe evaluate (eval_every_steps) -> metrics
 """
 
 from __future__ import annotations

@@ -99,6 +99,16 @@ def test_global_batch_is_the_same_at_any_data_parallel_width(prepared):
             assert torch.equal(global_batch(step, dp), ref)
 
 
+def test_an_elastic_relaunch_config_builds_the_same_batches(tmp_path, prepared):
+    """The relaunch after a shrink runs at parallel.dp=3 with global_dp=4 (job._relaunch_cfg):
+    its data source numbers the global batch as the full-width job's did."""
+    full = build_data(_cfg(tmp_path, prepared, "parallel=dp4", f"batch_size={B}"))
+    narrow = build_data(_cfg(tmp_path, prepared, "parallel=dp4", "parallel.dp=3",
+                             "parallel.global_dp=4", f"batch_size={B}"))
+    for step, i in [(0, 3), (9, 1)]:
+        assert torch.equal(full.batch(step, i, B, SEQ)[0], narrow.batch(step, i, B, SEQ)[0])
+
+
 def test_validation_batches_come_from_the_held_out_split(prepared):
     ds = dataset(prepared)
     x, y = ds.eval_batch(0, B, SEQ)

@@ -13,6 +13,7 @@ tensor-parallel rank) or the export is refused.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -89,6 +90,8 @@ def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict]) -> d
         shapes = {n: p.shape for n, p in GPT(mcfg).named_parameters()}
     full: dict[str, torch.Tensor] = {}
     written: dict[str, torch.Tensor] = {}
+    # a shard() that splits q/k/v by the config's head counts (grouped-query attention) takes it
+    extra = {"model_cfg": mcfg} if "model_cfg" in inspect.signature(shard).parameters else {}
     for pp_rank in range(dims.pp):
         for tp_rank in range(dims.tp):
             ranks = [dims.rank_of(pp_rank, d, tp_rank) for d in range(dims.dp)]
@@ -109,7 +112,7 @@ def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict]) -> d
                     full[name] = torch.empty(shapes[name], dtype=flat.dtype)
                     written[name] = torch.zeros(shapes[name].numel(), dtype=torch.bool)
                 index = torch.arange(shapes[name].numel()).view(shapes[name])
-                where = shard(name, index, tp_rank, dims.tp).reshape(-1)
+                where = shard(name, index, tp_rank, dims.tp, **extra).reshape(-1)
                 if where.numel() != n:
                     raise ExportError(f"{name}: rank {holder} holds {n} elements, the sharding "
                                       f"code says {where.numel()}")

@@ -123,7 +123,7 @@ def validate_numbers(cfg: dict) -> None:
         if key in cfg:
             _number(key, cfg[key], kind)
     for key, v in cfg["model"].items():
-        if key != "name":
+        if v is not None:  # null: the field's default (e.g. model.n_kv_heads)
             _number(f"model.{key}", v, float)
     if int(cfg["seq_len"]) > int(cfg["model"]["max_seq_len"]):
         raise ValueError(f"seq_len={cfg['seq_len']} exceeds model.max_seq_len={cfg['model']['max_seq_len']}")

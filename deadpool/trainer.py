@@ -10,7 +10,7 @@ bottom::
                        all-reduces inside; gradient buckets reduced over dp as backward fills
                        them) -> wait for the last buckets -> wait for the snapshot
                        copy -> AdamW on the shard + all-gather params -> snapshot (async)
-                       -> maybe persist -> maybe evaluate (eval_every_steps) -> metrics
+                       -> maybe persist -> metrics
 """
 
 from __future__ import annotations
@@ -248,13 +248,13 @@ class Trainer:
                     self._decide_interval(comm, ckpt_s, t_ckpt - t0)
             self.schedule.end_of_step(self.step, comm.raise_if_aborted)
             dt = time.perf_counter() - t0
+            if self.eval_every and self.step % self.eval_every == 0:  # not in the step's time
+                at(self.step, "eval")
+                self._val_loss = evaluate(self, comm)  # validation loss (deadpool/evaluate.py)
             cycle = None
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
             self.schedule.observe(dt, busy or cycle is not None, cycle)
-            if self.eval_every and self.step % self.eval_every == 0:  # not in the step's time
-                at(self.step, "eval")
-                self._val_loss = evaluate(self, comm)
             self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s)
             if first and on_first_step is not None:
                 on_first_step()

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from deadpool import auth, checkpoint, tensorboard_log
+from deadpool import auth, checkpoint
 from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator
 from deadpool.data import check_data
@@ -31,6 +31,7 @@ from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
 from deadpool.strategies import strategy_of
+from deadpool.tensorboard_log import write_recoveries
 
 
 def validate(cfg: dict) -> None:
@@ -182,7 +183,7 @@ def run_job(cfg: dict, log=print) -> dict:
         history.append(restart)
     coord.recoveries = history
     summary = write_outputs(cfg, coord, run_dir, wall_s=time.time() - t0)
-    tensorboard_log.write_recoveries(cfg, summary)  # logging.tensorboard
+    write_recoveries(cfg, summary)  # logging.tensorboard: each recovery as TensorBoard entries
     return summary
 
 

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from deadpool import checkpoint, tensorboard_log
+from deadpool import checkpoint
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator
 from deadpool.data import build_data
 from deadpool.evaluate import evaluate
+from deadpool.tensorboard_log import board
 from deadpool.faults import FaultInjector
 from deadpool.settings import num_microbatches
 from deadpool.parallel.data.zero import ZeroOptimizer
@@ -54,7 +55,7 @@ class Trainer:
         self.corpus = build_data(cfg)  # data=synthetic | tokens (deadpool/data)
         self.eval_every = int(cfg.get("eval_every_steps") or 0)
         self._val_loss: float | None = None  # this step's validation loss (last stage)
-        self.board = tensorboard_log.board(cfg, slot)  # logging.tensorboard (else a no-op)
+        self.board = board(cfg, slot)  # logging.tensorboard (else a no-op)
         self.snapshots_on = bool(cfg["ft"]["snapshot"])
         # disk checkpoints every N steps; 'auto' (ft=checkpoint_restart): Young/Daly, decided
         # after a first measured checkpoint (see persist_due / _decide_interval)

@@ -3,6 +3,7 @@ transformers.LlamaForCausalLM with logits equal to DeadPool's single-process mod
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from deadpool.export import ExportError, export
 from deadpool.export.consolidate import stage_params
 from deadpool.export.llama import to_hf
-from deadpool.model import build_model, model_config
+from deadpool.model import ModelConfig, build_model, model_config
 from deadpool.parallel.tensor.layers import shard
 from deadpool.topology import ParallelDims
 
@@ -22,10 +23,17 @@ MODEL = {"vocab_size": 96, "d_model": 64, "n_layers": 3, "n_heads": 4, "ffn_mult
 quiet = lambda *a, **k: None  # noqa: E731
 
 
-def trained_like(seed: int) -> torch.nn.Module:
+# grouped-query attention, where the model has it (two query heads per key/value head)
+GQA = pytest.param(dict(MODEL, n_kv_heads=2), id="gqa", marks=pytest.mark.skipif(
+    "n_kv_heads" not in ModelConfig.__dataclass_fields__, reason="model without n_kv_heads"))
+# shard() of a model with grouped-query attention takes the config (the q/k/v row split)
+SHARD_KW = "model_cfg" in inspect.signature(shard).parameters
+
+
+def trained_like(seed: int, mcfg=MODEL) -> torch.nn.Module:
     """The single-process model with weights far from init (attention scores of order one, norms
     not all ones), so a wrong layout cannot hide in near-uniform softmaxes."""
-    model = build_model(MODEL, seed)
+    model = build_model(mcfg, seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -34,25 +42,26 @@ def trained_like(seed: int) -> torch.nn.Module:
     return model
 
 
-def rank_states(model, dims: ParallelDims, pad: int = 3) -> dict[int, dict]:
+def rank_states(model, dims: ParallelDims, mcfg=MODEL, pad: int = 3) -> dict[int, dict]:
     """What each rank of ``dims`` would write to final/: its stage's slices (``shard``), flat, in
     the stage's parameter order, zero-padded as ZeRO-1 pads; AdamW state beside it."""
     full = dict(model.named_parameters())
+    kw = {"model_cfg": model_config(mcfg)} if SHARD_KW else {}
     states = {}
     for r in range(dims.world_size):
         c = dims.coords(r)
-        parts = [shard(n, full[n].detach(), c["tp"], dims.tp).reshape(-1)
-                 for n, _ in stage_params(model_config(MODEL), c["pp"], dims.pp, c["tp"], dims.tp)]
+        parts = [shard(n, full[n].detach(), c["tp"], dims.tp, **kw).reshape(-1)
+                 for n, _ in stage_params(model_config(mcfg), c["pp"], dims.pp, c["tp"], dims.tp)]
         flat = torch.cat(parts + [torch.zeros(pad)])
         states[r] = {"params": flat, "exp_avg": torch.zeros(5), "step": torch.tensor(3.0)}
     return states
 
 
-def write_run(tmp_path, model, dims, seed=5, data=None) -> None:
+def write_run(tmp_path, model, dims, seed=5, data=None, mcfg=MODEL) -> None:
     (tmp_path / "final").mkdir(parents=True)
-    for r, st in rank_states(model, dims).items():
+    for r, st in rank_states(model, dims, mcfg).items():
         torch.save(st, tmp_path / "final" / f"rank{r}.pt")
-    job = {"model": MODEL, "seed": seed, "parallel": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
+    job = {"model": mcfg, "seed": seed, "parallel": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
            "data": data or {"name": "synthetic"}}
     (tmp_path / "job.json").write_text(json.dumps(job))
 
@@ -67,10 +76,13 @@ def hf_logits(out_dir, tokens):
 TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.parametrize("mcfg", [pytest.param(MODEL, id="mha"), GQA])
 @pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (2, 2, 2), (1, 4, 3)])
-def test_exported_logits_equal_the_single_process_model(tmp_path, dp, tp, pp):
-    model = trained_like(11)
-    write_run(tmp_path / "run", model, ParallelDims(dp, tp, pp, ranks_per_node=tp))
+def test_exported_logits_equal_the_single_process_model(tmp_path, dp, tp, pp, mcfg):
+    if tp > int(mcfg.get("n_kv_heads") or mcfg["n_heads"]):
+        pytest.skip("a rank holds whole key/value heads")
+    model = trained_like(11, mcfg)
+    write_run(tmp_path / "run", model, ParallelDims(dp, tp, pp, ranks_per_node=tp), mcfg=mcfg)
     export(tmp_path / "run", tmp_path / "hf", log=quiet)
     with torch.no_grad():
         ref = model(TOKENS)

@@ -11,8 +11,9 @@ trained on ``data=tokens``, its ``tokenizer.json`` with a ``tokenizer_config.jso
     model = transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)
     tokenizer = transformers.AutoTokenizer.from_pretrained(OUT_DIR)
 
-Tensors keep the dtype the run stored its parameters in; ``--dtype float32`` (or bfloat16,
-float16) converts them.
+Tensors keep the dtype the run stored its parameters in; ``--dtype bfloat16`` (or float16,
+float32) converts them, except that ``--dtype float32`` of a mixed-precision run exports its
+fp32 master weights (``master``, ZeRO-1 shards joined), not its bf16 parameters upcast.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def export(src, out, *, dtype: str | None = None, max_shard_size: str = "5GB",
            job=None, log=print) -> dict:
     """Write ``out`` (module docstring) from a run directory or checkpoint; returns config.json."""
     cfg, dims, states, what = load_source(src, job)
-    full = full_parameters(cfg["model"], dims, states)
+    masters = dtype == "float32" and all("master" in st for st in states.values())
+    full = full_parameters(cfg["model"], dims, states, source="master" if masters else "params")
     tensors = to_hf(full, cfg["model"])
     if dtype is not None:
         try:
@@ -109,5 +111,6 @@ def export(src, out, *, dtype: str | None = None, max_shard_size: str = "5GB",
     files = write_safetensors(tensors, out, parse_size(max_shard_size))
     n = sum(t.numel() for t in tensors.values())
     log(f"[export] {what} (dp{dims.dp} x tp{dims.tp} x pp{dims.pp}) -> {out}: {n:,} parameters, "
-        f"{str(stored).removeprefix('torch.')}, {len(files)} safetensors file(s)")
+        f"{str(stored).removeprefix('torch.')}{' (fp32 master weights)' if masters else ''}, "
+        f"{len(files)} safetensors file(s)")
     return config

@@ -82,9 +82,33 @@ def stage_params(cfg, pp_rank: int, pp: int, tp_rank: int, tp: int) -> list[tupl
     return [(n, p.shape) for n, p in stage.named_parameters()]
 
 
-def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict]) -> dict[str, torch.Tensor]:
+def stage_flat(dims: ParallelDims, states: dict[int, dict], pp_rank: int, tp_rank: int,
+               source: str) -> tuple[torch.Tensor, int]:
+    """The flat parameter buffer of stage (pp, tp) and a rank it came from. ``source="params"``:
+    any data-parallel replica's ``params``. ``"master"``: the fp32 master weights of a
+    mixed-precision run, whole on one rank or, under ZeRO-1, one shard per data-parallel rank
+    (concatenated in dp order)."""
+    ranks = [dims.rank_of(pp_rank, d, tp_rank) for d in range(dims.dp)]
+    if source == "params":
+        holder = next((r for r in ranks if "params" in states[r]), None)
+        if holder is None:
+            raise ExportError(f"no rank of stage (pp {pp_rank}, tp {tp_rank}) holds its "
+                              f"parameters (ranks {ranks})")
+        return states[holder]["params"].reshape(-1), holder
+    if any("master" not in states[r] for r in ranks):
+        raise ExportError(f"stage (pp {pp_rank}, tp {tp_rank}) has no master weights on every "
+                          f"rank {ranks} (not a mixed-precision run?)")
+    shards = [states[r]["master"].reshape(-1) for r in ranks]
+    params = next((states[r]["params"] for r in ranks if "params" in states[r]), None)
+    if params is not None and shards[0].numel() == params.numel():
+        return shards[0], ranks[0]  # not sharded: every replica holds all of it
+    return torch.cat(shards), ranks[0]
+
+
+def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
+                    source: str = "params") -> dict[str, torch.Tensor]:
     """Every parameter of the single-process model (``deadpool.model.GPT`` names), whole, in the
-    dtype ``params`` is stored in."""
+    dtype of ``source`` (``stage_flat``)."""
     mcfg = model_config(model_cfg)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in GPT(mcfg).named_parameters()}
@@ -94,12 +118,7 @@ def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict]) -> d
     extra = {"model_cfg": mcfg} if "model_cfg" in inspect.signature(shard).parameters else {}
     for pp_rank in range(dims.pp):
         for tp_rank in range(dims.tp):
-            ranks = [dims.rank_of(pp_rank, d, tp_rank) for d in range(dims.dp)]
-            holder = next((r for r in ranks if "params" in states[r]), None)
-            if holder is None:
-                raise ExportError(f"no rank of stage (pp {pp_rank}, tp {tp_rank}) holds its "
-                                  f"parameters (ranks {ranks})")
-            flat = states[holder]["params"].reshape(-1)
+            flat, holder = stage_flat(dims, states, pp_rank, tp_rank, source)
             off = 0
             for name, local_shape in stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp):
                 n = local_shape.numel()

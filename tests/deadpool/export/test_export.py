@@ -145,3 +145,28 @@ def test_bad_sources_are_refused(tmp_path):
     (tmp_path / "run2" / "job.json").write_text(json.dumps(job))
     with pytest.raises(ExportError, match="does not match"):
         export(tmp_path / "run2", tmp_path / "o", log=quiet)
+
+
+def test_a_mixed_precision_run_exports_bf16_or_its_fp32_master_weights(tmp_path):
+    """bf16 ``params`` on every replica and fp32 ``master`` shards, one per data-parallel rank
+    (ZeRO-1): as stored, bf16; ``--dtype float32``, the masters exactly (not bf16 upcast)."""
+    model = trained_like(16)
+    dims = ParallelDims(2, 2, 1, ranks_per_node=2)
+    write_run(tmp_path / "run", model, dims)
+    for r in range(dims.world_size):
+        f = tmp_path / "run" / "final" / f"rank{r}.pt"
+        st = torch.load(f)
+        full32, dp = st["params"], dims.coords(r)["dp"]
+        n = -(-full32.numel() // dims.dp)
+        padded = torch.cat([full32, torch.zeros(n * dims.dp - full32.numel())])
+        st["params"], st["master"] = full32.to(torch.bfloat16), padded[dp * n:(dp + 1) * n].clone()
+        torch.save(st, f)
+    from safetensors.torch import load_file
+
+    export(tmp_path / "run", tmp_path / "bf16", log=quiet)
+    export(tmp_path / "run", tmp_path / "fp32", dtype="float32", log=quiet)
+    a = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    b = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    ref = to_hf({n: p.detach() for n, p in model.named_parameters()}, MODEL)
+    assert all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], ref[k].to(torch.bfloat16)) for k in ref)
+    assert all(b[k].dtype == torch.float32 and torch.equal(b[k], ref[k]) for k in ref)

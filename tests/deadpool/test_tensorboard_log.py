@@ -3,6 +3,8 @@ read back with TensorBoard's own reader."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.deadpool.test_trainer import STEPS, trainer
@@ -24,6 +26,10 @@ def test_tensorboard_event_files_hold_the_step_metrics_and_recoveries(tmp_path):
     assert {"train/loss", "val/loss", "perf/step_time_s", "perf/tokens_per_s",
             "snapshot/interval_steps",
             "recovery/detect_s"} <= set(tags)
+    # every metric the records carry (lr and grad_norm where the trainer logs them) is a scalar
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    carried = {k for r in rows for k, v in r.items() if v is not None and k in tensorboard_log.SCALARS}
+    assert {tensorboard_log.SCALARS[k] for k in carried} <= set(tags)
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, STEPS + 1))
     assert [e.step for e in acc.Scalars("val/loss")] == [3, 6]
     assert acc.Scalars("recovery/detect_s")[0].value == pytest.approx(0.05)

@@ -24,6 +24,7 @@ def evaluate(trainer, comm) -> float | None:
     total, count = 0.0, 0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for k in range(dp_rank, int(cfg["eval_batches"]), dp):
+            trainer.progress.set(trainer.step, "eval")  # each batch is progress (watchdog)
             x, y = trainer.corpus.eval_batch(k, int(cfg["batch_size"]), int(cfg["seq_len"]))
             loss = run_forward(trainer.stage, comm, x.to(trainer.device), y.to(trainer.device),
                                trainer.microbatches)

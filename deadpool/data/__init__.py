@@ -13,8 +13,10 @@ Every source (``data=`` config group) has the same two methods::
     synthetic.py  SyntheticCorpus: a seeded bigram chain (the default; no files)
     tokens.py     TokenDataset: memory-mapped token shards written by ``prepare``
     prepare.py    ``python -m deadpool.data.prepare``: text -> tokenizer + shards + manifest
+    tokenizer.py  the byte and BPE tokenizers prepare writes (Hugging Face ``tokenizers``)
     manifest.py   the prepared directory's manifest, and its checks (checksums, sizes)
     order.py      the stateless seeded permutation of sample indices (one per epoch)
+    fables.py     the generator of the shipped corpus, ``data/fables.txt``
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from deadpool.parallel.data.zero import ZeroOptimizer
 from deadpool.parallel.pipeline.schedule import run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
+from deadpool.snapshot.layout import checksum
 from deadpool.strategies import strategy_of, young_daly_steps
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims
@@ -55,6 +56,7 @@ class Trainer:
         self.corpus = build_data(cfg)  # data=synthetic | tokens (deadpool/data)
         self.eval_every = int(cfg.get("eval_every_steps") or 0)
         self._val_loss: float | None = None  # this step's validation loss (last stage)
+        self._batch_digests: dict[str, int] = {}  # this step's batches (see batch)
         self.board = board(cfg, slot)  # logging.tensorboard (else a no-op)
         self.snapshots_on = bool(cfg["ft"]["snapshot"])
         # disk checkpoints every N steps; 'auto' (ft=checkpoint_restart): Young/Daly, decided
@@ -174,6 +176,10 @@ class Trainer:
         ``batches`` (one, unless an elastic job runs narrower than its global batch)."""
         cfg = self.cfg
         parts = [self.corpus.batch(step, i, cfg["batch_size"], cfg["seq_len"]) for i in batches]
+        # which sequences made the step (metrics: batch index -> XXH3 of its input tokens), so a
+        # run can be checked to draw the same samples at another width or after a recovery
+        self._batch_digests = {str(i): checksum(x.reshape(-1).view(torch.uint8)) for i, (x, _) in
+                               zip(batches, parts)}
         if len(parts) == 1:
             return parts[0]
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -280,6 +286,7 @@ class Trainer:
                # the Young/Daly probe's measurements and this rank's proposed interval (once)
                "checkpoint_interval_proposal": self._proposal,
                "val_loss": self._val_loss,
+               "batch_digests": self._batch_digests,
                "t": time.time()}
         self._proposal = self._val_loss = None  # recorded once, in their step
         self.metrics.write(json.dumps(rec) + "\n")

@@ -1,9 +1,12 @@
 """Real data through the whole path with real processes: the shipped corpus prepared, trained
 dp2 x tp2 x pp2 + 1 warm spare on data=tokens with validation, a rank SIGKILLed mid-step, the
 final state bitwise equal to a failure-free run; then the run and its checkpoint exported and
-loaded by transformers.LlamaForCausalLM with DeadPool's logits."""
+loaded by transformers.LlamaForCausalLM with DeadPool's logits. And an elastic shrink on
+data=tokens draws, step by step, the same sequences as the full-width run."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -70,3 +73,37 @@ def test_tokens_3d_hot_swap_is_exact_and_the_export_loads_in_transformers(tokens
     with torch.no_grad():
         ref_logits, got = model(ids), hf(ids).logits
     assert (got - ref_logits).abs().max().item() < 1e-4
+
+
+def step_batches(run_dir) -> dict[int, dict[str, int]]:
+    """Per step, the batch index -> input digest map of the generation that completed it (a
+    recomputed step's later records replace the earlier)."""
+    out: dict[int, dict[str, int]] = {}
+    gen: dict[int, int] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if gen.get(r["step"], -1) < r["generation"]:
+            gen[r["step"]], out[r["step"]] = r["generation"], {}
+        if gen[r["step"]] == r["generation"]:
+            out[r["step"]].update(r["batch_digests"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_elastic_shrink_keeps_the_sequences_of_every_step(tokens, tmp_path):
+    common = ["model=tiny", "parallel=dp4", "num_steps=12", "log_every_steps=0",
+              "ft.persist_interval_steps=0", "data=tokens", f"data.path={tokens}"]
+    ref = run_job(compose_train(common + ["faults=none"], tmp_path / "ref"), log=quiet)
+    assert ref["outcome"] == "completed"
+    run = run_job(compose_train(common + ["ft=elastic", "faults=kill_mid_step",
+                                          "faults.events.0.step=5"], tmp_path / "run"), log=quiet)
+    assert run["outcome"] == "completed", run["message"]
+    (rec,) = run["recoveries"]
+    assert rec["outcome"] == "shrunk to dp=3"
+    got, want = step_batches(tmp_path / "run"), step_batches(tmp_path / "ref")
+    assert sorted(want) == list(range(1, 13)) and all(len(b) == 4 for b in want.values())
+    assert got == want
+    # and the shrunk generation did compute some step with a rank drawing two batches
+    late = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(len(r["batch_digests"]) == 2 for r in late if r["step"] > rec["resume_step"])

@@ -170,3 +170,24 @@ def test_a_mixed_precision_run_exports_bf16_or_its_fp32_master_weights(tmp_path)
     ref = to_hf({n: p.detach() for n, p in model.named_parameters()}, MODEL)
     assert all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], ref[k].to(torch.bfloat16)) for k in ref)
     assert all(b[k].dtype == torch.float32 and torch.equal(b[k], ref[k]) for k in ref)
+
+
+def test_a_rank_without_parameters_takes_them_from_a_data_parallel_peer(tmp_path):
+    """A checkpoint rank written from its buddy's replica holds only its optimizer shard; the
+    parameters come from a data-parallel peer of the same stage, and without one it is refused."""
+    model = trained_like(17)
+    dims = ParallelDims(2, 2, 1, ranks_per_node=2)
+    write_run(tmp_path / "run", model, dims)
+    f0 = tmp_path / "run" / "final" / "rank0.pt"  # (pp 0, dp 0, tp 0); its peer is rank 2
+    st = torch.load(f0)
+    del st["params"]
+    torch.save(st, f0)
+    export(tmp_path / "run", tmp_path / "hf", log=quiet)
+    with torch.no_grad():
+        assert (hf_logits(tmp_path / "hf", TOKENS) - model(TOKENS)).abs().max().item() < 1e-4
+    f2 = tmp_path / "run" / "final" / "rank2.pt"
+    st = torch.load(f2)
+    del st["params"]
+    torch.save(st, f2)
+    with pytest.raises(ExportError, match=r"no rank of stage \(pp 0, tp 0\)"):
+        export(tmp_path / "run", tmp_path / "hf2", log=quiet)

@@ -25,24 +25,41 @@ created in one global order (sorted by key), which makes the rendezvous deadlock
 transfer to a rank being restored uses a 2-rank group per (holder, receiver) pair of the plan,
 made at transfer time (``pair_group``).
 
-On NCCL (never run on more than one GPU here; its logic is unit-tested on CPU with fake groups):
-a timed ``work.wait`` that expires aborts the communicator, so ``wait`` polls
-``work.is_completed()`` instead; and a collective whose peer died never completes while its
-kernel holds the stream, so a watcher thread (``start_watcher``) aborts every NCCL group of the
-generation as soon as the abort key is set, which frees the stream and any thread blocked in NCCL.
-Group keys are the same on every backend, so only groups with a replaced member must be rebuilt.
+Survivors must never sit in a collective until its timeout. One watcher thread per generation
+(``start_watcher``) reads the generation's abort key from the store every ``poll_s`` and, once it
+is set, marks the generation aborted (a local flag: the training thread never asks the store
+inside a step) and, on NCCL, aborts every device group of the generation in parallel, a thread
+per group. What cannot be polled (a group's rendezvous, point-to-point state transfer) runs in a
+helper thread through ``run_abortable``; the calling thread polls the flag and abandons the helper
+on abort (abandoned helpers are counted and bounded: ``abandoned_helpers``). Every wait is
+bounded by elapsed time (``timeout_s``), never by parsing error text.
 
-Survivors must never sit in a collective until its timeout: ``wait`` polls the generation's abort
-key between short waits and raises ``Aborted`` once it is set. What cannot be polled (a group's
-rendezvous, point-to-point state transfer) runs in a helper thread through ``run_abortable``; the
-main thread polls the abort key and abandons the helper on abort. Every wait is bounded by
-elapsed time (``timeout_s``), never by parsing error text.
+How a collective is waited depends on the backend:
+
+  gloo   ``wait`` blocks the host in short timed slices and checks the flag between them (gloo
+         cannot be aborted: an abandoned op stays parked, see above).
+  nccl   stream-ordered: ``wait`` makes the compute stream wait for the collective and returns;
+         the host queues the step's work ahead and synchronises with the GPU once per step
+         (``sync``, where the trainer then reads the loss). An aborted NCCL kernel exits early
+         with junk in its buffer and reports itself complete, and an aborted communicator fails
+         every later post and wait: so every backend error on a generation that is being aborted
+         becomes ``Aborted``, any other one ``CollectiveError`` (reported to the store), and
+         ``sync`` raises ``Aborted`` if the abort flag was set before the step's work was seen
+         complete: nothing completed after an abort is trusted. A build that is aborted midway
+         aborts the groups it already made (each is registered before it connects, so the
+         watcher can abort a connect stuck on a dead peer). The NCCL environment this relies on
+         is set by ``deadpool.nccl_env``.
+
+Group keys are the same on every backend; on gloo only groups with a replaced member must be
+rebuilt, on NCCL every group is (all were aborted).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -59,12 +76,24 @@ from deadpool.watchdog import PEER_WAIT
 
 BACKENDS = ("auto", "gloo", "nccl")
 
+# helper threads left running after an abort or a timeout (a rendezvous or NCCL init stuck on a
+# dead peer); a process that has this many alive stops taking ranks (``Communicator.build``)
+MAX_ABANDONED_HELPERS = 8
+_abandoned: list[threading.Thread] = []
+
+
+def abandoned_helpers() -> int:
+    """How many abandoned helper threads of this process are still alive."""
+    _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+    return len(_abandoned)
+
 
 def resolve_backend(device: str, backend: str = "auto") -> str:
     """The backend of the training groups (dp, tp, pipeline): ``auto`` is nccl on CUDA, gloo on CPU.
 
-    gloo also reduces CUDA tensors (staged through host memory): use it to run several ranks on
-    one GPU, which NCCL refuses. The replication group is gloo whatever this says.
+    gloo also reduces CUDA tensors (staged through host memory): another way to run several
+    ranks on one GPU besides ``launcher.share_gpu``. The replication group is gloo whatever this
+    says.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -77,19 +106,34 @@ def resolve_backend(device: str, backend: str = "auto") -> str:
 
 
 def _new_group(backend: str, store, prefix: str, rank: int, size: int, timeout_s: float):
+    """A process group (not yet connected: see ``_connect``)."""
     pstore = dist.PrefixStore(prefix, store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(pstore, rank, size, timedelta(seconds=timeout_s))
     if backend == "nccl":  # pragma: no cover - needs CUDA
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
-        pg = dist.ProcessGroupNCCL(pstore, rank, size, opts)
-        # NCCL connects lazily, at the first collective: a peer lost between the rebuild and
-        # that collective would hang the training thread where no abort frees it (measured:
-        # experiments/results/gpu). Connect now, inside the abortable build.
-        pg.allreduce([torch.zeros(1, device="cuda")]).wait()
-        return pg
+        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
     raise ValueError(f"unknown backend {backend!r} (gloo | nccl)")
+
+
+def _connect(pg) -> None:  # pragma: no cover - needs CUDA
+    """NCCL creates its communicator at the first collective: create it now, inside the abortable
+    build, and wait for that collective (every peer joined, and with ``NCCL_RUNTIME_CONNECT=0``
+    every algorithm connected), so no peer lost before the first step hangs the training thread
+    in a connect that no abort frees (measured: experiments/results/gpu)."""
+    pg.allreduce([torch.zeros(1, device="cuda")]).wait()
+    torch.cuda.current_stream().synchronize()
+
+
+def _device_event():  # pragma: no cover - needs CUDA (tests substitute a fake)
+    return torch.cuda.Event()
+
+
+def _sync_sleep(waited_s: float) -> float:
+    """How long ``sync`` sleeps between polls: short at first (a step's tail is usually short),
+    at most 1 ms (the most a step can lose to polling)."""
+    return min(1e-3, max(5e-5, waited_s / 50))
 
 
 class Communicator:
@@ -100,6 +144,7 @@ class Communicator:
         self.topo = topo
         self.store = store
         self.backend = backend
+        self.stream_ordered = backend == "nccl"  # see the module docstring
         self.poll_s = poll_s
         self.poll = timedelta(seconds=poll_s)
         self.timeout_s = timeout_s
@@ -110,10 +155,17 @@ class Communicator:
         self.lost = lost or threading.Event()
         self.fault_hook = fault_hook or (lambda step, phase: None)
         self.seal = seal or Seal(None)
+        # set once the generation is being aborted (always before any group is aborted)
         self._abort_reason: str | None = None
         self.progress = None  # the training thread's Progress: waits report "collective"
+        self._lock = threading.Lock()
         self._parked = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._aborting: list[threading.Thread] = []
         self._aborted_groups: set[str] = set()
+        self.abort_s: dict[str, float] = {}  # seconds each device group's abort took (measured)
+        self.syncs = 0  # host synchronisations (stream-ordered path)
+        self._unchecked: list = []  # works waited on the stream since the last sync
         self.kept: list[str] = []  # keys of groups taken over from the previous generation
 
     @classmethod
@@ -129,20 +181,29 @@ class Communicator:
         ``store_factory`` must return a fresh store client: a rendezvous blocks the client it
         uses, and the main thread keeps polling the abort key on ``store`` meanwhile.
         """
+        if abandoned_helpers() >= MAX_ABANDONED_HELPERS:
+            raise RuntimeError(f"{abandoned_helpers()} helper threads of earlier generations are "
+                               "still stuck (group builds or transfers abandoned on abort): this "
+                               "process stops taking ranks, a spare takes its place")
         self = cls(topo, store, backend, poll_s, timeout_s, lost, fault_hook, seal)
         gstore = store_factory() if store_factory is not None else store
         self.build_store = gstore  # free again once the build is done (callers may reuse it)
+        self.start_watcher()  # an abort during the build aborts what it has made so far
 
-        device = torch.cuda.current_device() if backend == "nccl" else None
+        device = torch.cuda.current_device() if backend == "nccl" and torch.cuda.is_available() \
+            else None
 
         def make():
             if device is not None:  # pragma: no cover - needs CUDA
                 torch.cuda.set_device(device)  # the helper thread's device is not the caller's
             self.fault_hook(step, "rebuild")
             for name, key, ranks, repl in rank_groups(topo):
+                if self._abort_reason is not None:
+                    raise Aborted(self._abort_reason)  # abandoned: make nothing more
                 old = previous.by_key(key) if previous is not None and key in keep else None
                 if old is not None:
                     self.groups[name], self.group_ranks[name], self.group_keys[name] = old
+                    self.groups[name].owner(self)  # its errors are this generation's now
                     self.kept.append(key)
                 elif repl:
                     # The replication channel always runs on gloo over host memory (pinned
@@ -154,52 +215,91 @@ class Communicator:
                 else:
                     self._add(gstore, name, key, ranks)
 
-        if store_factory is None:
-            make()  # tests of the happy path: no helper thread needed
-        else:
-            self.run_abortable(make, "group rebuild")
-        if backend == "nccl":  # pragma: no cover - needs CUDA
-            self.start_watcher()
+        try:
+            if store_factory is None:
+                make()  # tests of the happy path: no helper thread needed
+            else:
+                self.run_abortable(make, "group rebuild")
+        except BaseException:
+            self.park()  # a build aborted midway aborts the device groups it made
+            raise
         return self
 
     def start_watcher(self) -> threading.Thread:
-        """NCCL: abort the generation's device groups as soon as its abort key is set."""
-        def watch():
-            while not self._parked.is_set():
-                try:
-                    if self.aborted():
-                        break
-                except CoordinatorLost:
-                    break
-                except Exception:  # a store hiccup: the heartbeat thread decides what it means
-                    pass
-                self._parked.wait(self.poll_s)
-            self.abort_device_groups()
+        """Start the generation's abort watcher: it reads the abort key every ``poll_s`` and, once
+        it is set or the generation is parked, marks the generation aborted and aborts its device
+        groups. It holds the communicator weakly (a dropped communicator stops it)."""
+        ref, parked, lost, poll = weakref.ref(self), self._parked, self.lost, self.poll_s
 
-        t = threading.Thread(target=watch, name=f"nccl-abort-watcher-g{self.topo.generation}",
-                             daemon=True)
-        t.start()
-        return t
+        def watch():  # holds no strong reference to the communicator between polls
+            wait = poll
+            while True:
+                comm = ref()
+                if comm is None or lost.is_set():
+                    return
+                if parked.is_set():
+                    break
+                try:
+                    if comm._read_abort_key():
+                        break
+                    wait = poll
+                except Exception:  # a store hiccup: the heartbeat thread decides what it means;
+                    wait = min(1.0, 2 * wait)  # meanwhile ask less often
+                del comm
+                parked.wait(wait)
+            comm.abort_device_groups()
+
+        self._watcher = threading.Thread(target=watch, daemon=True,
+                                         name=f"abort-watcher-g{self.topo.generation}")
+        self._watcher.start()
+        return self._watcher
+
+    def _on_device(self, name: str) -> bool:
+        """A group of the device backend (replication and transfer groups are gloo)."""
+        return self.backend == "nccl" and not name.startswith(("repl", "xfer"))
 
     def abort_device_groups(self) -> None:
-        """Abort every group on the device backend (gloo host groups are left parked)."""
-        if self.backend != "nccl":
-            return
-        for name, pg in list(self.groups.items()):
-            if not name.startswith(("repl", "xfer")) and name not in self._aborted_groups:
-                self._aborted_groups.add(name)
-                try:
-                    pg.abort()
-                except Exception:
-                    pass
+        """Abort every NCCL group of the generation, in parallel (a thread per group: aborts take
+        ~1 s each, and serial aborts of stuck communicators can deadlock) and wait for them.
+        The generation is marked aborted first, so nothing completing from now on is trusted."""
+        with self._lock:
+            if self._abort_reason is None:
+                self._abort_reason = "the generation was parked"
+            todo = [(n, g) for n, g in self.groups.items()
+                    if self._on_device(n) and n not in self._aborted_groups]
+            self._aborted_groups.update(n for n, _ in todo)
+            threads = [threading.Thread(target=self._abort_one, args=(n, g), daemon=True,
+                                        name=f"abort-{n}-g{self.topo.generation}") for n, g in todo]
+            self._aborting += threads
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.timeout_s)
+
+    def _abort_one(self, name: str, pg) -> None:
+        t0 = time.monotonic()
+        try:
+            pg.abort()
+        except Exception:  # already broken: nothing more to free
+            pass
+        self.abort_s[name] = time.monotonic() - t0
 
     def _add(self, store, name: str, key: str, ranks: list[int], backend: str | None = None):
+        backend = backend or self.backend
         prefix = f"g{self.topo.generation}/{key}/"
-        self.groups[name] = _Counted(_new_group(backend or self.backend, store, prefix,
-                                                ranks.index(self.topo.rank), len(ranks),
-                                                self.timeout_s))
-        self.group_ranks[name] = ranks
-        self.group_keys[name] = key
+        group = _Counted(_new_group(backend, store, prefix, ranks.index(self.topo.rank),
+                                    len(ranks), self.timeout_s), self)
+        # registered before it connects: an abort meanwhile aborts it, which frees the connect
+        with self._lock:
+            self.groups[name], self.group_ranks[name], self.group_keys[name] = group, ranks, key
+            late = self._abort_reason is not None and self._on_device(name)
+            if late:
+                self._aborted_groups.add(name)
+        if late:  # made after the abort sweep: abort it here
+            self._abort_one(name, group.pg)
+            raise Aborted(self._abort_reason)
+        if backend == "nccl":  # pragma: no cover - needs CUDA
+            _connect(group.pg)
 
     def pair_group(self, store, a: int, b: int):
         """A 2-rank gloo group (``a`` sends to ``b``) for one state transfer; both ends call this
@@ -231,66 +331,126 @@ class Communicator:
         return self.group_ranks[name].index(rank)
 
     # -- failure-aware waiting -------------------------------------------------------------------
+    def _read_abort_key(self) -> bool:
+        """Read the abort key (a store request): True, and the generation marked aborted, once
+        it holds a message sealed by this job."""
+        if self._abort_reason is not None:
+            return True
+        if not self.store.check([self.keys.abort]):
+            return False
+        try:
+            reason = self.seal.unwrap(self.keys.abort, self.store.get(self.keys.abort))
+        except AuthError:
+            return False  # not written by this job: ignored
+        with self._lock:
+            if self._abort_reason is None:
+                self._abort_reason = reason
+        return True
+
     def aborted(self) -> bool:
-        """True once the generation's abort key holds a message sealed by this job."""
+        """True once the generation is aborted. With the watcher running (every built
+        communicator) this reads a local flag only; raises ``CoordinatorLost`` once the
+        heartbeat has given the coordinator up."""
         if self._abort_reason is not None:
             return True
         if self.lost.is_set():
             raise CoordinatorLost("the coordinator stopped answering")
-        if not self.store.check([self.keys.abort]):
-            return False
-        try:
-            self._abort_reason = self.seal.unwrap(self.keys.abort, self.store.get(self.keys.abort))
-        except AuthError:
-            return False  # not written by this job: ignored
-        return True
+        return self._watcher is None and self._read_abort_key()
 
     def raise_if_aborted(self) -> None:
         if self.aborted():
             raise Aborted(self._abort_reason)
 
+    def failed(self, what: str, err: BaseException) -> Exception:
+        """The exception to raise for a backend error (posting, waiting, completing): ``Aborted``
+        while the generation is being aborted (an aborted NCCL communicator fails every op),
+        otherwise a ``CollectiveError``, reported to the store so every rank stops waiting."""
+        if isinstance(err, (Aborted, CollectiveError, CoordinatorLost)):
+            return err
+        try:
+            if self._read_abort_key():
+                return Aborted(self._abort_reason)
+        except Exception:  # the store is unreachable: the heartbeat decides what that means
+            pass
+        msg = f"{what} failed: {err}"
+        self.report_error(msg)
+        return CollectiveError(msg)
+
     def wait(self, work) -> None:
         """Wait for ``work``; raise ``Aborted`` if the generation is aborted meanwhile.
 
-        Must be used for every collective on the critical path. A local error (peer gone, or the
-        group's own timeout) is reported to the store so that ranks not connected to the dead one
-        stop waiting at once. A poll slice and a real failure are told apart by the work's state
-        (a failed work is completed), and the whole wait is bounded by ``timeout_s``.
+        Must be used for every collective on the critical path. On NCCL the compute stream waits
+        (see the module docstring); on gloo the host waits in polled slices. A local error (peer
+        gone, or the group's own timeout) is reported to the store so that ranks not connected
+        to the dead one stop waiting at once; the whole wait is bounded by ``timeout_s``.
         """
+        if self.stream_ordered:
+            try:
+                work.wait()
+            except RuntimeError as e:  # DistBackendError included
+                raise self.failed("collective", e) from None
+            self._unchecked.append(work)  # its outcome is known only once the device ran it
+            return
+        with self._waiting():
+            self._wait(work)
+
+    def _waiting(self):
+        """Report the training thread as waiting on peers while it blocks."""
         if self.progress is not None and self.progress.phase not in PEER_WAIT:
-            with self.progress.waiting():
-                return self._wait(work)
-        return self._wait(work)
+            return self.progress.waiting()
+        return nullcontext()
 
     def _wait(self, work) -> None:
         t0 = time.monotonic()
         while True:
-            if self.backend == "nccl":
-                # a timed-out wait on NCCL aborts the communicator: poll completion instead
-                if work.is_completed():
-                    work.wait()
-                    return
-                time.sleep(min(self.poll_s, 0.0005))
-            else:
-                try:
-                    work.wait(self.poll)
-                    return
-                except RuntimeError:
-                    if work.is_completed():  # finished meanwhile, or failed: ask it again
-                        try:
-                            work.wait()
-                            return
-                        except RuntimeError as e:
-                            self.report_error(str(e))
-                            raise CollectiveError(str(e)) from None
+            try:
+                work.wait(self.poll)
+                return
+            except RuntimeError:
+                if work.is_completed():  # finished meanwhile, or failed: ask it again
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as e:
+                        raise self.failed("collective", e) from None
             self.raise_if_aborted()
             if time.monotonic() - t0 > self.timeout_s:
                 msg = f"collective did not complete within {self.timeout_s:.0f} s"
                 self.report_error(msg)
                 raise CollectiveError(msg)
 
+    def sync(self) -> None:
+        """Stream-ordered (NCCL): the training thread's one host synchronisation per step. Waits
+        until the device has run everything queued so far, polling the local abort flag (no
+        store request); raises ``Aborted`` if the generation was aborted before that work was
+        seen complete, since an aborted kernel also completes, with junk; then asks every
+        collective waited since the last sync for its outcome (a failed one raises). A no-op on
+        gloo, whose waits already blocked the host."""
+        if not self.stream_ordered:
+            return
+        self.syncs += 1
+        done = _device_event()
+        done.record()
+        t0 = time.monotonic()
+        with self._waiting():
+            while not done.query():
+                if self.aborted():
+                    break
+                if time.monotonic() - t0 > self.timeout_s:
+                    msg = f"the device did not finish the step within {self.timeout_s:.0f} s"
+                    self.report_error(msg)
+                    raise CollectiveError(msg)
+                time.sleep(_sync_sleep(time.monotonic() - t0))
+        self.raise_if_aborted()
+        works, self._unchecked = self._unchecked, []
+        for work in works:  # all done: each wait returns at once, or raises the op's error
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise self.failed("collective", e) from None
+
     def run_abortable(self, fn, what: str):
-        """Run ``fn()`` in a helper thread and return its result, polling the abort key.
+        """Run ``fn()`` in a helper thread and return its result, polling the abort flag.
 
         Raises ``Aborted`` if the generation is aborted first (the helper is abandoned: it may
         finish or fail later, and whatever it writes must be dropped by the caller),
@@ -308,17 +468,24 @@ class Communicator:
                 box["error"] = e
             done.set()
 
-        threading.Thread(target=run, name=f"{what}-g{self.topo.generation}", daemon=True).start()
+        helper = threading.Thread(target=run, name=f"{what}-g{self.topo.generation}", daemon=True)
+        helper.start()
         t0 = time.monotonic()
-        while not done.wait(self.poll_s):
-            self.raise_if_aborted()
-            if time.monotonic() - t0 > self.timeout_s:
-                msg = f"{what} did not finish within {self.timeout_s:.0f} s"
-                self.report_error(msg)
-                raise CollectiveError(msg)
+        try:
+            while not done.wait(self.poll_s):
+                self.raise_if_aborted()
+                if time.monotonic() - t0 > self.timeout_s:
+                    msg = f"{what} did not finish within {self.timeout_s:.0f} s"
+                    self.report_error(msg)
+                    raise CollectiveError(msg)
+        except BaseException:
+            _abandoned.append(helper)
+            raise
         err = box.get("error")
         if err is not None:
             if isinstance(err, PassThrough):
+                raise err
+            if isinstance(err, Aborted):
                 raise err
             self.report_error(f"{what} failed: {err}")
             raise CollectiveError(f"{what} failed: {err}") from err
@@ -353,42 +520,63 @@ class Communicator:
         return self.groups[group].broadcast([t], opts)
 
     def park(self) -> None:
-        """Called when the generation is over. The caller must keep the parked object referenced
-        (the worker does: ``Worker.parked``): its groups may have ops in flight (see module doc)
-        until the next generation is built and ``release`` lets go of the gloo ones."""
+        """Called when the generation is over; returns at once. The generation is marked aborted
+        and its watcher aborts the device groups (in parallel, off this thread). The caller must
+        keep the parked object referenced (the worker does: ``Worker.parked``): its gloo groups
+        may have ops in flight (see module doc) until ``release``."""
+        with self._lock:
+            if self._abort_reason is None:
+                self._abort_reason = "the generation was parked"
         self._parked.set()
-        self.abort_device_groups()
+        if self._watcher is None:
+            threading.Thread(target=self.abort_device_groups, daemon=True,
+                             name=f"park-g{self.topo.generation}").start()
 
     def release(self, keep=()) -> threading.Thread | None:
-        """Let go of this parked generation's gloo groups whose keys are not in ``keep`` (the
-        ones the next generation took over). A gloo group's TCP event loop can spin on a dead
-        peer's socket for as long as the group lives (measured after a SIGKILL: epoll_wait
-        returning the same EPOLLIN at once, 40-60 % of a core on a survivor, the whole next
-        generation slower). Deleting a group with an op in flight blocks until the op ends, so
-        the last references are dropped on a daemon thread, or by the abandoned thread that
-        still holds the group. NCCL groups were aborted at ``park`` and stay referenced."""
-        names = [n for n, k in self.group_keys.items() if k not in keep and n in self.groups
-                 and isinstance(getattr(self.groups[n], "pg", None), dist.ProcessGroupGloo)]
+        """Once the next generation is built: let go of this parked generation's groups whose
+        keys are not in ``keep`` (the ones the next generation took over). A gloo group's TCP
+        event loop can spin on a dead peer's socket for as long as the group lives (measured
+        after a SIGKILL: epoll_wait returning the same EPOLLIN at once, 40-60 % of a core on a
+        survivor, the whole next generation slower); an aborted NCCL group holds device memory
+        and threads. Deleting a gloo group with an op in flight blocks until the op ends, so the
+        last references are dropped on a daemon thread (after the NCCL aborts are done), or by
+        the abandoned thread that still holds the group."""
+        names = [n for n, k in self.group_keys.items() if k not in keep and n in self.groups]
         drop = [self.groups.pop(n) for n in names]
         if not drop:
             return None
-        t = threading.Thread(target=drop.clear, name=f"release-g{self.topo.generation}", daemon=True)
+        aborting = list(self._aborting)
+
+        def let_go():
+            for t in aborting:
+                t.join(self.timeout_s)
+            drop.clear()
+
+        t = threading.Thread(target=let_go, name=f"release-g{self.topo.generation}", daemon=True)
         t.start()
         return t
 
 
 class _Counted:
     """A process group that counts the ops posted on it and the ones seen complete, so that a
-    recovery can tell a group all members left cleanly (reusable) from one left mid-op."""
+    recovery can tell a group all members left cleanly (reusable) from one left mid-op. A
+    backend error on posting goes through the owning communicator's ``failed`` (``comm``; the
+    next generation's once it takes the group over)."""
 
     _POSTING = frozenset({"allreduce", "broadcast", "reduce_scatter", "allgather", "send", "recv",
                           "_reduce_scatter_base", "_allgather_base", "reduce_scatter_tensor_coalesced",
                           "allgather_into_tensor_coalesced", "allreduce_coalesced", "barrier",
                           "reduce", "gather", "scatter", "alltoall", "alltoall_base"})
 
-    def __init__(self, pg):
+    def __init__(self, pg, comm: Communicator | None = None):
         self.pg = pg
+        self.owner(comm)
         self.posted = self.completed = 0
+
+    def owner(self, comm: Communicator | None) -> None:
+        # weakly: a reference cycle would leave the group to the garbage collector, which may
+        # then delete it, op in flight, on whichever thread it runs (and block there)
+        self.comm = (lambda: None) if comm is None else weakref.ref(comm)
 
     def __getattr__(self, name):
         attr = getattr(self.pg, name)
@@ -396,7 +584,13 @@ class _Counted:
             return attr
 
         def post(*args, **kwargs):
-            work = attr(*args, **kwargs)
+            try:
+                work = attr(*args, **kwargs)
+            except dist.DistError as e:  # e.g. posting on an aborted NCCL communicator
+                comm = self.comm()
+                if comm is None:
+                    raise
+                raise comm.failed(f"posting {name}", e) from None
             self.posted += 1
             return _CountedWork(work, self)
         return post

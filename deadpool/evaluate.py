@@ -32,8 +32,8 @@ def evaluate(trainer, comm) -> float | None:
                 total, count = total + loss, count + 1
     if not trainer.stage.is_last:
         return None
-    if dp > 1:
-        t = torch.tensor([total, float(count)], dtype=torch.float64)
-        comm.wait(comm.groups["dp"].allreduce([t]))
-        total, count = float(t[0]), float(t[1])
+    if dp > 1:  # on the device: NCCL reduces device tensors only
+        t = torch.tensor([total, float(count)], dtype=torch.float64, device=trainer.device)
+        comm.allreduce(t, "dp")
+        total, count = t.tolist()
     return total / count if count else None

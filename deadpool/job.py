@@ -92,9 +92,11 @@ def validate(cfg: dict) -> None:
         if not torch.cuda.is_available():
             raise ValueError("device=cuda but no CUDA device is visible")
         n_gpu = torch.cuda.device_count()
-        if (backend != "gloo" and cfg["launcher"]["name"] == "local" and slots > n_gpu):
+        if (backend != "gloo" and cfg["launcher"]["name"] == "local" and slots > n_gpu
+                and not cfg["launcher"].get("share_gpu")):
             raise ValueError(f"NCCL needs one GPU per process: {slots} processes (ranks + spares) "
-                             f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs")
+                             f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs, or "
+                             "launcher.share_gpu=true (a test mode: NCCL over loopback sockets)")
     if ft.get("resume_from"):
         if not Path(ft["resume_from"]).is_dir():
             raise ValueError(f"ft.resume_from={ft['resume_from']}: no such directory")
@@ -201,7 +203,8 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     n_workers = ParallelDims.from_config(cfg["parallel"]).world_size
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
     if cfg["launcher"]["name"] == "local":
-        launcher = LocalLauncher(run_dir, job_json, secret)
+        launcher = LocalLauncher(run_dir, job_json, secret,
+                                 share_gpu=bool(cfg["launcher"].get("share_gpu")))
         launcher.start(slots)
         log(f"[deadpool] {n_workers} workers + {cfg['ft']['num_spares']} warm spare(s) started; "
             f"store on port {master.port}; run dir {run_dir}")

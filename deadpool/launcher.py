@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from deadpool import auth
+from deadpool import auth, nccl_env
 from deadpool.protocol import Keys
 
 
@@ -33,8 +33,10 @@ def local_rank(slot: int, num_devices: int | None = None) -> int:
 
 
 class LocalLauncher:
-    def __init__(self, run_dir: Path, job_json: Path, secret: str | None = None):
+    def __init__(self, run_dir: Path, job_json: Path, secret: str | None = None,
+                 share_gpu: bool = False):
         self.run_dir = Path(run_dir)
+        self.share_gpu = share_gpu  # several NCCL ranks per GPU (nccl_env.share_gpu_env)
         self.job_json = Path(job_json)
         self.secret = secret
         self.procs: dict[int, subprocess.Popen] = {}
@@ -54,6 +56,8 @@ class LocalLauncher:
             # one GPU per local rank: the worker selects cuda:LOCAL_RANK (spares too: a spare's
             # device is fixed at launch; with fewer GPUs than processes they share round-robin)
             local_env = dict(env, LOCAL_RANK=str(local_rank(slot)))
+            if self.share_gpu:
+                local_env.update(nccl_env.share_gpu_env(slot))
             self.procs[slot] = subprocess.Popen(
                 [sys.executable, "-m", "deadpool.worker", "--job", str(self.job_json), "--slot", str(slot)],
                 stdout=open(log, "a"), stderr=subprocess.STDOUT, env=local_env,  # "a": relaunches

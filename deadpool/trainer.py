@@ -9,8 +9,8 @@ bottom::
     while steps left:  abort? -> micro-batches through the pipeline (1F1B: forward/backward, TP
                        all-reduces inside; gradient buckets reduced over dp as backward fills
                        them) -> wait for the last buckets -> wait for the snapshot
-                       copy -> AdamW on the shard + all-gather params -> snapshot (async)
-                       -> maybe persist -> metrics
+                       copy -> AdamW on the shard + all-gather params -> host sync (NCCL: the
+                       step's only one) -> snapshot (async) -> maybe persist -> metrics
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from deadpool.tensorboard_log import board
 from deadpool.faults import FaultInjector
 from deadpool.settings import num_microbatches
 from deadpool.parallel.data.zero import ZeroOptimizer
-from deadpool.parallel.pipeline.schedule import run_1f1b
+from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
@@ -232,8 +232,13 @@ class Trainer:
             # parameter all-gather may be cut by an abort): it must not be resumed from
             self.dirty = True
             self.opt.step(comm)
+            # NCCL: the step's one host sync (collectives were ordered on the stream); it raises
+            # Aborted if the generation was aborted before the step was seen complete, so a
+            # gather cut by an abort never counts as clean. gloo: nothing to wait for.
+            comm.sync()
             self.step += 1
             self.dirty = False
+            loss = None if loss is None else host_scalar(loss)
             # every rank snapshots the same steps: the agreed interval, and the persist steps
             took = self.snapshots_on and (
                 (self.schedule.due(self.step)

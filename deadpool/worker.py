@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deadpool import auth
+from deadpool import auth, nccl_env
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
@@ -278,6 +278,7 @@ def main(argv=None) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     if cfg["device"].startswith("cuda"):  # pragma: no cover - needs CUDA
+        nccl_env.apply(bool(cfg.get("deterministic")))  # before any NCCL call (nccl_env.py)
         torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", 0))))
     code = 0
     try:

@@ -13,6 +13,7 @@ from deadpool.comm import Communicator
 from deadpool.errors import Aborted
 from deadpool.faults import FaultInjector
 from deadpool.protocol import Keys
+from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer
 from tests.conftest import compose_train
@@ -60,6 +61,8 @@ def test_a_rollback_to_a_snapshot_replays_to_the_same_bits(tmp_path):
 def test_an_aborted_generation_stops_the_loop_before_the_next_step(tmp_path):
     tr, comm = trainer(tmp_path)
     comm.store.set(Keys(0).abort, "rank 1 failed")
+    # the generation's abort watcher reads the key (every ft.collective_poll_s)
+    assert wait_until(comm.aborted, every_s=0.005, timeout_s=5.0)
     with pytest.raises(Aborted, match="rank 1 failed"):
         tr.train(comm)
     assert tr.step == 0 and not tr.dirty

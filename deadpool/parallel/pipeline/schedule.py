@@ -79,7 +79,7 @@ def _recv(comm, group: str, shape, like: torch.Tensor) -> torch.Tensor:
 
 
 def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
-             hook=None, loss_div: int | None = None) -> float | None:
+             hook=None, loss_div: int | None = None) -> torch.Tensor | None:
     """Forward and backward of this rank's local batch ``(b, t)`` through the pipeline.
 
     Returns the mean loss over micro-batches on the last stage, ``None`` elsewhere. ``hook(phase)``
@@ -141,7 +141,8 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
         hook("pp_cooldown")
         backward()
     sends.wait_all()
-    return host_scalar(torch.stack(losses).mean()) if stage.is_last else None
+    # a device tensor: reading it is a host sync, which the trainer does once per step
+    return torch.stack(losses).mean() if stage.is_last else None
 
 
 def run_forward(stage, comm, tokens: torch.Tensor, targets: torch.Tensor,

@@ -18,6 +18,9 @@ from tests.deadpool.helpers import client, master_store, run_threads
 TINY = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_mult=2, max_seq_len=8)
 SEED = 11
 
+# communicators with an op abandoned in flight, kept referenced (deleting such a group blocks)
+KEPT: list = []
+
 
 def batch(b, t=8, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -111,7 +114,7 @@ def test_a_stage_waiting_for_a_gradient_leaves_on_abort():
         # generation's do (deleting a group with an op in flight blocks)
         comm = Communicator.build(Topology(dims, r, 5), client(master.port), poll_s=0.01,
                                   timeout_s=5.0)
-        comm.park()
+        KEPT.append(comm)
         stage = build_stage(TINY, SEED, pp_rank=r, pp=2, tp_rank=0, tp=1)
         x, y = batch(4)
         if r == 1:

@@ -19,6 +19,9 @@ from tests.deadpool.helpers import client, master_store, run_threads
 TP = 2
 close = dict(rtol=1e-5, atol=1e-6)
 
+# communicators with an op abandoned in flight, kept referenced (deleting such a group blocks)
+KEPT: list = []
+
 
 def tp_comm(master, r, tp=TP, generation=0, timeout_s=120.0):
     dims = ParallelDims(1, tp, 1, ranks_per_node=tp)
@@ -112,7 +115,7 @@ def test_a_rank_blocked_in_a_tp_allreduce_leaves_on_abort():
         # the abandoned all-reduce stays in flight until the group's timeout (5 s: the process
         # must not wait for it at exit); the group stays referenced, as a parked generation's
         comm = tp_comm(master, r, generation=3, timeout_s=5.0)
-        comm.park()
+        KEPT.append(comm)
         stage = build_stage(cfg, 0, pp_rank=0, pp=1, tp_rank=r, tp=TP)
         if r == 1:
             time.sleep(0.3)

@@ -1,0 +1,162 @@
+"""A CPU stand-in for torch 2.13's ``ProcessGroupNCCL``, for the runtime's NCCL path.
+
+The data moves over a real gloo group underneath; on top, the fake behaves as NCCL does where
+DeadPool's correctness depends on it (torch 2.13, NCCL 2.2x; see the NCCL section of README.md):
+
+- ``abort()`` makes every op in flight on the group complete at once, with junk in its output
+  (an aborted kernel exits early): ``is_completed()`` turns true and ``wait()`` returns normally;
+- posting on an aborted group raises ``DistBackendError`` ("NCCL communicator was aborted");
+- ``wait()`` on a failed work raises ``DistBackendError``;
+- ``wait(timeout)`` that expires aborts the communicator (torch's timed wait on NCCL does);
+- ``wait()`` without a timeout is a stream wait on real NCCL (the host goes on). On CPU the
+  host must have the data before it computes with it, so the fake blocks until the op completes
+  or the group is aborted: the same calls in the same order, without the overlap.
+
+``FakeEvents`` replaces ``torch.cuda.Event`` and counts host synchronisations per thread.
+``install(monkeypatch, script)`` puts both into ``deadpool.comm``; ``script`` decides per posted
+op whether it stalls (never completes, as when a peer dies inside it) or fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import deadpool.comm as comm_mod
+
+# every fake group made, kept referenced: a gloo group deleted with an op in flight blocks
+KEEP: list = []
+
+
+class Script:
+    """What happens to the ``n``-th op ``name`` posted on the group made under store prefix
+    ``prefix`` (``g{generation}/{group key}/``) by its member ``rank`` (the rank in the group)."""
+
+    def stall(self, prefix: str, rank: int, name: str, n: int) -> bool:
+        return False
+
+    def fail(self, prefix: str, rank: int, name: str, n: int) -> str | None:
+        return None
+
+    def on_stall(self, group: "FakeNCCLGroup") -> None:
+        pass
+
+
+class FakeNCCLGroup:
+    def __init__(self, pg, prefix: str, rank: int, script: Script):
+        self.pg, self.prefix, self.rank, self.script = pg, prefix, rank, script
+        self.aborted = False
+        self.abort_calls = 0
+        self.posts: Counter = Counter()
+        KEEP.append(self)
+
+    def abort(self) -> None:
+        self.abort_calls += 1
+        self.aborted = True
+
+    def _post(self, name: str, outs: list[torch.Tensor], launch) -> "FakeNCCLWork":
+        if self.aborted:
+            raise dist.DistBackendError(f"NCCL communicator was aborted on rank {self.rank}.")
+        self.posts[name] += 1
+        n = self.posts[name]
+        if self.script.stall(self.prefix, self.rank, name, n):
+            self.script.on_stall(self)
+            return FakeNCCLWork(self, None, outs)
+        return FakeNCCLWork(self, launch(), outs, self.script.fail(self.prefix, self.rank, name, n))
+
+    def allreduce(self, tensors, opts=None):
+        return self._post("allreduce", tensors, lambda: self.pg.allreduce(tensors, opts)
+                          if opts is not None else self.pg.allreduce(tensors))
+
+    def broadcast(self, tensors, opts):
+        return self._post("broadcast", tensors, lambda: self.pg.broadcast(tensors, opts))
+
+    def reduce(self, tensors, opts):
+        return self._post("reduce", tensors, lambda: self.pg.reduce(tensors, opts))
+
+    def _allgather_base(self, out, inp):
+        return self._post("_allgather_base", [out], lambda: self.pg._allgather_base(out, inp))
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+
+class FakeNCCLWork:
+    def __init__(self, group: FakeNCCLGroup, work, outs, fail: str | None = None):
+        self.group, self.work, self.outs, self.fail = group, work, outs, fail
+
+    def is_completed(self) -> bool:
+        return (self.group.aborted or self.fail is not None
+                or (self.work is not None and self.work.is_completed()))
+
+    def _junk(self) -> None:
+        for t in self.outs:
+            t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        t0 = time.monotonic()
+        while True:
+            if self.fail is not None:
+                raise dist.DistBackendError(self.fail)
+            if self.group.aborted:  # the kernel exited early: complete, no error, junk
+                self._junk()
+                return True
+            if timeout is not None and time.monotonic() - t0 > timeout.total_seconds():
+                self.group.abort()  # a timed wait that expires aborts the communicator
+                raise dist.DistBackendError("NCCL watchdog: work timed out, communicator aborted")
+            if self.work is None:  # stalled: a peer died inside it
+                time.sleep(0.002)
+                continue
+            try:
+                self.work.wait(timedelta(milliseconds=5))
+                return True
+            except RuntimeError:  # a poll slice ran out, or the op failed: ask again if done
+                if self.work.is_completed():
+                    try:
+                        self.work.wait()
+                        return True
+                    except RuntimeError as e:
+                        raise dist.DistBackendError(f"NCCL error: {e}") from None
+
+
+class FakeEvents:
+    """``torch.cuda.Event`` for the communicator: ``record`` marks a host sync (per thread)."""
+
+    def __init__(self):
+        self.syncs: Counter = Counter()
+
+    def __call__(self):
+        events = self
+
+        class Event:
+            def record(self):
+                events.syncs[threading.get_ident()] += 1
+
+            def query(self):
+                return True  # the fake's waits already blocked until their ops were done
+
+            def synchronize(self):
+                pass
+        return Event()
+
+
+def install(monkeypatch, script: Script | None = None) -> FakeEvents:
+    script = script or Script()
+    real = comm_mod._new_group
+
+    def new_group(backend, store, prefix, rank, size, timeout_s):
+        if backend != "nccl":
+            return real(backend, store, prefix, rank, size, timeout_s)
+        return FakeNCCLGroup(real("gloo", store, prefix, rank, size, timeout_s), prefix, rank,
+                             script)
+
+    events = FakeEvents()
+    monkeypatch.setattr(comm_mod, "_new_group", new_group)
+    monkeypatch.setattr(comm_mod, "_connect", lambda pg: None, raising=False)
+    monkeypatch.setattr(comm_mod, "_device_event", events, raising=False)
+    return events

@@ -21,6 +21,8 @@ Every source (``data=`` config group) has the same two methods::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from deadpool.data.synthetic import SyntheticCorpus
 
 __all__ = ["SyntheticCorpus", "build_data", "check_data", "global_batches"]
@@ -48,12 +50,15 @@ def build_data(cfg: dict):
 def check_data(cfg: dict) -> None:
     """Refuse, before any process starts, data the job cannot train on: raises ``ValueError``
     naming the field (a missing or corrupted shard, a tokenizer larger than the model's
-    vocabulary, a split too short for one sequence)."""
+    vocabulary, a split too short for one sequence). Makes ``data.path`` absolute in ``cfg``:
+    processes started elsewhere (srun) and a later export read it from job.json."""
     data = cfg.get("data") or {"name": "synthetic"}
     if data["name"] == "synthetic":
         return
     if data["name"] != "tokens":
         raise ValueError(f"data.name must be synthetic or tokens, got {data['name']!r}")
     from deadpool.data.tokens import check
+    if data.get("path") not in (None, "", "???"):
+        data["path"] = str(Path(data["path"]).resolve())
     check(data.get("path"), vocab_size=int(cfg["model"]["vocab_size"]), seq_len=int(cfg["seq_len"]),
           need_val=bool(int(cfg.get("eval_every_steps") or 0)))

@@ -127,8 +127,12 @@ def test_build_data_picks_the_source_by_config(tmp_path, prepared):
     assert type(build_data(compose_train(["model=tiny"], tmp_path / "r"))).__name__ == "SyntheticCorpus"
 
 
-def test_bad_data_is_refused_before_any_process_starts(tmp_path, prepared):
+def test_bad_data_is_refused_before_any_process_starts(tmp_path, prepared, monkeypatch):
     validate(_cfg(tmp_path, prepared, "eval_every_steps=5"))
+    monkeypatch.chdir(prepared.parent)  # a relative path is made absolute for the processes
+    cfg = _cfg(tmp_path, prepared.name)
+    validate(cfg)
+    assert cfg["data"]["path"] == str(prepared.resolve())
     with pytest.raises(ValueError, match="needs data.path"):
         validate(compose_train(["model=tiny", "data=tokens"], tmp_path / "run"))
     with pytest.raises(ValueError, match="no such directory"):

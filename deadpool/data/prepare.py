@@ -186,46 +186,33 @@ def pick_dtype(vocab_size: int, dtype: str) -> str:
     return dtype
 
 
-def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
-            val_fraction: float = 0.05, shard_tokens: int = 100_000_000, dtype: str = "auto",
-            documents: str = "file", log=print) -> dict:
-    """Write a prepared directory (module docstring); returns its manifest."""
-    out = Path(out)
-    if not 0 <= val_fraction < 1:
-        raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
-    if shard_tokens < 1:
-        raise PrepareError(f"--shard-tokens {shard_tokens} must be >= 1")
-    if (out / mf.MANIFEST).exists() or list(out.glob("*.bin")):
-        raise PrepareError(f"--out {out} already holds prepared shards; remove them or pick "
-                           "another directory")
-    files = input_files(inputs)
-    total = sum(f.stat().st_size for f in files)
-    if total == 0:
-        raise PrepareError(f"the inputs ({len(files)} file(s)) are empty: no text to prepare")
-    if tokenizer == "byte":
-        tok = byte_tokenizer()
-    elif tokenizer == "bpe":
-        if vocab_size < MIN_BPE_VOCAB:
-            raise PrepareError(f"--vocab-size {vocab_size} is too small for a byte-level BPE (at "
-                               f"least {MIN_BPE_VOCAB}: 256 bytes + the end-of-document token)")
-        pick_dtype(vocab_size, dtype)  # fail before training, not after
-        progress = Progress("read", total)
+def build_tokenizer(kind: str, files, documents: str, total: int, vocab_size: int, dtype: str,
+                    log):
+    if kind == "byte":
+        return byte_tokenizer()
+    if kind != "bpe":
+        raise PrepareError(f"--tokenizer must be bpe or byte, got {kind!r}")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise PrepareError(f"--vocab-size {vocab_size} is too small for a byte-level BPE (at "
+                           f"least {MIN_BPE_VOCAB}: 256 bytes + the end-of-document token)")
+    pick_dtype(vocab_size, dtype)  # fail before training, not after
+    progress = Progress("read", total)
 
-        def texts():
-            for text, _, nbytes in pieces(files, documents):
-                progress.add(nbytes)
-                yield text
-            progress.add(0, final=True)
-        t0 = time.perf_counter()
-        tok = train_bpe(texts(), vocab_size, show_progress=False)
-        log(f"[prepare] trained a {tok.get_vocab_size()}-token BPE in {time.perf_counter() - t0:.1f} s")
-    else:
-        raise PrepareError(f"--tokenizer must be bpe or byte, got {tokenizer!r}")
-    vocab = tok.get_vocab_size()
-    dtype = pick_dtype(vocab, dtype)
+    def texts():
+        for text, _, nbytes in pieces(files, documents):
+            progress.add(nbytes)
+            yield text
+        progress.add(0, final=True)
+    t0 = time.perf_counter()
+    tok = train_bpe(texts(), vocab_size, show_progress=False)
+    log(f"[prepare] trained a {tok.get_vocab_size()}-token BPE in {time.perf_counter() - t0:.1f} s")
+    return tok
+
+
+def encode(files, documents: str, tok, train: ShardWriter, total: int) -> int:
+    """Every document's tokens and its end-of-document token into ``train``; returns the number
+    of documents."""
     eos = tok.token_to_id(EOS)
-    out.mkdir(parents=True, exist_ok=True)
-    train = ShardWriter(out, "train", dtype, shard_tokens)
     progress, batch, ends, n_docs, pending = Progress("encode", total), [], [], 0, 0
 
     def flush():
@@ -243,6 +230,50 @@ def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
             pending = 0
     flush()
     progress.add(0, final=True)
+    return n_docs
+
+
+def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
+            val_fraction: float = 0.05, shard_tokens: int = 100_000_000, dtype: str = "auto",
+            documents: str = "file", log=print) -> dict:
+    """Write a prepared directory (module docstring); returns its manifest. On any error the
+    files written so far are removed (the inputs are only read)."""
+    out = Path(out)
+    if not 0 <= val_fraction < 1:
+        raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if shard_tokens < 1:
+        raise PrepareError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if (out / mf.MANIFEST).exists() or list(out.glob("*.bin")):
+        raise PrepareError(f"--out {out} already holds prepared shards; remove them or pick "
+                           "another directory")
+    files = input_files(inputs)
+    total = sum(f.stat().st_size for f in files)
+    if total == 0:
+        raise PrepareError(f"the inputs ({len(files)} file(s)) are empty: no text to prepare")
+    tok = build_tokenizer(tokenizer, files, documents, total, vocab_size, dtype, log)
+    vocab = tok.get_vocab_size()
+    dtype = pick_dtype(vocab, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        manifest = _write(out, files, documents, tok, dtype, shard_tokens, total, val_fraction)
+    except BaseException:
+        for f in [*out.glob("train_*.bin"), *out.glob("val_*.bin"), out / "tokenizer.json"]:
+            f.unlink(missing_ok=True)
+        raise
+    manifest.update(tokenizer=dict(manifest["tokenizer"], kind=tokenizer), documents=documents)
+    mf.write(out, manifest)
+    tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
+    log(f"[prepare] {out}: {tr['tokens']:,} train tokens in {len(tr['shards'])} shard(s), "
+        f"{va['tokens']:,} val tokens; vocabulary {vocab} ({dtype}), "
+        f"{tr['documents'] + va['documents']} documents")
+    return manifest
+
+
+def _write(out: Path, files, documents, tok, dtype: str, shard_tokens: int, total: int,
+           val_fraction: float) -> dict:
+    """Shards, the validation split and tokenizer.json; returns the manifest (not yet written)."""
+    train = ShardWriter(out, "train", dtype, shard_tokens)
+    n_docs = encode(files, documents, tok, train, total)
     shards = train.close()
     n_tokens = sum(s["tokens"] for s in shards)
     if n_docs == 0 or n_tokens <= n_docs:
@@ -250,22 +281,19 @@ def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
     val = ShardWriter(out, "val", dtype, shard_tokens)
     move_tail(out, shards, val, int(round(val_fraction * n_tokens)), dtype)
     tok.save(str(out / "tokenizer.json"))
-    manifest = {"format": mf.FORMAT, "version": mf.VERSION, "dtype": dtype, "vocab_size": vocab,
-                "eos_id": eos, "tokenizer": {"kind": tokenizer, "file": "tokenizer.json",
-                                             "xxh3": mf.file_xxh3(out / "tokenizer.json")},
-                "splits": {}, "val_fraction": val_fraction, "documents": documents,
+    eos = tok.token_to_id(EOS)
+    manifest = {"format": mf.FORMAT, "version": mf.VERSION, "dtype": dtype,
+                "vocab_size": tok.get_vocab_size(), "eos_id": eos,
+                "tokenizer": {"file": "tokenizer.json", "xxh3": mf.file_xxh3(out / "tokenizer.json")},
+                "splits": {}, "val_fraction": val_fraction,
                 "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files]}
     for name, split in (("train", shards), ("val", val.close())):
         docs = 0
-        for s in split:
-            s["xxh3"] = mf.file_xxh3(out / s["file"])
-            docs += int(np.count_nonzero(np.fromfile(out / s["file"], dtype=dtype) == eos))
-        manifest["splits"][name] = {"tokens": sum(s["tokens"] for s in split), "documents": docs,
-                                    "shards": split}
-    mf.write(out, manifest)
-    tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
-    log(f"[prepare] {out}: {tr['tokens']:,} train tokens in {len(tr['shards'])} shard(s), "
-        f"{va['tokens']:,} val tokens; vocabulary {vocab} ({dtype}), {n_docs} documents")
+        for sh in split:
+            sh["xxh3"] = mf.file_xxh3(out / sh["file"])
+            docs += int(np.count_nonzero(np.fromfile(out / sh["file"], dtype=dtype) == eos))
+        manifest["splits"][name] = {"tokens": sum(sh["tokens"] for sh in split),
+                                    "documents": docs, "shards": split}
     return manifest
 
 

@@ -149,3 +149,16 @@ def test_command_line_reports_progress_and_errors(tmp_path):
 
 def test_the_shipped_corpus_is_the_generators_output():
     assert (ROOT / "data" / "fables.txt").read_text(encoding="utf-8") == generate()
+
+
+def test_a_failure_midway_leaves_no_partial_shards(tmp_path):
+    good = tmp_path / "a.txt"
+    good.write_text("fine text\n" * 50)
+    bad = tmp_path / "b.txt"
+    bad.write_bytes(b"ok so far \xff\xfe broken")
+    out = tmp_path / "out"
+    # byte tokenizer: nothing reads the input before encoding, so a.txt's shard is written first
+    with pytest.raises(PrepareError, match="not UTF-8"):
+        prepare([good, bad], out, tokenizer="byte", shard_tokens=64, log=quiet)
+    assert list(out.iterdir()) == []
+    assert good.read_text() == "fine text\n" * 50  # inputs untouched

@@ -31,7 +31,7 @@ from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
 from deadpool.strategies import strategy_of
-from deadpool.tensorboard_log import write_recoveries
+from deadpool.tensorboard_log import check as check_tensorboard, write_recoveries
 
 
 def validate(cfg: dict) -> None:
@@ -105,6 +105,7 @@ def validate(cfg: dict) -> None:
         except FileNotFoundError as e:
             raise ValueError(f"ft.resume_from={ft['resume_from']}: {e}") from None
     check_data(cfg)  # data=tokens: manifest, every shard's checksum, vocabulary, split sizes
+    check_tensorboard(cfg)
     check_fits(cfg)
 
 

@@ -67,6 +67,17 @@ class Off:
         pass
 
 
+def check(cfg: dict) -> None:
+    """``logging.tensorboard=true`` needs ``torch.utils.tensorboard`` (the tensorboard package):
+    refused before any process starts, not in every worker at its first step."""
+    if (cfg.get("logging") or {}).get("tensorboard"):
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"logging.tensorboard=true needs the tensorboard package ({e}); "
+                             "pip install tensorboard") from None
+
+
 def board(cfg: dict, slot: int):
     """A ``Board`` when ``logging.tensorboard`` is on, else a no-op with the same method."""
     return Board(cfg, slot) if (cfg.get("logging") or {}).get("tensorboard") else Off()

@@ -38,3 +38,16 @@ def test_tensorboard_event_files_hold_the_step_metrics_and_recoveries(tmp_path):
     assert first == pytest.approx(tokens, rel=1e-4)
     assert "recovery/generation_1/text_summary" in acc.Tags()["tensors"]
 
+
+
+def test_without_the_tensorboard_package_the_job_is_refused_before_it_starts(tmp_path, monkeypatch):
+    import sys
+
+    from deadpool.job import validate
+    from tests.conftest import compose_train
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    cfg = compose_train(["logging.tensorboard=true", "parallel=dp2"], tmp_path)
+    with pytest.raises(ValueError, match="needs the tensorboard package"):
+        validate(cfg)
+    validate(compose_train(["parallel=dp2"], tmp_path))  # off: not needed

@@ -18,6 +18,7 @@ when logging is on.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def check(cfg: dict) -> None:
     refused before any process starts, not in every worker at its first step."""
     if (cfg.get("logging") or {}).get("tensorboard"):
         try:
-            import torch.utils.tensorboard  # noqa: F401
+            importlib.import_module("torch.utils.tensorboard")
         except ImportError as e:
             raise ValueError(f"logging.tensorboard=true needs the tensorboard package ({e}); "
                              "pip install tensorboard") from None

@@ -12,7 +12,9 @@ Phases of training (the step number is the step being computed)::
     backward               after the forward pass, before backward
     mid_step               after backward, before the gradient all-reduce
     allreduce              inside the gradient all-reduce (peers are waiting in it)
-    optimizer              after the all-reduce, before the optimizer step
+    optimizer              after the all-reduce, before the gradient norm and the optimizer step
+    param_gather           inside the optimizer step: this rank's shard is updated, its
+                           data-parallel peers wait for it in the parameter all-gather
     snapshot_copy          in the snapshot copier thread
     replication            in the replication thread, after the first chunk is sent
 
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 from deadpool.protocol import Keys
 
 TRAIN_PHASES = ("step_start", "forward", "backward", "pp_warmup", "pp_cooldown", "mid_step",
-                "allreduce", "optimizer", "snapshot_copy", "replication")
+                "allreduce", "optimizer", "param_gather", "snapshot_copy", "replication")
 RECOVERY_PHASES = ("status", "rebuild", "transfer", "rollback", "repl_restart", "idle")
 PHASES = TRAIN_PHASES + RECOVERY_PHASES
 

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from deadpool import auth, checkpoint
+from deadpool import auth, checkpoint, lr_schedule, precision
 from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator
 from deadpool.data import check_data
@@ -41,6 +41,11 @@ def validate(cfg: dict) -> None:
     validate_layout(cfg)
     if int(cfg["num_steps"]) < 1:
         raise ValueError("num_steps must be >= 1")
+    precision.check(cfg)
+    lr_schedule.check(cfg)
+    clip = cfg.get("grad_clip")
+    if clip is not None and not float(clip) > 0:
+        raise ValueError(f"grad_clip must be > 0 or null, got {clip!r}")
     strategy_of(ft)  # raises on an unknown strategy or a contradicting knob
     SnapshotSchedule(int(ft["snapshot_interval_steps"]), int(ft["max_snapshot_lag_steps"]),
                      every=int(ft["snapshot_adapt_every_steps"]),

@@ -8,15 +8,18 @@ bottom::
 
     while steps left:  abort? -> micro-batches through the pipeline (1F1B: forward/backward, TP
                        all-reduces inside; gradient buckets reduced over dp as backward fills
-                       them) -> wait for the last buckets -> wait for the snapshot
-                       copy -> AdamW on the shard + all-gather params -> host sync (NCCL: the
-                       step's only one) -> snapshot (async) -> maybe persist -> metrics
+                       them) -> wait for the last buckets -> global gradient norm, clip
+                       -> wait for the snapshot copy -> AdamW on the shard at lr_at(step)
+                       + all-gather params (a non-finite norm skips this) -> host sync
+                       (NCCL: collectives were queued on the stream) -> snapshot (async)
+                       -> maybe persist -> metrics
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -29,10 +32,14 @@ from deadpool.data import build_data
 from deadpool.evaluate import evaluate
 from deadpool.tensorboard_log import board
 from deadpool.faults import FaultInjector
+from deadpool.lr_schedule import lr_at
+from deadpool import precision
 from deadpool.settings import num_microbatches
 from deadpool.parallel.data.zero import ZeroOptimizer
+from deadpool.parallel.grad_norm import clip_, global_grad_norm
 from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
+from deadpool.parallel.tensor.layers import tp_replicated
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
 from deadpool.strategies import strategy_of, young_daly_steps
@@ -89,6 +96,12 @@ class Trainer:
         self.dirty = False  # the live state is mid-update (see train)
         self.generation = 0
         self.rank: int | None = None
+        self.dtype = precision.param_dtype(cfg)
+        precision.apply_tf32(cfg)
+        self.grad_clip = None if cfg.get("grad_clip") is None else float(cfg["grad_clip"])
+        self.skip_nonfinite = bool(cfg.get("skip_nonfinite_steps", True))
+        self.skipped_steps = 0  # steps whose update a non-finite gradient norm skipped (state)
+        self.norm_runs: list[tuple[int, int]] = []  # what this rank counts of the norm (build)
         self.metrics = open(metrics_path, "a", buffering=1)
         self.publish_progress = publish_progress or (lambda line: None)
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
@@ -107,16 +120,33 @@ class Trainer:
             self.engine.close()
         self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
                                  tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init)
+        # bf16: the model (parameters and rotary tables) is cast before the optimizer copies
+        # the fp32 master weights from it, as Megatron does (so a spare's and a peer's initial
+        # master shard are the same function of the seed)
+        self.stage = self.stage.to(self.dtype)
         self.params = list(self.stage.parameters())
         par = cfg["parallel"]
+        # Weight decay on matrices only (linear layers and the embedding), none on the RMSNorm
+        # weights (1-D): decaying a norm gain pulls it toward 0, i.e. shrinks the activations,
+        # which is not regularisation. The embedding is decayed, as in Megatron's and LLaMA's
+        # recipes and nanoGPT's (every 2-D tensor): untied from the head, it is a matrix like
+        # any other; the known cost, rows of rare tokens shrinking between their updates, is
+        # the one those recipes accept.
         self.opt = ZeroOptimizer(self.params, dp_size=dims.dp, dp_rank=coords["dp"], lr=cfg["lr"],
                                  weight_decay=cfg["weight_decay"], shard=dims.optimizer_sharded,
                                  adamw=cfg.get("adamw", "fused"),
                                  bucket_bytes=int(float(par.get("bucket_mb", 25)) * 2**20),
-                                 first_bucket_bytes=int(float(par.get("first_bucket_mb", 1)) * 2**20))
+                                 first_bucket_bytes=int(float(par.get("first_bucket_mb", 1)) * 2**20),
+                                 decays=lambda p: p.ndim >= 2,
+                                 grad_reduce_dtype=precision.grad_reduce_dtype(cfg))
+        # the global gradient norm counts a tensor-parallel-replicated parameter on tp rank 0 only
+        once = {id(p) for n, p in self.stage.named_parameters()
+                if coords["tp"] > 0 and tp_replicated(n)}
+        self.norm_runs = self.opt.owned_runs(lambda p: id(p) not in once)
         state = self.opt.state_tensors()
         # shared tensors (equal across the data-parallel group) first: see snapshot/layout.py.
-        # With dp == 1 nothing is shared: every byte is unique to the rank.
+        # With dp == 1 nothing is shared: every byte is unique to the rank. Under bf16 with ZeRO
+        # the bf16 parameters are shared and the fp32 master shard is unique (zero.py).
         shared = [(n, t) for n, t, sh in state if sh and dims.dp > 1]
         unique = [(n, t) for n, t, sh in state if not (sh and dims.dp > 1)]
         self.engine = SnapshotEngine(
@@ -143,11 +173,13 @@ class Trainer:
     def header(self) -> dict:
         """JSON-serialisable metadata stored with every snapshot and checkpoint."""
         return {"step": self.step, "data_position": self.step, "generation": self.generation,
+                "skipped_steps": self.skipped_steps,
                 "rng_cpu": checkpoint.encode_rng_state(torch.get_rng_state())}
 
     def apply_header(self, header: dict) -> None:
         """Called whenever the live state was just loaded (rollback, transfer, disk)."""
         self.step = int(header["step"])
+        self.skipped_steps = int(header.get("skipped_steps", 0))
         self.dirty = False
         if header.get("rng_cpu") is not None:
             torch.set_rng_state(checkpoint.decode_rng_state(header["rng_cpu"]))
@@ -221,18 +253,27 @@ class Trainer:
 
             loss = run_1f1b(self.stage, comm, x.to(self.device), y.to(self.device),
                             self.microbatches * len(batches), hook=phase,
-                            loss_div=self.microbatches if len(batches) > 1 else None)
+                            loss_div=self.microbatches if len(batches) > 1 else None,
+                            act_dtype=self.dtype)
             fire(s, "mid_step")
             at(s, "allreduce")
             self.opt.reduce_grads(comm, on_posted=lambda: fire(s, "allreduce"))
             at(s, "optimizer")
             fire(s, "optimizer")
+            lr, norm, skip = lr_at(s, cfg), None, False
+            if self.grad_clip is not None:  # gradients only: the state is still step s's
+                norm = global_grad_norm(self.opt.grad_shard, self.norm_runs, comm)
+                skip = self.skip_nonfinite and not math.isfinite(norm)  # same bits on every rank
+                clip_(self.opt.grad_shard, self.grad_clip, norm)
             self.engine.wait_copy()
             # from here until the step ends the live state is torn (the shard is updated, the
             # parameter all-gather may be cut by an abort): it must not be resumed from
             self.dirty = True
-            self.opt.step(comm)
-            # NCCL: the step's one host sync (collectives were ordered on the stream); it raises
+            if skip:
+                self.skipped_steps += 1
+            else:
+                self.opt.step(comm, lr=lr, on_updated=lambda: fire(s, "param_gather"))
+            # NCCL: the step's host sync (collectives were ordered on the stream); it raises
             # Aborted if the generation was aborted before the step was seen complete, so a
             # gather cut by an abort never counts as clean. gloo: nothing to wait for.
             comm.sync()
@@ -267,17 +308,25 @@ class Trainer:
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
             self.schedule.observe(dt, busy or cycle is not None, cycle)
-            self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s)
+            self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s,
+                                lr=lr, grad_norm=norm)
             if first and on_first_step is not None:
                 on_first_step()
             first = False
 
     def record_metrics(self, comm, loss: float | None, step_time_s: float, blocked_s: float,
-                       snapshot: bool, checkpoint_s: float | None = None) -> None:
+                       snapshot: bool, checkpoint_s: float | None = None, lr: float | None = None,
+                       grad_norm: float | None = None) -> None:
         """One metrics record per rank and step; the loss exists on the last pipeline stage (its
-        data-parallel rank's micro-batch mean). Rank (last stage, dp 0, tp 0) prints progress."""
+        data-parallel rank's micro-batch mean). ``lr``: the rate of the step just taken;
+        ``grad_norm``: its global gradient norm before clipping (None without ``grad_clip``, or
+        when not finite: strict JSON has no inf/nan);
+        ``skipped_steps``: steps so far whose update a non-finite norm skipped. Rank (last
+        stage, dp 0, tp 0) prints progress."""
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
                "loss": None if loss is None else round(float(loss), 6), "step_time_s": step_time_s,
+               "lr": lr, "skipped_steps": self.skipped_steps,
+               "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
                "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot,
                # steps since the newest snapshot this rank has copied and replicated; the job's

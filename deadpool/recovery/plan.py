@@ -21,7 +21,10 @@ rank into a restart from scratch. (``ft.state_sources`` may swap peer and replic
 is two regions: parameters, shared with its data-parallel peers, and its optimizer shard, which
 no peer has. A peer can then only serve the parameters: the source is the shard's replica
 holder, plus ``shared_from``, a live peer that sends the parameters, unless the replicas hold the
-whole state (``ft.replicate=full``). The resume step is the newest step for which
+whole state (``ft.replicate=full``). Under ``precision=bf16`` the shard also holds the fp32
+master weights, of which a peer's bf16 parameters are only the rounding: the same rule keeps
+a master shard from ever being rebuilt from a peer (``test_plan.py`` shows it through
+``decide``). The resume step is the newest step for which
 every rank has a source. A rank with none at any step is lost from memory; ``recovery.fallbacks`` then
 falls back to the newest complete disk checkpoint (source ``disk``, every rank). Copies a receiver
 found corrupt (checksum mismatch) are passed in ``bad`` as ``(holder, owner, step)`` and never chosen

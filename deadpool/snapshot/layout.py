@@ -3,7 +3,8 @@ their checksums, and the JSON header that travels with every snapshot.
 
 **Regions.** The flat buffer holds the *shared* tensors first (identical on every rank of the
 data-parallel group: parameters, and the optimizer state when it is not sharded) and the rank's
-*unique* tensors after them (its ZeRO-1 optimizer shard). Each region has its own checksum. A
+*unique* tensors after them (its ZeRO-1 optimizer shard: under ``precision=bf16`` the fp32
+master shard and the moments, while the shared bf16 parameters are only their rounding). Each region has its own checksum. A
 state on the wire names its region: ``all``, ``shared`` or ``unique``; what a buddy's replica
 holds is ``topology.replica_region``.
 """

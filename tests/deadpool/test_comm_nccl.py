@@ -275,3 +275,57 @@ def test_a_build_aborted_midway_aborts_the_groups_it_made(monkeypatch):
 def test_local_ranks_map_processes_round_robin_onto_gpus():
     assert [local_rank(s, 4) for s in range(6)] == [0, 1, 2, 3, 0, 1]
     assert local_rank(5, 0) == 0
+
+
+def test_a_process_with_too_many_stuck_helpers_stops_taking_ranks(monkeypatch):
+    import deadpool.comm as comm_mod
+
+    stop = threading.Event()
+    stuck = [threading.Thread(target=stop.wait, daemon=True) for _ in range(comm_mod.MAX_ABANDONED_HELPERS)]
+    for t in stuck:
+        t.start()
+    monkeypatch.setattr(comm_mod, "_abandoned", list(stuck))
+    master = master_store()
+    try:
+        with pytest.raises(RuntimeError, match="still stuck"):
+            Communicator.build(Topology(ParallelDims(dp=1), 0, 0), client(master.port))
+    finally:
+        stop.set()
+    for t in stuck:
+        t.join(1.0)
+    assert comm_mod.abandoned_helpers() == 0  # counted only while alive
+
+
+def test_release_drops_the_parked_nccl_groups_once_their_aborts_are_done(monkeypatch):
+    _, comm = nccl_comm(monkeypatch)
+    comm.groups = {n: SlowAbort() for n in ("dp", "tp")}
+    comm.group_keys = {"dp": "dp/x", "tp": "tp/x"}
+    watcher = comm.start_watcher()
+    comm.park()
+    t = comm.release(keep={"tp/x"})
+    assert set(comm.groups) == {"tp"}  # the kept one stays with the next generation
+    t.join(5.0)
+    watcher.join(5.0)
+    assert not t.is_alive() and not watcher.is_alive()
+
+
+def test_the_gpu_check_script_runs_its_dry_run_on_cpu(tmp_path):
+    """experiments/gpu/check_nccl_multirank.py must be runnable as it stands on a GPU machine:
+    its dry run checks the arguments, the per-process NCCL environments and the job configs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "experiments" / "gpu" / "check_nccl_multirank.py"
+    p = subprocess.run([sys.executable, str(script), str(tmp_path), "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    plan = json.loads((tmp_path / "check_nccl_multirank.json").read_text())
+    assert plan["scenarios"] == ["S0", "S1", "S2", "S3", "S4"]
+    assert plan["worker_env"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert plan["S3"]["faults"][0]["phase"] == "allreduce"
+    assert plan["S4"]["parallel"] == {"dp": 2, "tp": 2, "pp": 2}
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path), "--scenarios", "S9"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--scenarios" in bad.stderr

@@ -63,6 +63,13 @@ def test_demo_experiment_is_what_the_readme_says(tmp_path):
     ("ft.heartbeat_timeout_s=0.05", "heartbeat_timeout_s"),
     ("backend=nccl", "backend=nccl needs device=cuda"),
     ("faults=kill_last", None),
+    ("precision=fp16", r"precision must be one of \['fp32', 'bf16'\], got 'fp16'"),
+    ("grad_reduce_dtype=fp16", "grad_reduce_dtype must be one of"),
+    ("lr_schedule=linear", r"lr_schedule must be one of \['constant', 'cosine', 'wsd'\]"),
+    ("warmup_steps=-1", "warmup_steps"),
+    ("min_lr_ratio=1.5", "min_lr_ratio"),
+    ("wsd_decay_ratio=0", "wsd_decay_ratio"),
+    ("grad_clip=0", "grad_clip must be > 0 or null"),
 ])
 def test_validation_names_the_bad_field(override, msg, tmp_path):
     cfg = compose_train([override, "parallel=dp2"] + (

@@ -66,3 +66,69 @@ def test_an_aborted_generation_stops_the_loop_before_the_next_step(tmp_path):
     with pytest.raises(Aborted, match="rank 1 failed"):
         tr.train(comm)
     assert tr.step == 0 and not tr.dirty
+
+
+BF16 = ("precision=bf16", "grad_clip=1.0", "lr_schedule=cosine", "warmup_steps=2")
+
+
+def test_bf16_rollback_replays_to_the_same_bits_with_schedule_and_clipping(tmp_path):
+    from deadpool.lr_schedule import lr_at
+
+    tr, comm = trainer(tmp_path, extra=BF16)
+    tr.train(comm)
+    final = {k: v.clone() for k, v in tr.state_dict().items()}
+    assert final["params"].dtype == torch.bfloat16 and final["master"].dtype == torch.float32
+    assert torch.equal(final["params"][:tr.opt.numel],
+                       final["master"][:tr.opt.numel].to(torch.bfloat16))
+    tr.apply_header(tr.engine.restore_local(STEPS - 2))
+    tr.train(comm)
+    for k, v in tr.state_dict().items():
+        assert torch.equal(final[k], v), k
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows[:STEPS]] == [lr_at(s, tr.cfg) for s in range(STEPS)]
+    assert [r["lr"] for r in rows[STEPS:]] == [lr_at(s, tr.cfg) for s in (STEPS - 2, STEPS - 1)]
+    assert all(r["grad_norm"] > 0 and r["skipped_steps"] == 0 for r in rows)
+
+
+def test_a_non_finite_gradient_norm_skips_the_update_and_is_counted(tmp_path, monkeypatch):
+    import deadpool.trainer as trainer_mod
+
+    real, calls = trainer_mod.global_grad_norm, []
+
+    def norm(grad_shard, runs, comm):  # step 4's gradient norm is NaN
+        calls.append(1)
+        return float("nan") if len(calls) == 5 else real(grad_shard, runs, comm)
+
+    monkeypatch.setattr(trainer_mod, "global_grad_norm", norm)
+    tr, comm = trainer(tmp_path, extra=BF16)
+    tr.train(comm)
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows] == [0, 0, 0, 0, 1, 1]
+    assert rows[4]["grad_norm"] is None and tr.step == STEPS and tr.header()["skipped_steps"] == 1
+    assert dict((n, t) for n, t, _ in tr.opt.state_tensors())["step"].item() == STEPS - 1
+    # the skipped step left the state as it was: the snapshots of steps 4 and 5 hold the same
+    # bytes (headers aside), and step 6 moved on
+    flat = {s: tr.engine.local_slot(s).flat.clone() for s in (4, 5, 6)}
+    assert torch.equal(flat[4], flat[5]) and not torch.equal(flat[5], flat[6])
+
+
+def test_a_bf16_run_resumed_from_disk_ends_with_the_same_bits(tmp_path):
+    """The disk checkpoint (written from the snapshots) holds the bf16 parameters, the fp32
+    master and the skipped-step count; a fresh trainer loaded from the middle one finishes
+    like the run that never stopped."""
+    from deadpool.checkpoint import rank_state
+
+    ckpt = tmp_path / "ckpt"
+    tr, comm = trainer(tmp_path, extra=BF16 + ("ft.persist_interval_steps=3",
+                                              f"ft.checkpoint_dir={ckpt}"))
+    tr.train(comm)
+    tr.engine.drain()
+    tr.engine.persister.wait()
+    final = {k: v.clone() for k, v in tr.state_dict().items()}
+    fresh, comm2 = trainer(tmp_path, name="fresh", extra=BF16)
+    rank_state.load(fresh, fresh.dims, ckpt / "step_3", 0)
+    assert fresh.step == 3 and fresh.state_dict()["master"].dtype == torch.float32
+    assert not torch.equal(fresh.state_dict()["master"], final["master"])
+    fresh.train(comm2)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(final[k], v), k

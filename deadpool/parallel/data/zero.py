@@ -23,6 +23,20 @@ A step:
      kernel rounds its vector body and scalar tail differently, so it matches a per-tensor
      reference to rounding, and itself bitwise run to run (what recovery needs); then all-gather the updated shards in place
      into ``flat_params``, so every rank again holds identical full parameters.
+Mixed precision (``precision=bf16``). The parameters (hence ``flat_params``, autograd's
+gradients and the activations) are bf16; AdamW updates an fp32 copy of the owned shard (the
+*master* weights; the whole buffer when not sharded) and keeps fp32 moments, and the updated
+master shard is rounded into the owned slice of ``flat_params`` before the all-gather
+(Megatron's distributed optimizer). Gradients are accumulated over micro-batches and reduced
+over dp in fp32 by default (``grad_reduce_dtype``): a post-accumulate-grad hook folds each
+micro-batch's bf16 gradient into the fp32 ``main_grads`` buffer, which the buckets reduce; a
+bf16 sum over many ranks and micro-batches keeps only 8 bits of mantissa. With bf16 reduction
+``flat_grads`` itself is reduced and the owned shard cast to fp32 for AdamW.
+
+Weight decay. ``decays(p)`` picks the decayed parameters; since AdamW's decoupled decay is a
+separate multiply before the update, it is applied to the decayed runs of the owned shard and
+the single AdamW runs without decay (see ``__init__``).
+
 With ``shard=False`` (plain data parallelism) every rank all-reduces the full gradient and keeps
 the full AdamW state; nothing is gathered. Padding elements have zero grads, so AdamW leaves
 them at zero.
@@ -57,6 +71,7 @@ from deadpool.parallel.data.buckets import GradBuckets, bucket_edges
 __all__ = ["ZeroOptimizer", "state_nbytes"]
 
 _STEP_BYTES = 4  # AdamW's step counter: a float32 scalar
+PARAM_DTYPES = (torch.float32, torch.bfloat16)
 ADAMW_IMPLS = ("fused", "foreach", "for_loop")
 
 
@@ -64,17 +79,25 @@ def _padded(numel: int, dp_size: int) -> int:
     return -(-numel // dp_size) * dp_size
 
 
-def state_nbytes(numel: int, dp_size: int, shard: bool, itemsize: int = 4) -> dict[str, int]:
+def state_nbytes(numel: int, dp_size: int, shard: bool, itemsize: int = 4,
+                 precision: str = "fp32") -> dict[str, int]:
     """Bytes of a rank's training state for ``numel`` parameters, without building anything
     (memory estimator, benchmark). ``shared``: identical on every data-parallel peer (parameters,
-    plus the AdamW state when not sharded); ``unique``: this rank's own (its AdamW shard), i.e.
-    what no peer can supply and must be replicated elsewhere per snapshot. Padding included.
-    Matches ``ZeroOptimizer.state_nbytes()`` for fp32 parameters."""
+    plus the optimizer state when not sharded); ``unique``: this rank's own (its optimizer
+    shard), i.e. what no peer can supply and must be replicated elsewhere per snapshot. Padding
+    included. ``precision``: ``fp32`` (parameters of ``itemsize`` bytes, no master copy) or
+    ``bf16`` / ``bf16-mixed`` (bf16 parameters, shared; fp32 master weights and moments, unique
+    under ZeRO). Matches ``ZeroOptimizer.state_nbytes()``."""
     padded = _padded(numel, dp_size)
-    params = padded * itemsize
+    if precision in ("bf16", "bf16-mixed"):
+        params, optim = padded * 2, 3 * 4  # bf16 parameters; fp32 master + 2 moments
+    elif precision == "fp32":
+        params, optim = padded * itemsize, 2 * itemsize
+    else:
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
     if shard:
-        return {"shared": params, "unique": 2 * (padded // dp_size) * itemsize + _STEP_BYTES}
-    return {"shared": params + 2 * padded * itemsize + _STEP_BYTES, "unique": 0}
+        return {"shared": params, "unique": optim * (padded // dp_size) + _STEP_BYTES}
+    return {"shared": params + optim * padded + _STEP_BYTES, "unique": 0}
 
 
 def reshard_state(old: list[dict[str, torch.Tensor]], numel: int, dp_size: int, dp_rank: int,
@@ -100,8 +123,9 @@ def reshard_state(old: list[dict[str, torch.Tensor]], numel: int, dp_size: int, 
 
     params = next(st["params"] for st in old if "params" in st)
     out = {"params": cut(params.reshape(-1)[:numel], True)}
-    for name in ("exp_avg", "exp_avg_sq"):
-        out[name] = cut(full(name), not shard)
+    for name in ("master", "exp_avg", "exp_avg_sq"):  # master: bf16 runs only
+        if name in old[0]:
+            out[name] = cut(full(name), not shard)
     out["step"] = old[0]["step"].clone()
     return out
 
@@ -116,39 +140,51 @@ class ZeroOptimizer:
 
     Attributes: ``numel`` (real parameter elements), ``padded_numel`` (``flat_params.numel()``,
     a multiple of ``dp_size``), ``shard_numel`` (``padded_numel // dp_size``), ``shard_range``
-    (this rank's ``[lo, hi)`` in the flat buffers), ``flat_params``, ``flat_grads``.
+    (this rank's ``[lo, hi)`` in the flat buffers), ``flat_params``, ``flat_grads``, ``mixed``
+    (parameters in bf16 with an fp32 master copy), ``master`` (what AdamW updates: fp32) and
+    ``grad_shard`` (its gradient, valid after ``reduce_grads``).
+
+    ``decays(p) -> bool``: which parameters get weight decay (None: all of them, as one torch
+    AdamW group). ``grad_reduce_dtype``: the dtype gradients are accumulated over micro-batches
+    and reduced over dp in when the parameters are bf16 (fp32 by default, see Mixed precision).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, dp_size: int, dp_rank: int, lr: float,
                  weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8, shard: bool = True,
                  adamw: str = "fused", bucket_bytes: int = 25 << 20,
-                 first_bucket_bytes: int = 1 << 20):
+                 first_bucket_bytes: int = 1 << 20, decays=None,
+                 grad_reduce_dtype: torch.dtype = torch.float32):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.params = list({id(p): p for p in params}.values())  # tied weights once
         if not self.params:
             raise ValueError("ZeroOptimizer needs at least one parameter")
-        device = self.params[0].device
+        device, dtype = self.params[0].device, self.params[0].dtype
         for p in self.params:
-            if p.dtype != torch.float32 or p.device != device:
-                raise ValueError("all parameters must be float32 on one device "
-                                 f"(got {p.dtype} on {p.device})")
+            if p.dtype not in PARAM_DTYPES or p.dtype != dtype or p.device != device:
+                raise ValueError("all parameters must be float32, or all bfloat16, on one device "
+                                 f"(got {p.dtype} on {p.device} beside {dtype} on {device})")
+        if grad_reduce_dtype not in PARAM_DTYPES:
+            raise ValueError(f"grad_reduce_dtype must be float32 or bfloat16, got {grad_reduce_dtype}")
+        self.mixed = dtype != torch.float32
         self.dp_size, self.dp_rank, self.shard = dp_size, dp_rank, shard
         # the summed gradients are divided by this: the data-parallel width, or the number of
         # batches in the global batch when an elastic job computes several per rank (trainer.py)
         self.grad_div = dp_size
+        self.weight_decay = weight_decay
         self.numel = sum(p.numel() for p in self.params)
         self.padded_numel = _padded(self.numel, dp_size)
         self.shard_numel = self.padded_numel // dp_size
         lo = dp_rank * self.shard_numel
         self.shard_range = (lo, lo + self.shard_numel)
 
-        self.flat_params = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        self.flat_params = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self.flat_grads = torch.zeros_like(self.flat_params)
-        off = 0
+        self.offsets, off = [], 0
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
+                self.offsets.append(off)
                 self.flat_params[off:off + n].copy_(p.reshape(-1))
                 if p.grad is not None:
                     self.flat_grads[off:off + n].copy_(p.grad.reshape(-1))
@@ -157,36 +193,89 @@ class ZeroOptimizer:
                 off += n
 
         # The tensor AdamW updates: the owned shard (views, so updates land in flat_params), or
-        # everything when not sharded. A Parameter made from a view shares its storage.
+        # everything when not sharded; under bf16 an fp32 copy of it (the master weights). A
+        # Parameter made from a view shares its storage.
         sl = slice(*self.shard_range) if shard else slice(None)
+        self._sl = sl
         self._param_shard = self.flat_params[sl]
-        self._grad_shard = self.flat_grads[sl]
-        self._master = torch.nn.Parameter(self._param_shard)
-        self._master.grad = self._grad_shard
+        # gradients of the bf16 parameters accumulate (over micro-batches, from autograd hooks)
+        # and are reduced in main_grads when grad_reduce_dtype is fp32; otherwise in flat_grads
+        self.main_grads = (torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+                           if self.mixed and grad_reduce_dtype == torch.float32 else None)
+        self._reduce_buf = self.flat_grads if self.main_grads is None else self.main_grads
+        if self.mixed:
+            self._master = torch.nn.Parameter(self._param_shard.float())
+            self._master.grad = (self.main_grads[sl] if self.main_grads is not None
+                                 else torch.zeros_like(self._master))
+        else:
+            self._master = torch.nn.Parameter(self._param_shard)
+            self._master.grad = self.flat_grads[sl]
         if adamw not in ADAMW_IMPLS:
             raise ValueError(f"adamw must be one of {ADAMW_IMPLS}, got {adamw!r}")
         impl = {"fused": dict(fused=True), "foreach": dict(foreach=True),
                 "for_loop": dict(foreach=False)}[adamw]
+        # Decay groups over one flat tensor: AdamW's decoupled decay ``p *= 1 - lr * wd`` comes
+        # before, and independently of, the Adam update, so it is applied here to the runs of
+        # decayed elements (views) and AdamW runs with weight_decay=0 on the whole shard: one
+        # fused kernel still, and for the for-loop kernel bitwise torch's two-group AdamW.
+        self._decay_views = None
+        if decays is not None:
+            runs = self.owned_runs(decays)
+            self._decay_views = [self._master.detach()[a:b] for a, b in runs]
         self._adam = torch.optim.AdamW([self._master], lr=lr, betas=betas, eps=eps,
-                                       weight_decay=weight_decay, **impl)
+                                       weight_decay=weight_decay if decays is None else 0.0,
+                                       **impl)
         # Allocate AdamW's state now (torch does it lazily at the first step): the snapshot
         # engine keeps references to these tensors, which torch then updates in place. The fused
         # kernel reads its step counter on the parameters' device.
         self._state = self._adam.state[self._master]
         self._state["step"] = torch.tensor(0.0, dtype=torch.float32,
                                            device=device if adamw == "fused" else "cpu")
-        self._state["exp_avg"] = torch.zeros_like(self._param_shard)
-        self._state["exp_avg_sq"] = torch.zeros_like(self._param_shard)
+        self._master_data = self._master.detach()  # one object: the snapshot engine keeps it
+        self._state["exp_avg"] = torch.zeros_like(self._master_data)
+        self._state["exp_avg_sq"] = torch.zeros_like(self._master_data)
 
+        if self.main_grads is not None:  # before the buckets' hooks: they post what this folds
+            for p, off in zip(self.params, self.offsets):
+                p.register_post_accumulate_grad_hook(self._folder(off, p.numel()))
         # gradient buckets, each inside one shard when sharded (reduced to its owner)
-        offsets, off = [], 0
-        for p in self.params:
-            offsets.append(off)
-            off += p.numel()
         cuts = [r * self.shard_numel for r in range(dp_size)] if shard else []
-        self.buckets = GradBuckets(self.params, offsets, self.padded_numel,
-                                   bucket_edges(self.padded_numel, 4, bucket_bytes,
-                                                first_bucket_bytes, cuts))
+        self.buckets = GradBuckets(self.params, self.offsets, self.padded_numel,
+                                   bucket_edges(self.padded_numel, self._reduce_buf.element_size(),
+                                                bucket_bytes, first_bucket_bytes, cuts))
+
+    def _folder(self, off: int, n: int):
+        def fold(p: torch.Tensor) -> None:
+            # autograd just accumulated this micro-batch into p.grad (bf16): move it into fp32
+            self.main_grads[off:off + n].add_(p.grad.reshape(-1))
+            p.grad.zero_()
+        return fold
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self._master_data
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """The reduced, averaged gradient of ``master`` (after ``reduce_grads``); scaling it in
+        place (gradient clipping) scales the update."""
+        return self._master.grad
+
+    def owned_runs(self, select) -> list[tuple[int, int]]:
+        """``[(a, b), ...]``: the element ranges of ``master`` (this rank's shard, or everything
+        when not sharded) that belong to parameters with ``select(p)`` true, adjacent ones
+        merged. Padding belongs to no parameter."""
+        lo, hi = (self.shard_range if self.shard else (0, self.padded_numel))
+        runs: list[tuple[int, int]] = []
+        for p, off in zip(self.params, self.offsets):
+            a, b = max(lo, off), min(hi, off + p.numel())
+            if a >= b or not select(p):
+                continue
+            if runs and runs[-1][1] == a - lo:
+                runs[-1] = (runs[-1][0], b - lo)
+            else:
+                runs.append((a - lo, b - lo))
+        return runs
 
     # -- the data-parallel group ---------------------------------------------------------------
     def _dp_group(self, comm):
@@ -206,6 +295,8 @@ class ZeroOptimizer:
         """Zero ``flat_grads`` in place; ``p.grad`` stay views of it (never set them to None,
         e.g. with ``module.zero_grad()``: autograd would then allocate fresh tensors)."""
         self.flat_grads.zero_()
+        if self.main_grads is not None:
+            self.main_grads.zero_()
 
     def begin_step(self, comm, num_microbatches: int = 1) -> None:
         """Must be called before the step's first forward: zeroes the gradients and arms the
@@ -217,7 +308,7 @@ class ZeroOptimizer:
 
     def _poster(self, comm, pg):
         def post(lo: int, hi: int):
-            view = self.flat_grads[lo:hi]
+            view = self._reduce_buf[lo:hi]
             if self.shard:
                 opts = dist.ReduceOptions()
                 opts.reduceOp, opts.rootRank = dist.ReduceOp.SUM, lo // self.shard_numel
@@ -226,29 +317,49 @@ class ZeroOptimizer:
         return post
 
     def reduce_grads(self, comm, on_posted=None) -> None:
-        """Average gradients over the dp group: each bucket is summed into its owner's shard of
-        ``flat_grads`` (the rest then holds stale values: do not read it) or, with
-        ``shard=False``, all-reduced. Posts the buckets
-        backward has not posted (all of them without ``begin_step``), then waits for every one.
-        ``on_posted()`` runs once all are posted, and also when there is nothing to post (dp=1),
-        so a fault-injection point at this phase exists in every layout. Abortable."""
+        """Average gradients over the dp group into ``grad_shard``: each bucket is summed into
+        its owner's shard of the reduction buffer (the rest then holds stale values: do not read
+        it) or, with ``shard=False``, all-reduced. Posts the buckets backward has not posted (all
+        of them without ``begin_step``), then waits for every one. ``on_posted()`` runs once all
+        are posted, and also when there is nothing to post (dp=1), so a fault-injection point at
+        this phase exists in every layout. Abortable."""
+        if self.main_grads is not None and self.buckets.post is None:
+            # not armed: gradients written outside autograd are still in flat_grads
+            self.main_grads.add_(self.flat_grads)
+            self.flat_grads.zero_()
         pg = self._dp_group(comm)
         if pg is None:
             if on_posted is not None:
                 on_posted()
-            return
-        waits = []
-        self.buckets.finish(self._poster(comm, pg), waits.append)
-        if on_posted is not None:
-            on_posted()
-        for w in waits:
-            comm.wait(w)
-        self._grad_shard.div_(self.grad_div)
+        else:
+            waits = []
+            self.buckets.finish(self._poster(comm, pg), waits.append)
+            if on_posted is not None:
+                on_posted()
+            for w in waits:
+                comm.wait(w)
+        if self.mixed and self.main_grads is None:  # reduced in bf16: AdamW reads fp32
+            self._master.grad.copy_(self.flat_grads[self._sl])
+        if pg is not None or self.grad_div != 1:  # an elastic dp=1 rank computing 2+ batches
+            self._master.grad.div_(self.grad_div)
 
-    def step(self, comm) -> None:
-        """AdamW on the owned shard, then all-gather the shards into ``flat_params`` (abortable;
-        nothing to gather when not sharded)."""
+    def step(self, comm, lr: float | None = None, on_updated=None) -> None:
+        """AdamW on the owned shard at learning rate ``lr`` (None: the last one set), then
+        all-gather the shards into ``flat_params`` (abortable; nothing to gather when not
+        sharded). Under bf16 the updated master shard is rounded into this rank's slice of the
+        bf16 parameters first, so every rank gathers the same rounding of every shard.
+        ``on_updated()`` runs between the update and the gather (in every layout: a
+        fault-injection point inside the step)."""
+        group = self._adam.param_groups[0]
+        if lr is not None:
+            group["lr"] = lr
+        if self._decay_views and self.weight_decay:
+            torch._foreach_mul_(self._decay_views, 1.0 - group["lr"] * self.weight_decay)
         self._adam.step()
+        if self.mixed:
+            self._param_shard.copy_(self._master_data)
+        if on_updated is not None:
+            on_updated()
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
             comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
@@ -256,15 +367,19 @@ class ZeroOptimizer:
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:
         """``(name, tensor, shared)`` in a fixed order: the flat parameters (shared: identical on
-        every dp peer), then AdamW's ``exp_avg``, ``exp_avg_sq`` (the owned shard, or the whole
-        buffer when not sharded) and ``step``; shared only when not sharded. The same tensor
-        objects for the optimizer's lifetime, updated in place. Gradients are not state: they
-        are rebuilt every step."""
+        every dp peer), under bf16 the fp32 ``master`` weights, then AdamW's ``exp_avg``,
+        ``exp_avg_sq`` (the owned shard, or the whole buffer when not sharded) and ``step``;
+        all but the parameters shared only when not sharded. Under bf16 with ZeRO the master
+        shard is unique to the rank like the moments: no peer's bf16 parameters can give it
+        back (rounding lost its low bits). The same tensor objects for the optimizer's
+        lifetime, updated in place. Gradients are not state: they are rebuilt every step."""
         st = self._state
-        return [("params", self.flat_params, True),
-                ("exp_avg", st["exp_avg"], not self.shard),
-                ("exp_avg_sq", st["exp_avg_sq"], not self.shard),
-                ("step", st["step"], not self.shard)]
+        out = [("params", self.flat_params, True)]
+        if self.mixed:
+            out.append(("master", self._master_data, not self.shard))
+        return out + [("exp_avg", st["exp_avg"], not self.shard),
+                      ("exp_avg_sq", st["exp_avg_sq"], not self.shard),
+                      ("step", st["step"], not self.shard)]
 
     def state_nbytes(self) -> dict[str, int]:
         """``{"shared": bytes, "unique": bytes}`` of ``state_tensors()`` (see ``state_nbytes``)."""

@@ -72,14 +72,15 @@ def host_scalar(t: torch.Tensor) -> float:
     return float(out)
 
 
-def _recv(comm, group: str, shape, like: torch.Tensor) -> torch.Tensor:
-    buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+def _recv(comm, group: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    buf = torch.empty(shape, dtype=dtype, device=device)
     comm.wait(comm.broadcast_async(buf, group, _peer(comm, group)))
     return buf
 
 
 def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
-             hook=None, loss_div: int | None = None) -> torch.Tensor | None:
+             hook=None, loss_div: int | None = None,
+             act_dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """Forward and backward of this rank's local batch ``(b, t)`` through the pipeline.
 
     Returns the mean loss over micro-batches on the last stage, ``None`` elsewhere. ``hook(phase)``
@@ -89,6 +90,8 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
     loss is divided by ``loss_div`` (default: the number of micro-batches, i.e. gradients of the
     mean loss); an elastic rank computing several data-parallel ranks' batches passes the
     micro-batches per batch, so its gradients are the sum of those batches' mean-loss gradients.
+    ``act_dtype``: the dtype of the activations and input gradients between stages, hence of
+    the receive buffers (default: the parameters'; bf16 under ``precision=bf16``).
     """
     m = num_microbatches
     div = m if loss_div is None else loss_div
@@ -101,6 +104,7 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
     tok_mb, tgt_mb = tokens.split(b // m), targets.split(b // m)
     act_shape = stage.activation_shape(b // m, t)
     like = next(stage.parameters())
+    dtype, device = act_dtype or like.dtype, like.device
     warmup = min(stage.pp - stage.pp_rank - 1, m)
     sends = _Sends(comm)
     live = deque()  # (input, output) of micro-batches whose backward is still to come
@@ -110,7 +114,7 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
         if stage.is_first:
             inp = tok_mb[i]
         else:
-            inp = _recv(comm, "pp_recv_fwd", act_shape, like).requires_grad_()
+            inp = _recv(comm, "pp_recv_fwd", act_shape, dtype, device).requires_grad_()
         out = stage(inp, comm, tgt_mb[i] if stage.is_last else None)
         if stage.is_last:
             losses.append(out.detach())
@@ -124,7 +128,7 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
         if stage.is_last:
             out.backward()
         else:
-            out.backward(_recv(comm, "pp_recv_bwd", act_shape, like))
+            out.backward(_recv(comm, "pp_recv_bwd", act_shape, dtype, device))
         if not stage.is_first:
             sends.post(inp.grad, "pp_send_bwd")
         # inp, out and the graph are freed here (the send keeps its own reference to inp.grad)

@@ -31,6 +31,12 @@ from deadpool.model import ModelConfig, RMSNorm, apply_rotary
 from deadpool.parallel.tensor.ops import copy_to_tp, reduce_from_tp
 
 
+def tp_replicated(name: str) -> bool:
+    """Parameter ``name`` is held whole, with identical values and gradients, by every
+    tensor-parallel rank (the norms): it must be counted once in sums over tp."""
+    return name.endswith("norm.weight")
+
+
 def shard(name: str, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
     """This TP rank's slice of the full parameter ``name`` (a copy). The one place that defines
     the slicing convention: the stage builder and the tests both use it.
@@ -40,7 +46,7 @@ def shard(name: str, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
       attn.out / ffn.down                 dim 1 chunk (input features; heads for attn.out)
       norms                               replicated (full)
     """
-    if tp == 1 or name.endswith("norm.weight"):
+    if tp == 1 or tp_replicated(name):
         return full.clone()
     leaf = name.split(".")[-2]
     if leaf == "qkv":

@@ -292,12 +292,16 @@ def test_bucket_edges_cover_the_buffer_from_the_end_and_respect_cuts():
 
 @pytest.mark.parametrize("old_dp,new_dp", [(4, 3), (3, 4), (4, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("shard", [True, False])
-def test_reshard_state_is_the_state_of_the_new_width(old_dp, new_dp, shard):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_reshard_state_is_the_state_of_the_new_width(old_dp, new_dp, shard, bf16):
     from deadpool.parallel.data.zero import _padded, reshard_state
 
     numel = 103
     g = torch.Generator().manual_seed(0)
-    full = {k: torch.randn(numel, generator=g) for k in ("params", "exp_avg", "exp_avg_sq")}
+    names = ("params", "master", "exp_avg", "exp_avg_sq") if bf16 else ("params", "exp_avg", "exp_avg_sq")
+    full = {k: torch.randn(numel, generator=g) for k in names}
+    if bf16:
+        full["params"] = full["params"].to(torch.bfloat16)
 
     def states(dp):
         sharded = shard and dp > 1
@@ -306,7 +310,7 @@ def test_reshard_state_is_the_state_of_the_new_width(old_dp, new_dp, shard):
             n = _padded(numel, dp)
             st = {}
             for k, v in full.items():
-                t = torch.zeros(n)
+                t = torch.zeros(n, dtype=v.dtype)
                 t[:numel] = v
                 st[k] = t if k == "params" or not sharded else t[r * n // dp:(r + 1) * n // dp].clone()
             st["step"] = torch.tensor(7.0)
@@ -316,5 +320,146 @@ def test_reshard_state_is_the_state_of_the_new_width(old_dp, new_dp, shard):
     old, want = states(old_dp), states(new_dp)
     for r in range(new_dp):
         got = reshard_state(old, numel, new_dp, r, shard and new_dp > 1)
+        assert got.keys() == want[r].keys()
         for k in want[r]:
-            assert torch.equal(got[k], want[r][k]), (r, k)
+            assert got[k].dtype == want[r][k].dtype and torch.equal(got[k], want[r][k]), (r, k)
+
+
+# -- decay groups and bf16 mixed precision ------------------------------------------------------
+def matrices(p):
+    return p.ndim >= 2
+
+
+def lr_of(s):
+    return 1e-2 * (s + 1) / STEPS  # a rate that changes every step, as a schedule's does
+
+
+def reference_groups(n, dtype=torch.float32):
+    """torch's for-loop AdamW with a decayed and an undecayed group, on fp32 copies of the
+    (possibly bf16-rounded) initial parameters, fed the mean gradient; lr set per step."""
+    params = [torch.nn.Parameter(p.detach().to(dtype).float()) for p in make_params()]
+    opt = torch.optim.AdamW(
+        [{"params": [p for p in params if matrices(p)]},
+         {"params": [p for p in params if not matrices(p)], "weight_decay": 0.0}],
+        foreach=False, **HP)
+    for s in range(STEPS):
+        for i, p in enumerate(params):
+            p.grad = torch.stack([grads(r, s)[i] for r in range(n)]).sum(0) / n
+        for g in opt.param_groups:
+            g["lr"] = lr_of(s)
+        opt.step()
+    return params, opt
+
+
+def run_zero(n, dtype, **kw):
+    master = master_store()
+
+    def rank_fn(r):
+        comm = build(n, r, master.port)
+        params = [torch.nn.Parameter(p.detach().to(dtype)) for p in make_params()]
+        opt = ZeroOptimizer(params, dp_size=n, dp_rank=r, adamw="for_loop", decays=matrices,
+                            **kw, **HP)
+        gathered = []
+        for s in range(STEPS):
+            opt.zero_grad()
+            for p, g in zip(params, grads(r, s)):
+                p.grad.add_(g.to(dtype))  # exact: small multiples of 1/16
+            opt.reduce_grads(comm)
+            opt.step(comm, lr=lr_of(s))
+            gathered.append((opt.flat_params.clone(), opt.master.clone()))
+        return opt, gathered
+
+    return run_threads(rank_fn, n)
+
+
+@pytest.mark.parametrize("n,shard", [(3, True), (2, False)])
+def test_decay_groups_over_the_flat_shard_equal_torch_adamw_with_two_groups(n, shard):
+    """Norm-like (1-D) parameters undecayed, matrices decayed, the rate changing per step: the
+    flat, sharded optimizer gives torch's two-group AdamW bit for bit (for-loop kernel)."""
+    ref, _ = reference_groups(n)
+    want = torch.cat([p.detach().reshape(-1) for p in ref])
+    for opt, _ in run_zero(n, torch.float32, shard=shard):
+        assert torch.equal(opt.flat_params[:35], want)
+    # the decay is real: without it the matrices end elsewhere
+    assert not torch.equal(want, torch.cat([p.detach().reshape(-1) for p in reference(n, adamw="for_loop")[0]]))
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_parameters_are_the_rounding_of_fp32_master_shards(reduce_dtype):
+    """bf16 + ZeRO: each rank keeps an fp32 master shard and fp32 moments (unique state), the
+    bf16 parameters (shared) are after every step exactly the bf16 rounding of the concatenated
+    updated master shards, the masters equal fp32 AdamW from the bf16-rounded initial values,
+    and a second run repeats every bit."""
+    n = 3
+    runs = [run_zero(n, torch.bfloat16, grad_reduce_dtype=reduce_dtype) for _ in range(2)]
+    ref, ref_opt = reference_groups(n, torch.bfloat16)
+    results = runs[0]
+    for s in range(STEPS):
+        masters = torch.cat([g[s][1] for _, g in results])
+        for _, g in results:
+            assert g[s][0].dtype == torch.bfloat16 and g[s][1].dtype == torch.float32
+            assert torch.equal(g[s][0], masters.to(torch.bfloat16))
+    masters = torch.cat([opt.master for opt, _ in results])[:35]
+    # mean gradients are exact in either reduction dtype here, so the masters are torch's bits
+    assert torch.equal(masters, torch.cat([p.detach().reshape(-1) for p in ref]))
+    for name in ("exp_avg", "exp_avg_sq"):
+        got = torch.cat([dict((k, t) for k, t, _ in opt.state_tensors())[name] for opt, _ in results])
+        assert torch.equal(got[:35], torch.cat([ref_opt.state[p][name].reshape(-1) for p in ref]))
+    for (a, ga), (b, gb) in zip(*runs):  # bitwise reproducible run to run
+        assert all(torch.equal(x, y) for (x, _), (y, _) in zip(ga, gb))
+        assert all(torch.equal(x, y) for (_, x, _), (_, y, _) in zip(a.state_tensors(), b.state_tensors()))
+    opt = results[0][0]
+    layout = [(name, t.dtype, sh) for name, t, sh in opt.state_tensors()]
+    assert layout == [("params", torch.bfloat16, True), ("master", torch.float32, False),
+                      ("exp_avg", torch.float32, False), ("exp_avg_sq", torch.float32, False),
+                      ("step", torch.float32, False)]
+    assert opt.state_nbytes() == state_nbytes(35, n, True, precision="bf16") == {
+        "shared": 36 * 2, "unique": 3 * 12 * 4 + 4}
+
+
+def test_bf16_unsharded_master_is_shared_and_sized_like_the_estimate():
+    (opt, _), _ = run_zero(2, torch.bfloat16, shard=False)
+    assert [(name, sh) for name, _, sh in opt.state_tensors()] == [
+        ("params", True), ("master", True), ("exp_avg", True), ("exp_avg_sq", True), ("step", True)]
+    assert opt.state_nbytes() == state_nbytes(35, 2, False, precision="bf16")
+    assert all(a is b for (_, a, _), (_, b, _) in zip(opt.state_tensors(), opt.state_tensors()))
+    assert state_nbytes(35, 2, True) == state_nbytes(35, 2, True, precision="fp32")
+
+
+def test_bf16_micro_batch_gradients_accumulate_in_fp32():
+    """With fp32 reduction, autograd's bf16 gradient of each micro-batch is folded into the fp32
+    buffer as soon as it lands: the step sees the fp32 sum of the bf16 micro-batch gradients,
+    not their bf16 running sum."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    ref.load_state_dict(net.state_dict())
+    opt = ZeroOptimizer(list(net.parameters()), dp_size=1, dp_rank=0, shard=False, **HP)
+    xs = [torch.randn(8, 16, dtype=torch.bfloat16) for _ in range(4)]
+    want = torch.zeros(opt.numel)
+    for x in xs:
+        net(x).square().sum().backward()
+        ref.zero_grad()
+        ref(x).square().sum().backward()
+        want += torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).float()
+    assert torch.equal(opt.main_grads[:opt.numel], want)
+    assert torch.all(opt.flat_grads == 0)  # each micro-batch's bf16 gradient moved out
+
+
+def test_a_single_rank_standing_in_for_several_divides_by_the_global_batch():
+    """An elastic job shrunk to dp=1 computes the batches of every original replica
+    (``grad_div`` = the original width): its gradient is their mean, as at full width, also
+    without a data-parallel group to reduce over (a clipped norm would otherwise double)."""
+    master = master_store()  # kept referenced: the client connects to it
+    comm = Communicator.build(Topology(ParallelDims(dp=1), 0, 0), client(master.port))
+    params = make_params()
+    opt = ZeroOptimizer(params, dp_size=1, dp_rank=0, shard=False, adamw="for_loop", **HP)
+    opt.grad_div = 2
+    opt.zero_grad()
+    for p, a, b in zip(params, grads(0, 0), grads(1, 0)):
+        p.grad.add_(a + b)
+    opt.reduce_grads(comm)
+    want = torch.cat([(a + b).reshape(-1) / 2 for a, b in zip(grads(0, 0), grads(1, 0))])
+    assert torch.equal(opt.grad_shard[:35], want)

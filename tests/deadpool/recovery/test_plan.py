@@ -1,6 +1,6 @@
 from deadpool.protocol import RankStatus, Source
 from deadpool.recovery.plan import plan_resume
-from deadpool.topology import ParallelDims
+from deadpool.topology import ParallelDims, Topology
 
 WORLD = [0, 1, 2, 3]
 
@@ -163,3 +163,36 @@ def test_a_shard_lost_at_step_zero_is_drawn_afresh_but_never_later():
     statuses = {1: st(1, 9, [8, 9]), 2: st(2, 9, [8, 9], {1: [8, 9]}), 3: st(3, 9, [8, 9])}
     d = plan_resume(statuses, WORLD, peers, lambda r: 3, sharded=True, replica_has_shared=False)
     assert d.resume_step is None and 0 in d.lost
+
+
+def test_a_bf16_master_shard_is_never_rebuilt_from_a_peers_bf16_parameters():
+    """precision=bf16 with ZeRO-1 (dp=2 x tp=2): a rank's unique region is its fp32 master shard
+    and moments; a data-parallel peer holds only the bf16 parameters, their rounding. The job's
+    planner (``decide``, with the job's facts) never names the peer for the unique region: it
+    goes back to a step whose shard replica exists, refuses when there is none, and draws the
+    master afresh only at step 0 (the seed's exact fp32 values)."""
+    from types import SimpleNamespace
+
+    from deadpool.recovery.plan import decide
+    from tests.conftest import compose_train
+
+    cfg = compose_train(["precision=bf16", "parallel.dp=2", "parallel.tp=2"], "unused")
+    dims = ParallelDims.from_config(cfg["parallel"])
+    coord = SimpleNamespace(dims=dims, gen=0, ft=cfg["ft"], bad=set(),
+                            replica_region=dims.replica_region(cfg["ft"]["replicate"]))
+    buddy = Topology(dims, 0, 0, cfg["ft"]["buddy_policy"]).buddy(0)
+    peer = next(q for q in dims.state_peers(0) if q != 0)
+    others = [r for r in WORLD if r not in (0, buddy)]
+    # rank 0 died at step 7; its peer is live at 7, but the replica of 0's shard reached 6 only
+    statuses = {r: st(r, 7, [6, 7]) for r in others}
+    statuses[buddy] = st(buddy, 7, [6, 7], {0: [6]})
+    d = decide(coord, statuses)
+    assert d.resume_step == 6 and d.steps_recomputed == 1
+    assert d.sources[0] == Source("replica", buddy, shared_from=peer)
+    # no replica of the shard at all: lost from memory (the disk fallback decides), never "peer"
+    statuses[buddy] = st(buddy, 7, [6, 7])
+    d = decide(coord, statuses)
+    assert d.resume_step is None and 0 in d.lost
+    # before any step: the master shard is the seed's, drawn afresh
+    d = decide(coord, {r: st(r, 0, [0]) for r in WORLD if r != 0})
+    assert d.resume_step == 0 and d.sources[0] == Source("init", 0)

@@ -27,7 +27,7 @@ def evaluate(trainer, comm) -> float | None:
             trainer.progress.set(trainer.step, "eval")  # each batch is progress (watchdog)
             x, y = trainer.corpus.eval_batch(k, int(cfg["batch_size"]), int(cfg["seq_len"]))
             loss = run_forward(trainer.stage, comm, x.to(trainer.device), y.to(trainer.device),
-                               trainer.microbatches)
+                               trainer.microbatches, act_dtype=trainer.dtype)
             if loss is not None:
                 total, count = total + loss, count + 1
     if not trainer.stage.is_last:

@@ -150,11 +150,11 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
 
 
 def run_forward(stage, comm, tokens: torch.Tensor, targets: torch.Tensor,
-                num_microbatches: int) -> float | None:
+                num_microbatches: int, act_dtype: torch.dtype | None = None) -> float | None:
     """Forward only (evaluation): every micro-batch through the pipeline, no graph kept. Must
     be called under ``torch.no_grad()`` by every rank of the pipeline at the same point of the
     schedule (it uses the same groups as ``run_1f1b``). Returns the mean loss over micro-batches
-    on the last stage, ``None`` elsewhere; abortable like ``run_1f1b``."""
+    on the last stage, ``None`` elsewhere; abortable like ``run_1f1b``. ``act_dtype`` as there."""
     m = num_microbatches
     b, t = tokens.shape
     if m < 1 or b % m:
@@ -162,9 +162,10 @@ def run_forward(stage, comm, tokens: torch.Tensor, targets: torch.Tensor,
     tok_mb, tgt_mb = tokens.split(b // m), targets.split(b // m)
     act_shape = stage.activation_shape(b // m, t)
     like = next(stage.parameters())
+    dtype, device = act_dtype or like.dtype, like.device
     sends, losses = _Sends(comm), []
     for i in range(m):
-        inp = tok_mb[i] if stage.is_first else _recv(comm, "pp_recv_fwd", act_shape, like)
+        inp = tok_mb[i] if stage.is_first else _recv(comm, "pp_recv_fwd", act_shape, dtype, device)
         out = stage(inp, comm, tgt_mb[i] if stage.is_last else None)
         if stage.is_last:
             losses.append(out)

@@ -19,6 +19,7 @@ from pathlib import Path
 from deadpool import auth, checkpoint, lr_schedule, precision
 from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator
+from deadpool.data import check_data
 from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
@@ -31,11 +32,13 @@ from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
 from deadpool.strategies import strategy_of
+from deadpool.tensorboard_log import check as check_tensorboard, write_recoveries
 
 
 def validate(cfg: dict) -> None:
     """Reject bad configs before any process starts, with a message naming the field."""
     p, ft = cfg["parallel"], cfg["ft"]
+    validate_numbers(cfg)
     validate_layout(cfg)
     if int(cfg["num_steps"]) < 1:
         raise ValueError("num_steps must be >= 1")
@@ -100,7 +103,42 @@ def validate(cfg: dict) -> None:
             raise ValueError(f"NCCL needs one GPU per process: {slots} processes (ranks + spares) "
                              f"on {n_gpu} visible GPU(s); use backend=gloo to share GPUs, or "
                              "launcher.share_gpu=true (a test mode: NCCL over loopback sockets)")
+    if ft.get("resume_from"):
+        if not Path(ft["resume_from"]).is_dir():
+            raise ValueError(f"ft.resume_from={ft['resume_from']}: no such directory")
+        try:
+            checkpoint.latest_step_dir(ft["resume_from"])
+        except FileNotFoundError as e:
+            raise ValueError(f"ft.resume_from={ft['resume_from']}: {e}") from None
+    check_data(cfg)  # data=tokens: manifest, every shard's checksum, vocabulary, split sizes
+    check_tensorboard(cfg)
     check_fits(cfg)
+
+
+# fields that must be numbers (Hydra passes `lr=abc` through as a string)
+NUMBERS = {"seed": int, "num_steps": int, "batch_size": int, "seq_len": int, "lr": float,
+           "weight_decay": float, "log_every_steps": int, "eval_every_steps": int,
+           "eval_batches": int}
+
+
+def _number(name: str, v, kind) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not ok or (kind is int and isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+
+
+def validate_numbers(cfg: dict) -> None:
+    """Numeric fields hold numbers: top-level training fields and every model field."""
+    for key, kind in NUMBERS.items():
+        if key in cfg:
+            _number(key, cfg[key], kind)
+    for key, v in cfg["model"].items():
+        if v is not None:  # null: the field's default (e.g. model.n_kv_heads)
+            _number(f"model.{key}", v, float)
+    if int(cfg["seq_len"]) > int(cfg["model"]["max_seq_len"]):
+        raise ValueError(f"seq_len={cfg['seq_len']} exceeds model.max_seq_len={cfg['model']['max_seq_len']}")
+    if int(cfg.get("eval_every_steps") or 0) < 0 or int(cfg.get("eval_batches", 1)) < 1:
+        raise ValueError("eval_every_steps must be >= 0 and eval_batches >= 1")
 
 
 def validate_layout(cfg: dict) -> None:
@@ -157,7 +195,9 @@ def run_job(cfg: dict, log=print) -> dict:
         coord.message = f"{cfg['ft']['max_restarts']} relaunches used up (ft.max_restarts)"
         history.append(restart)
     coord.recoveries = history
-    return write_outputs(cfg, coord, run_dir, wall_s=time.time() - t0)
+    summary = write_outputs(cfg, coord, run_dir, wall_s=time.time() - t0)
+    write_recoveries(cfg, summary)  # logging.tensorboard: each recovery as TensorBoard entries
+    return summary
 
 
 def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):

@@ -266,13 +266,16 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean cross-entropy against ``targets``; without them, the logits ``(b, t, vocab)``."""
         t = idx.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(idx)
         for block in self.blocks:
             x = run_block(block, self.activation_checkpointing, x, cos, sin)
         logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 

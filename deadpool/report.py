@@ -66,6 +66,8 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
         "final_digest": digest,
         # the last pipeline stage logs the loss (the mean of its data-parallel rank's batch)
         "final_loss": _mean_loss(rows, cfg["num_steps"]),
+        # validation loss by step (eval_every_steps; the same on every last-stage rank)
+        "val_loss": {str(r["step"]): r["val_loss"] for r in rows if r.get("val_loss") is not None},
         "wall_s": wall_s,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -77,6 +79,9 @@ def print_report(summary: dict, log=print) -> None:
         f"final loss: {summary['final_loss']}  wall: {summary['wall_s']:.1f} s")
     if summary["message"]:
         log(f"[deadpool] {summary['message']}")
+    if summary.get("val_loss"):
+        vals = summary["val_loss"]
+        log("[deadpool] validation loss: " + "  ".join(f"step {s} {v:.4f}" for s, v in vals.items()))
     for rec in summary["recoveries"]:
         to = {"restart": "every process relaunched",
               "shrink": f"dp={rec.get('dp')} without replica(s) {rec.get('dropped_dp')}",

@@ -28,7 +28,9 @@ import torch
 from deadpool import checkpoint
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator
-from deadpool.data import SyntheticCorpus
+from deadpool.data import build_data
+from deadpool.evaluate import evaluate
+from deadpool.tensorboard_log import board
 from deadpool.faults import FaultInjector
 from deadpool.lr_schedule import lr_at
 from deadpool import precision
@@ -39,10 +41,16 @@ from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor.layers import tp_replicated
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
+from deadpool.snapshot.layout import checksum
 from deadpool.strategies import strategy_of, young_daly_steps
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
+
+
+def batch_indices(global_dp: int, dp: int, dp_rank: int) -> list[int]:
+    """The global batch indices data-parallel rank ``dp_rank`` of ``dp`` computes each step."""
+    return [i for i in range(global_dp) if i % dp == dp_rank]
 
 
 class Trainer:
@@ -52,7 +60,11 @@ class Trainer:
         self.slot = slot
         self.injector = injector
         self.device = cfg["device"]
-        self.corpus = SyntheticCorpus(cfg["model"]["vocab_size"], cfg["seed"])
+        self.corpus = build_data(cfg)  # data=synthetic | tokens (deadpool/data)
+        self.eval_every = int(cfg.get("eval_every_steps") or 0)
+        self._val_loss: float | None = None  # this step's validation loss (last stage)
+        self._batch_digests: dict[str, int] = {}  # this step's batches (see batch)
+        self.board = board(cfg, slot)  # logging.tensorboard (else a no-op)
         self.snapshots_on = bool(cfg["ft"]["snapshot"])
         # disk checkpoints every N steps; 'auto' (ft=checkpoint_restart): Young/Daly, decided
         # after a first measured checkpoint (see persist_due / _decide_interval)
@@ -197,6 +209,10 @@ class Trainer:
         ``batches`` (one, unless an elastic job runs narrower than its global batch)."""
         cfg = self.cfg
         parts = [self.corpus.batch(step, i, cfg["batch_size"], cfg["seq_len"]) for i in batches]
+        # which sequences made the step (metrics: batch index -> XXH3 of its input tokens), so a
+        # run can be checked to draw the same samples at another width or after a recovery
+        self._batch_digests = {str(i): checksum(x.reshape(-1).view(torch.uint8)) for i, (x, _) in
+                               zip(batches, parts)}
         if len(parts) == 1:
             return parts[0]
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -210,7 +226,7 @@ class Trainer:
         # lost a data-parallel replica keeps it: rank d computes the batches of every d' = d mod
         # dp, and the summed gradients are divided by global_dp (same sequences, same mean).
         global_dp = int(cfg["parallel"].get("global_dp") or dp)
-        batches = [i for i in range(global_dp) if i % dp == dp_rank]
+        batches = batch_indices(global_dp, dp, dp_rank)
         self.opt.grad_div = global_dp
         self.schedule.start(comm.store, comm.keys, comm.topo.dims.world_size)
         if self.engine.persister is not None:
@@ -286,6 +302,9 @@ class Trainer:
                     self._decide_interval(comm, ckpt_s, t_ckpt - t0)
             self.schedule.end_of_step(self.step, comm.raise_if_aborted)
             dt = time.perf_counter() - t0
+            if self.eval_every and self.step % self.eval_every == 0:  # not in the step's time
+                at(self.step, "eval")
+                self._val_loss = evaluate(self, comm)  # validation loss (deadpool/evaluate.py)
             cycle = None
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
@@ -321,12 +340,20 @@ class Trainer:
                "checkpoint_s": checkpoint_s,
                # the Young/Daly probe's measurements and this rank's proposed interval (once)
                "checkpoint_interval_proposal": self._proposal,
+               "val_loss": self._val_loss,
+               "batch_digests": self._batch_digests,
                "t": time.time()}
-        self._proposal = None  # recorded once, in the probe step
+        self._proposal = self._val_loss = None  # recorded once, in their step
         self.metrics.write(json.dumps(rec) + "\n")
         every = int(self.cfg["log_every_steps"])
         dims = comm.topo.dims
-        if (self.rank == dims.rank_of(dims.pp - 1, 0, 0) and every
+        reporter = self.rank == dims.rank_of(dims.pp - 1, 0, 0)
+        self.board.write(rec, reporter)
+        if reporter and rec["val_loss"] is not None:
+            line = f"[rank {self.rank}] step {self.step:4d}  val loss {rec['val_loss']:.4f}"
+            print(line, flush=True)
+            self.publish_progress(line)
+        if (reporter and every
                 and (self.step % every == 0 or self.step == self.cfg["num_steps"])):
             line = (f"[rank {self.rank}] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
                     f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms")

@@ -86,6 +86,9 @@ class Layout:
     @classmethod
     def from_cfg(cls, c: Mapping) -> "Layout":
         num_gpus, gpn, tp, pp = int(c["num_gpus"]), int(c["gpus_per_node"]), int(c["tp"]), int(c["pp"])
+        for key, v in (("num_gpus", num_gpus), ("gpus_per_node", gpn), ("tp", tp), ("pp", pp)):
+            if v < 1:
+                raise ValueError(f"cluster.{key}={v} must be >= 1")
         if num_gpus % gpn:
             raise ValueError(f"cluster.num_gpus={num_gpus} must be a multiple of gpus_per_node={gpn}")
         if num_gpus % (tp * pp):

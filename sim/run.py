@@ -10,6 +10,8 @@ CI per strategy) at the top of the Hydra run directory, then prints the ETTR tab
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -23,8 +25,12 @@ from sim.simulate import run_scenario
 def main(cfg: DictConfig) -> float:
     out_dir = HydraConfig.get().runtime.output_dir
     c = OmegaConf.to_container(cfg, resolve=True)
-    rows = run_scenario(c, progress=bool(c.get("progress", True)),
-                        trace_dir=out_dir if c.get("save_traces") else None)
+    try:
+        rows = run_scenario(c, progress=bool(c.get("progress", True)),
+                            trace_dir=out_dir if c.get("save_traces") else None)
+    except ValueError as e:  # bad config: say which field, no traceback
+        print(f"[sim] config error: {e}", file=sys.stderr)
+        sys.exit(2)
     _, agg = report.write(rows, out_dir)
     print(f"[sim] {c['trace'].get('name')} x {c['cluster']['num_gpus']} GPUs x "
           f"{c['duration_days']} days x {c['seeds']} seeds -> {out_dir}/summary.csv")

@@ -10,7 +10,7 @@ from deadpool.memory import MODELS
 from deadpool.train import CONF_DIR
 from tests.conftest import compose_train
 
-GROUPS = ["model", "parallel", "ft", "faults", "launcher", "experiment"]
+GROUPS = ["model", "parallel", "ft", "faults", "launcher", "data", "experiment"]
 
 
 def options(group):
@@ -31,6 +31,10 @@ def test_every_option_composes(group, option, tmp_path, monkeypatch):
     elif option == "kill_3d_two_ranks_swapped":
         extra = ["parallel=dp2_tp2_pp2"]
     cfg = compose_train([f"{group}={option}"] + extra, tmp_path)
+    if (group, option) == ("data", "tokens"):  # data.path is required (tests/deadpool/data)
+        with pytest.raises(ValueError, match="needs data.path"):
+            validate(cfg)
+        return
     assert cfg["run_dir"] == str(tmp_path)
     assert cfg["ft"]["checkpoint_dir"] == f"{tmp_path}/checkpoints"
     if (group, option) == ("model", "gpt_1b"):

@@ -203,3 +203,15 @@ def test_a_failing_replication_thread_is_reported_and_the_job_regroups(reference
     assert rec["outcome"] == "regrouped (no rank lost)"
     equal, why = compare_final_states(tmp_path, reference[0])
     assert equal, why
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("lr=abc", "lr must be a number, got 'abc'"),
+    ("ft.resume_from=/nonexistent/ckpt", "ft.resume_from=/nonexistent/ckpt: no such directory"),
+])
+def test_bad_values_found_as_a_new_user_are_refused_before_any_process_starts(tmp_path, override, msg):
+    p = subprocess.run([sys.executable, "-m", "deadpool.train", override,
+                        f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert msg in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "logs").exists()

@@ -71,3 +71,9 @@ def test_multirun_with_joblib_and_collect(tmp_path):
     df, agg = collect([str(sweep)], tmp_path / "collected")
     assert sorted(df.num_gpus.unique()) == [1024, 2048]
     assert len(agg) == 10
+
+
+def test_a_negative_gpu_count_is_a_clear_config_error(tmp_path):
+    p = sim_run(tmp_path, "cluster.num_gpus=-5", f"hydra.run.dir={tmp_path / 'run'}")
+    assert p.returncode == 2
+    assert "cluster.num_gpus=-5 must be >= 1" in p.stderr and "Traceback" not in p.stderr

@@ -147,3 +147,29 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
     sends.wait_all()
     # a device tensor: reading it is a host sync, which the trainer does once per step
     return torch.stack(losses).mean() if stage.is_last else None
+
+
+def run_forward(stage, comm, tokens: torch.Tensor, targets: torch.Tensor,
+                num_microbatches: int, act_dtype: torch.dtype | None = None) -> float | None:
+    """Forward only (evaluation): every micro-batch through the pipeline, no graph kept. Must
+    be called under ``torch.no_grad()`` by every rank of the pipeline at the same point of the
+    schedule (it uses the same groups as ``run_1f1b``). Returns the mean loss over micro-batches
+    on the last stage, ``None`` elsewhere; abortable like ``run_1f1b``. ``act_dtype`` as there."""
+    m = num_microbatches
+    b, t = tokens.shape
+    if m < 1 or b % m:
+        raise ValueError(f"{m} micro-batches do not divide the local batch of {b}")
+    tok_mb, tgt_mb = tokens.split(b // m), targets.split(b // m)
+    act_shape = stage.activation_shape(b // m, t)
+    like = next(stage.parameters())
+    dtype, device = act_dtype or like.dtype, like.device
+    sends, losses = _Sends(comm), []
+    for i in range(m):
+        inp = tok_mb[i] if stage.is_first else _recv(comm, "pp_recv_fwd", act_shape, dtype, device)
+        out = stage(inp, comm, tgt_mb[i] if stage.is_last else None)
+        if stage.is_last:
+            losses.append(out)
+        else:
+            sends.post(out, "pp_send_fwd")
+    sends.wait_all()
+    return host_scalar(torch.stack(losses).mean()) if stage.is_last else None

@@ -147,3 +147,32 @@ def test_a_stage_waiting_for_a_gradient_leaves_on_abort():
 
     left, aborted_at = run_threads(rank_fn, 2)
     assert left - aborted_at < 5.0 / 2  # at the abort, not at the groups' timeout (5 s)
+
+
+@pytest.mark.parametrize("tp,pp,m", [(2, 2, 4), (1, 4, 2)])
+def test_forward_only_pass_gives_the_single_process_loss_and_no_gradients(tp, pp, m):
+    """``run_forward`` (validation) over tp x pp under no_grad: the model's loss on the last
+    stage, nothing on the others, no gradient anywhere."""
+    from deadpool.parallel.pipeline.schedule import run_forward
+
+    torch.set_num_threads(1)
+    dims = ParallelDims(1, tp, pp, ranks_per_node=tp * pp)
+    master = master_store()
+    x, y = batch(4)
+
+    def rank_fn(r):
+        comm = Communicator.build(Topology(dims, r, 0), client(master.port), poll_s=0.01)
+        c = comm.topo.coords
+        stage = build_stage(TINY, SEED, pp_rank=c["pp"], pp=pp, tp_rank=c["tp"], tp=tp)
+        with torch.no_grad():
+            loss = run_forward(stage, comm, x, y, m)
+        return c, loss, [p.grad for p in stage.parameters()]
+
+    with torch.no_grad():
+        ref = build_model(TINY, SEED)(x, y).item()
+    for c, loss, grads in run_threads(rank_fn, dims.world_size):
+        assert all(g is None for g in grads)
+        if c["pp"] == pp - 1:
+            assert abs(loss - ref) < 1e-5 * abs(ref)
+        else:
+            assert loss is None

@@ -1,9 +1,8 @@
-"""Deterministic training data: a batch is a pure function of (seed, step, data-parallel rank).
+"""A generated corpus (``data=synthetic``, the default): no files, nothing to prepare.
 
-That is what makes a recovered run bitwise equal to a failure-free one: a spare that resumes at
-step ``s`` draws exactly the batches the dead rank would have drawn, with no loader state to
-restore. The corpus is generated, not downloaded: a fixed random bigram process over the
-vocabulary, so the model has structure to learn and the loss falls.
+A batch is a pure function of (seed, step, batch index), like every data source's (see
+``deadpool.data``). The corpus is a fixed random bigram process over the vocabulary, so the
+model has structure to learn and the loss falls.
 """
 
 from __future__ import annotations
@@ -36,3 +35,8 @@ class SyntheticCorpus:
         idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
         chunk = self.tokens[idx]
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def eval_batch(self, k: int, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation batch ``k``: windows of the same chain drawn under another key (the chain
+        has no held-out part; this measures the fit, not generalisation)."""
+        return self.batch(-1 - k, -1, batch_size, seq_len)

@@ -1,0 +1,328 @@
+"""``python -m deadpool.data.prepare --input PATH... --out DIR``: text in, token shards out.
+
+Reads text files (a directory: every file under it, sorted), trains a byte-level BPE offline
+with Hugging Face ``tokenizers`` (``--tokenizer bpe``, the default) or uses bytes
+(``--tokenizer byte``), encodes every document followed by the end-of-document token, writes the
+token stream as ``train_NNNNN.bin`` shards of ``--shard-tokens`` tokens, moves its last
+``--val-fraction`` into ``val_NNNNN.bin`` (held out: never trained on), and writes
+``tokenizer.json`` and ``manifest.json`` (last; see ``manifest.py``) with every file's checksum.
+
+Documents: a ``.jsonl`` file holds one per line (its ``"text"``); any other file is UTF-8 text,
+one document per file, or one per blank-line-separated paragraph with ``--documents paragraph``.
+The end-of-document token's literal text (``<|endoftext|>``) inside a document is read as a
+boundary. Same inputs and options, same bytes out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from deadpool.data import manifest as mf
+from deadpool.data.tokenizer import EOS, MIN_BPE_VOCAB, byte_tokenizer, train_bpe
+
+PIECE_BYTES = 1 << 20  # a long document is encoded in pieces of about this size, cut at newlines
+ENCODE_BATCH_BYTES = 8 << 20  # text handed to the tokenizer at once
+
+
+class PrepareError(ValueError):
+    """Bad input or options: the message says which and what to do."""
+
+
+# -- reading ------------------------------------------------------------------------------------
+def input_files(paths) -> list[Path]:
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        elif p.exists():
+            out.append(p)
+        else:
+            raise PrepareError(f"--input {p}: no such file or directory")
+    if not out:
+        raise PrepareError(f"--input {' '.join(map(str, paths))}: no files")
+    for f in out:
+        if not os.access(f, os.R_OK):
+            raise PrepareError(f"--input {f}: not readable (permission denied)")
+    return out
+
+
+def _lines(path: Path):
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            yield from f
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a read "
+                           "block); convert it to UTF-8 first") from None
+    except OSError as e:
+        raise PrepareError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def pieces(files, documents: str):
+    """``(text, ends_document, bytes_read)`` for every piece of every document, in order."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(_lines(path), 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise PrepareError(f"{path}:{n}: a .jsonl line must be an object with a "
+                                       '"text" field') from None
+                yield text, True, len(line.encode())
+            continue
+        buf, size, cut = [], 0, False  # cut: part of this document was already yielded
+        for line in _lines(path):
+            nbytes = len(line.encode())
+            if documents == "paragraph" and not line.strip():
+                # the separating lines count as read (progress), not as text
+                yield ("".join(buf), True, size + nbytes) if buf or cut else ("", False, nbytes)
+                buf, size, cut = [], 0, False
+                continue  # the blank lines between paragraphs are the boundary, not text
+            buf.append(line)
+            size += nbytes
+            if size >= PIECE_BYTES:
+                yield "".join(buf), False, size
+                buf, size, cut = [], 0, True
+        if buf or cut:
+            yield "".join(buf), True, size
+
+
+class Progress:
+    """One line on stderr, redrawn at most once a second (a new line each time when stderr is
+    not a terminal, every 10 s)."""
+
+    def __init__(self, what: str, total_bytes: int):
+        self.what, self.total, self.done = what, max(total_bytes, 1), 0
+        self.t0 = self.last = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def add(self, nbytes: int, final: bool = False) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if not final and now - self.last < (1.0 if self.tty else 10.0):
+            return
+        self.last = now
+        frac = min(self.done / self.total, 1.0)
+        rate = self.done / max(now - self.t0, 1e-9)
+        bar = "#" * int(frac * 30)
+        eta = "" if final else f"  ETA {(self.total - self.done) / max(rate, 1):.0f} s"
+        line = (f"[prepare] {self.what:8s} [{bar:30s}] {self.done / 1e6:8.1f}/{self.total / 1e6:.1f} MB"
+                f"  {rate / 1e6:6.1f} MB/s{eta}")
+        print(("\r" + line) if self.tty else line, end="\n" if final or not self.tty else "",
+              file=sys.stderr, flush=True)
+
+
+# -- writing ------------------------------------------------------------------------------------
+class ShardWriter:
+    """Token ids appended to ``<prefix>_NNNNN.bin`` files of at most ``shard_tokens`` each."""
+
+    def __init__(self, out: Path, prefix: str, dtype: str, shard_tokens: int):
+        self.out, self.prefix, self.dtype, self.cap = out, prefix, np.dtype(dtype), shard_tokens
+        self.shards: list[dict] = []
+        self.f = None
+
+    def _open(self) -> None:
+        name = f"{self.prefix}_{len(self.shards):05d}.bin"
+        self.f = open(self.out / name, "wb")
+        self.shards.append({"file": name, "tokens": 0})
+
+    def write(self, ids) -> None:
+        arr = np.asarray(ids, dtype=self.dtype.newbyteorder("<"))
+        while arr.size:
+            if self.f is None or self.shards[-1]["tokens"] == self.cap:
+                if self.f is not None:
+                    self.f.close()
+                self._open()
+            room = self.cap - self.shards[-1]["tokens"]
+            arr[:room].tofile(self.f)
+            self.shards[-1]["tokens"] += min(room, arr.size)
+            arr = arr[room:]
+
+    def close(self) -> list[dict]:
+        if self.f is not None:
+            self.f.close()
+        if not self.shards:  # an empty split still has one (empty) shard file
+            self._open()
+            self.f.close()
+        return self.shards
+
+
+def move_tail(out: Path, train: list[dict], val: ShardWriter, n: int, dtype: str) -> None:
+    """Move the last ``n`` tokens of the train shards into ``val``, truncating (or removing)
+    the train shards they came from."""
+    itemsize = np.dtype(dtype).itemsize
+    take, i = [], len(train) - 1  # (shard, first token moved), from the end
+    while n > 0 and i >= 0:
+        k = min(n, train[i]["tokens"])
+        take.append((train[i], train[i]["tokens"] - k))
+        n, i = n - k, i - 1
+    for shard, start in reversed(take):
+        data = np.fromfile(out / shard["file"], dtype=np.dtype(dtype).newbyteorder("<"),
+                           offset=start * itemsize)
+        val.write(data)
+        os.truncate(out / shard["file"], start * itemsize)
+        shard["tokens"] = start
+    while len(train) > 1 and train[-1]["tokens"] == 0:
+        (out / train.pop()["file"]).unlink()
+
+
+def pick_dtype(vocab_size: int, dtype: str) -> str:
+    if vocab_size > 1 << 32:
+        raise PrepareError(f"a vocabulary of {vocab_size} tokens does not fit uint32 token ids")
+    if dtype == "auto":
+        return "uint16" if vocab_size <= 1 << 16 else "uint32"
+    limit = 1 << (8 * mf.DTYPES[dtype])
+    if vocab_size > limit:
+        raise PrepareError(f"a vocabulary of {vocab_size} tokens does not fit {dtype} token ids "
+                           f"(at most {limit}); use --dtype uint32")
+    return dtype
+
+
+def build_tokenizer(kind: str, files, documents: str, total: int, vocab_size: int, dtype: str,
+                    log):
+    if kind == "byte":
+        return byte_tokenizer()
+    if kind != "bpe":
+        raise PrepareError(f"--tokenizer must be bpe or byte, got {kind!r}")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise PrepareError(f"--vocab-size {vocab_size} is too small for a byte-level BPE (at "
+                           f"least {MIN_BPE_VOCAB}: 256 bytes + the end-of-document token)")
+    pick_dtype(vocab_size, dtype)  # fail before training, not after
+    progress = Progress("read", total)
+
+    def texts():
+        for text, _, nbytes in pieces(files, documents):
+            progress.add(nbytes)
+            yield text
+        progress.add(0, final=True)
+    t0 = time.perf_counter()
+    tok = train_bpe(texts(), vocab_size, show_progress=False)
+    log(f"[prepare] trained a {tok.get_vocab_size()}-token BPE in {time.perf_counter() - t0:.1f} s")
+    return tok
+
+
+def encode(files, documents: str, tok, train: ShardWriter, total: int) -> int:
+    """Every document's tokens and its end-of-document token into ``train``; returns the number
+    of documents."""
+    eos = tok.token_to_id(EOS)
+    progress, batch, ends, n_docs, pending = Progress("encode", total), [], [], 0, 0
+
+    def flush():
+        for enc, end in zip(tok.encode_batch(batch, add_special_tokens=False), ends):
+            train.write(enc.ids + [eos] if end else enc.ids)
+        batch.clear(), ends.clear()
+    for text, end, nbytes in pieces(files, documents):
+        batch.append(text)
+        ends.append(end)
+        n_docs += end
+        progress.add(nbytes)
+        pending += nbytes
+        if pending >= ENCODE_BATCH_BYTES:  # encode_batch runs its batch on every core
+            flush()
+            pending = 0
+    flush()
+    progress.add(0, final=True)
+    return n_docs
+
+
+def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
+            val_fraction: float = 0.05, shard_tokens: int = 100_000_000, dtype: str = "auto",
+            documents: str = "file", log=print) -> dict:
+    """Write a prepared directory (module docstring); returns its manifest. On any error the
+    files written so far are removed (the inputs are only read)."""
+    out = Path(out)
+    if not 0 <= val_fraction < 1:
+        raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
+    if shard_tokens < 1:
+        raise PrepareError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if (out / mf.MANIFEST).exists() or list(out.glob("*.bin")):
+        raise PrepareError(f"--out {out} already holds prepared shards; remove them or pick "
+                           "another directory")
+    files = input_files(inputs)
+    total = sum(f.stat().st_size for f in files)
+    if total == 0:
+        raise PrepareError(f"the inputs ({len(files)} file(s)) are empty: no text to prepare")
+    tok = build_tokenizer(tokenizer, files, documents, total, vocab_size, dtype, log)
+    vocab = tok.get_vocab_size()
+    dtype = pick_dtype(vocab, dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        manifest = _write(out, files, documents, tok, dtype, shard_tokens, total, val_fraction)
+    except BaseException:
+        for f in [*out.glob("train_*.bin"), *out.glob("val_*.bin"), out / "tokenizer.json"]:
+            f.unlink(missing_ok=True)
+        raise
+    manifest.update(tokenizer=dict(manifest["tokenizer"], kind=tokenizer), documents=documents)
+    mf.write(out, manifest)
+    tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
+    log(f"[prepare] {out}: {tr['tokens']:,} train tokens in {len(tr['shards'])} shard(s), "
+        f"{va['tokens']:,} val tokens; vocabulary {vocab} ({dtype}), "
+        f"{tr['documents'] + va['documents']} documents")
+    return manifest
+
+
+def _write(out: Path, files, documents, tok, dtype: str, shard_tokens: int, total: int,
+           val_fraction: float) -> dict:
+    """Shards, the validation split and tokenizer.json; returns the manifest (not yet written)."""
+    train = ShardWriter(out, "train", dtype, shard_tokens)
+    n_docs = encode(files, documents, tok, train, total)
+    shards = train.close()
+    n_tokens = sum(s["tokens"] for s in shards)
+    if n_docs == 0 or n_tokens <= n_docs:
+        raise PrepareError(f"the inputs ({len(files)} file(s)) hold no text to prepare")
+    val = ShardWriter(out, "val", dtype, shard_tokens)
+    move_tail(out, shards, val, int(round(val_fraction * n_tokens)), dtype)
+    tok.save(str(out / "tokenizer.json"))
+    eos = tok.token_to_id(EOS)
+    manifest = {"format": mf.FORMAT, "version": mf.VERSION, "dtype": dtype,
+                "vocab_size": tok.get_vocab_size(), "eos_id": eos,
+                "tokenizer": {"file": "tokenizer.json", "xxh3": mf.file_xxh3(out / "tokenizer.json")},
+                "splits": {}, "val_fraction": val_fraction,
+                "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files]}
+    for name, split in (("train", shards), ("val", val.close())):
+        docs = 0
+        for sh in split:
+            sh["xxh3"] = mf.file_xxh3(out / sh["file"])
+            docs += int(np.count_nonzero(np.fromfile(out / sh["file"], dtype=dtype) == eos))
+        manifest["splits"][name] = {"tokens": sum(sh["tokens"] for sh in split),
+                                    "documents": docs, "shards": split}
+    return manifest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deadpool.data.prepare",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                    help="text / .jsonl files, or directories of them")
+    ap.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    ap.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    ap.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary (bpe only)")
+    ap.add_argument("--val-fraction", type=float, default=0.05,
+                    help="share of the token stream held out for validation (its end)")
+    ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
+    ap.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
+    ap.add_argument("--documents", choices=("file", "paragraph"), default="file",
+                    help="what a document is in a non-.jsonl file")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        prepare(a.input, a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
+                val_fraction=a.val_fraction, shard_tokens=a.shard_tokens, dtype=a.dtype,
+                documents=a.documents)
+    except PrepareError as e:
+        print(f"[prepare] error: {e}", file=sys.stderr)
+        return 2
+    print(f"[prepare] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""``python -m deadpool.export RUN_DIR_OR_CHECKPOINT OUT_DIR``: a trained model in the Hugging Face
+LLaMA format.
+
+    consolidate.py  the tp/pp shards of a run's ``final/`` or a checkpoint -> whole parameters
+    llama.py        DeadPool names and q/k layout -> ``LlamaForCausalLM``'s; config.json
+
+``OUT_DIR`` receives ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files and
+``model.safetensors.index.json`` past ``--max-shard-size``), ``config.json``, and, when the run
+trained on ``data=tokens``, its ``tokenizer.json`` with a ``tokenizer_config.json``. Then::
+
+    model = transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(OUT_DIR)
+
+Tensors keep the dtype the run stored its parameters in; ``--dtype bfloat16`` (or float16,
+float32) converts them, except that ``--dtype float32`` of a mixed-precision run exports its
+fp32 master weights (``master``, ZeRO-1 shards joined), not its bf16 parameters upcast.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from deadpool.export.consolidate import ExportError, full_parameters, load_source
+from deadpool.export.llama import hf_config, to_hf
+
+__all__ = ["ExportError", "export", "parse_size"]
+
+INDEX = "model.safetensors.index.json"
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"200MB"``, ``"4096"`` -> bytes (decimal units, as Hugging Face's)."""
+    t = str(text).strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if t.endswith(unit):
+            return int(float(t[:-len(unit)]) * mult)
+    return int(t)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
+    """One file, or shards of at most ``max_shard_bytes`` (a larger tensor gets a file of its
+    own) with an index mapping every name to its file. Returns the file names."""
+    from safetensors.torch import save_file
+
+    groups, size = [[]], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    files, weight_map = [], {}
+    for i, names in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(out / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({n: fname for n in names})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                         "weight_map": weight_map}, indent=1))
+    return files
+
+
+def copy_tokenizer(cfg: dict, out: Path, log) -> int | None:
+    """The run's tokenizer (data=tokens), if its prepared directory is still there; returns the
+    end-of-document id."""
+    data = cfg.get("data") or {}
+    if data.get("name") != "tokens":
+        return None
+    src = Path(data["path"])
+    try:
+        manifest = json.loads((src / "manifest.json").read_text())
+    except OSError:
+        log(f"[export] warning: the run's data.path {src} is gone: no tokenizer written")
+        return None
+    shutil.copyfile(src / manifest["tokenizer"]["file"], out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+        "bos_token": "<|endoftext|>", "model_max_length": int(cfg["model"]["max_seq_len"]),
+        "clean_up_tokenization_spaces": False}, indent=1))
+    return int(manifest["eos_id"])
+
+
+def export(src, out, *, dtype: str | None = None, max_shard_size: str = "5GB",
+           job=None, log=print) -> dict:
+    """Write ``out`` (module docstring) from a run directory or checkpoint; returns config.json."""
+    cfg, dims, states, what = load_source(src, job)
+    masters = dtype == "float32" and all("master" in st for st in states.values())
+    full = full_parameters(cfg["model"], dims, states, source="master" if masters else "params")
+    tensors = to_hf(full, cfg["model"])
+    if dtype is not None:
+        try:
+            target = getattr(torch, dtype)
+        except AttributeError:
+            raise ExportError(f"--dtype {dtype}: not a torch dtype (float32, bfloat16, float16)") from None
+        tensors = {n: t.to(target) for n, t in tensors.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    eos = copy_tokenizer(cfg, out, log)
+    stored = next(iter(tensors.values())).dtype
+    config = hf_config(cfg["model"], stored, eos)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    files = write_safetensors(tensors, out, parse_size(max_shard_size))
+    n = sum(t.numel() for t in tensors.values())
+    log(f"[export] {what} (dp{dims.dp} x tp{dims.tp} x pp{dims.pp}) -> {out}: {n:,} parameters, "
+        f"{str(stored).removeprefix('torch.')}{' (fp32 master weights)' if masters else ''}, "
+        f"{len(files)} safetensors file(s)")
+    return config

@@ -1,0 +1,152 @@
+"""Full, unsharded parameters from a run's ``final/`` or a DeadPool checkpoint.
+
+Each rank's state holds its (pp, tp) stage's parameters as one flat buffer ``params`` (ZeRO-1:
+padded, identical on every data-parallel replica), in the order of that stage's
+``named_parameters()`` (``ZeroOptimizer``). This module rebuilds the stage's module on the meta
+device to learn the names, shapes and order, and asks the sharding code itself where each
+element goes: ``tensor.layers.shard`` applied to a tensor of element indices of the full
+parameter returns exactly the indices the rank's slice holds. Nothing here restates the slicing
+rule, so a change to ``shard`` (or to which layers a stage holds) is followed, and every element
+of every full parameter must be written exactly once (replicated norms: equal on every
+tensor-parallel rank) or the export is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+from deadpool import checkpoint
+from deadpool.model import GPT, model_config
+from deadpool.parallel.stage import StageModel
+from deadpool.parallel.tensor.layers import shard
+from deadpool.topology import ParallelDims
+
+
+class ExportError(ValueError):
+    """The source cannot be exported: the message says why."""
+
+
+def find_job(start: Path) -> Path | None:
+    """The ``job.json`` of the run a checkpoint directory lies in (its nearest ancestor's)."""
+    for d in [start, *start.parents]:
+        if (d / "job.json").exists():
+            return d / "job.json"
+    return None
+
+
+def load_source(src, job: Path | None = None) -> tuple[dict, ParallelDims, dict[int, dict], str]:
+    """``(cfg, dims, states, what)`` of a run directory (``final/rank*.pt``) or a checkpoint
+    (a ``step_<S>`` directory, or a root holding them: its newest complete step). ``states``:
+    rank -> tensors (``params`` may be missing from a rank written from a buddy's replica)."""
+    src = Path(src)
+    if not src.exists():
+        raise ExportError(f"{src}: no such directory")
+    job = Path(job) if job else find_job(src)
+    if job is None:
+        raise ExportError(f"{src}: no job.json here or above it; pass --job RUN_DIR/job.json "
+                          "(the run's resolved config: model size and layout)")
+    cfg = json.loads(job.read_text())
+    if (src / "final").is_dir() and not (src / checkpoint.META_FILE).exists():
+        dims = ParallelDims.from_config(cfg["parallel"])
+        states = {}
+        for r in range(dims.world_size):
+            f = src / "final" / f"rank{r}.pt"
+            if not f.exists():
+                raise ExportError(f"{f} is missing: the run did not finish (export a checkpoint "
+                                  "directory instead)")
+            states[r] = torch.load(f, weights_only=True)
+        return cfg, dims, states, f"{src}/final"
+    try:
+        step_dir = checkpoint.latest_step_dir(src)
+    except FileNotFoundError as e:
+        raise ExportError(f"{src}: neither a run directory with final/ nor a checkpoint ({e})") from None
+    meta = checkpoint.read_meta(step_dir)
+    layout = meta.get("layout") or cfg["parallel"]
+    dims = ParallelDims(int(layout["dp"]), int(layout["tp"]), int(layout["pp"]),
+                        ranks_per_node=int(layout["tp"]))
+    if dims.world_size != int(meta["world_size"]):
+        raise ExportError(f"{step_dir}: meta.json's layout {layout} does not match its world size "
+                          f"{meta['world_size']}")
+    states = {r: checkpoint.read_rank_state(step_dir, r)[0] for r in range(dims.world_size)}
+    return cfg, dims, states, str(step_dir)
+
+
+def stage_params(cfg, pp_rank: int, pp: int, tp_rank: int, tp: int) -> list[tuple[str, torch.Size]]:
+    """(name, local shape) of a stage's parameters, in ``named_parameters()`` order."""
+    with torch.device("meta"):
+        stage = StageModel(model_config(cfg), pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+    return [(n, p.shape) for n, p in stage.named_parameters()]
+
+
+def stage_flat(dims: ParallelDims, states: dict[int, dict], pp_rank: int, tp_rank: int,
+               source: str) -> tuple[torch.Tensor, int]:
+    """The flat parameter buffer of stage (pp, tp) and a rank it came from. ``source="params"``:
+    any data-parallel replica's ``params``. ``"master"``: the fp32 master weights of a
+    mixed-precision run, whole on one rank or, under ZeRO-1, one shard per data-parallel rank
+    (concatenated in dp order)."""
+    ranks = [dims.rank_of(pp_rank, d, tp_rank) for d in range(dims.dp)]
+    if source == "params":
+        holder = next((r for r in ranks if "params" in states[r]), None)
+        if holder is None:
+            raise ExportError(f"no rank of stage (pp {pp_rank}, tp {tp_rank}) holds its "
+                              f"parameters (ranks {ranks})")
+        return states[holder]["params"].reshape(-1), holder
+    if any("master" not in states[r] for r in ranks):
+        raise ExportError(f"stage (pp {pp_rank}, tp {tp_rank}) has no master weights on every "
+                          f"rank {ranks} (not a mixed-precision run?)")
+    shards = [states[r]["master"].reshape(-1) for r in ranks]
+    params = next((states[r]["params"] for r in ranks if "params" in states[r]), None)
+    if params is not None and shards[0].numel() == params.numel():
+        return shards[0], ranks[0]  # not sharded: every replica holds all of it
+    return torch.cat(shards), ranks[0]
+
+
+def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
+                    source: str = "params") -> dict[str, torch.Tensor]:
+    """Every parameter of the single-process model (``deadpool.model.GPT`` names), whole, in the
+    dtype of ``source`` (``stage_flat``)."""
+    mcfg = model_config(model_cfg)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in GPT(mcfg).named_parameters()}
+    full: dict[str, torch.Tensor] = {}
+    written: dict[str, torch.Tensor] = {}
+    # a shard() that splits q/k/v by the config's head counts (grouped-query attention) takes it
+    extra = {"model_cfg": mcfg} if "model_cfg" in inspect.signature(shard).parameters else {}
+    for pp_rank in range(dims.pp):
+        for tp_rank in range(dims.tp):
+            flat, holder = stage_flat(dims, states, pp_rank, tp_rank, source)
+            off = 0
+            for name, local_shape in stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp):
+                n = local_shape.numel()
+                if off + n > flat.numel():
+                    raise ExportError(f"rank {holder}: params holds {flat.numel()} elements, its "
+                                      f"stage needs more (the model config does not match the state)")
+                local = flat[off:off + n]
+                off += n
+                if name not in full:
+                    full[name] = torch.empty(shapes[name], dtype=flat.dtype)
+                    written[name] = torch.zeros(shapes[name].numel(), dtype=torch.bool)
+                index = torch.arange(shapes[name].numel()).view(shapes[name])
+                where = shard(name, index, tp_rank, dims.tp, **extra).reshape(-1)
+                if where.numel() != n:
+                    raise ExportError(f"{name}: rank {holder} holds {n} elements, the sharding "
+                                      f"code says {where.numel()}")
+                dst = full[name].view(-1)
+                again = written[name][where]
+                if again.any() and not torch.equal(dst[where][again], local[again]):
+                    raise ExportError(f"{name}: replicated copies differ between tensor-parallel "
+                                      f"ranks (rank {holder})")
+                dst[where] = local
+                written[name][where] = True
+            # ZeRO-1 pads the flat buffer to a multiple of dp; more left over is another model
+            if flat.numel() - off >= max(dims.dp, 64):
+                raise ExportError(f"rank {holder}: params holds {flat.numel()} elements, its stage "
+                                  f"{off} (the model config does not match the state)")
+    missing = sorted(set(shapes) - set(full)) + [n for n in full if not written[n].all()]
+    if missing:
+        raise ExportError(f"parameters not (fully) covered by the shards: {missing}")
+    return full

@@ -1,0 +1,99 @@
+"""TensorBoard event files (``logging.tensorboard=true``): ``run_dir/tensorboard/``.
+
+Fed the per-step metrics record (``Trainer.record_metrics``) of the job's reporting rank (the
+last pipeline stage's data-parallel rank 0, tensor-parallel rank 0: the one that prints
+progress), whichever process holds that rank: after a hot swap the spare's process writes on
+into the same directory (its own file; TensorBoard merges the files of a directory). At the end
+of the job ``write_recoveries`` adds each recovery as scalars at its resume step and a text entry
+with its breakdown. ``torch.utils.tensorboard`` (the ``tensorboard`` package) is imported only
+when logging is on.
+
+    train/loss            the reporting rank's loss (its data-parallel batch's mean)
+    val/loss              validation loss (all eval batches; eval_every_steps)
+    train/lr, train/grad_norm          when the record has them
+    perf/step_time_s, perf/tokens_per_s   tokens of the global batch / step time
+    snapshot/interval_steps, snapshot/protection_lag_steps, snapshot/blocked_s
+    recovery/<phase>_s    per recovery, at its resume step; text ``recovery/generation_<g>``
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+SCALARS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr",
+           "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s",
+           "snapshot_interval": "snapshot/interval_steps",
+           "protection_lag_steps": "snapshot/protection_lag_steps",
+           "snapshot_blocked_s": "snapshot/blocked_s", "checkpoint_s": "checkpoint/critical_path_s"}
+RECOVERY_TIMES = ("detect_s", "plan_s", "rebuild_s", "transfer_s", "rollback_s", "load_s",
+                  "build_s", "first_step_s", "kill_to_training_s", "kill_to_first_step_s")
+
+
+def log_dir(cfg: dict) -> Path:
+    return Path(cfg["run_dir"]) / "tensorboard"
+
+
+def _writer(directory: Path, suffix: str):
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(log_dir=str(directory), filename_suffix=suffix)
+
+
+class Board:
+    def __init__(self, cfg: dict, slot: int):
+        self.dir, self.slot, self.w = log_dir(cfg), slot, None
+        p = cfg["parallel"]
+        self.tokens_per_step = (int(p.get("global_dp") or p["dp"]) * int(cfg["batch_size"])
+                                * int(cfg["seq_len"]))
+
+    def write(self, rec: dict, reporter: bool) -> None:
+        """Log one metrics record if this rank is the reporting one. Flushed at once: workers
+        leave with ``os._exit``, without destructors."""
+        if not reporter:
+            return
+        if self.w is None:
+            self.w = _writer(self.dir, f".slot{self.slot}")
+        step = int(rec["step"])
+        for key, tag in SCALARS.items():
+            if rec.get(key) is not None:
+                self.w.add_scalar(tag, float(rec[key]), step)
+        if rec.get("step_time_s"):
+            self.w.add_scalar("perf/tokens_per_s", self.tokens_per_step / rec["step_time_s"], step)
+        self.w.flush()
+
+
+class Off:
+    def write(self, rec: dict, reporter: bool) -> None:
+        pass
+
+
+def check(cfg: dict) -> None:
+    """``logging.tensorboard=true`` needs ``torch.utils.tensorboard`` (the tensorboard package):
+    refused before any process starts, not in every worker at its first step."""
+    if (cfg.get("logging") or {}).get("tensorboard"):
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError as e:
+            raise ValueError(f"logging.tensorboard=true needs the tensorboard package ({e}); "
+                             "pip install tensorboard") from None
+
+
+def board(cfg: dict, slot: int):
+    """A ``Board`` when ``logging.tensorboard`` is on, else a no-op with the same method."""
+    return Board(cfg, slot) if (cfg.get("logging") or {}).get("tensorboard") else Off()
+
+
+def write_recoveries(cfg: dict, summary: dict) -> None:
+    """Each recovery of ``summary`` (summary.json's records) as TensorBoard entries."""
+    if not (cfg.get("logging") or {}).get("tensorboard") or not summary["recoveries"]:
+        return
+    w = _writer(log_dir(cfg), ".recoveries")
+    for rec in summary["recoveries"]:
+        step = int(rec.get("resume_step") or 0)
+        for key in RECOVERY_TIMES:
+            if isinstance(rec.get(key), (int, float)):
+                w.add_scalar(f"recovery/{key}", float(rec[key]), step)
+        w.add_text(f"recovery/generation_{rec['generation']}",
+                   "    " + json.dumps(rec, indent=1, default=str).replace("\n", "\n    "), step)
+    w.close()

@@ -1,0 +1,30 @@
+"""deadpool/job.py's validation of values a new user types wrong: each refused before any
+process starts, with a message naming the field (the command-line exit is tested in
+tests/integration/test_hotswap.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadpool.job import validate
+from tests.conftest import compose_train
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("lr=abc", "lr must be a number, got 'abc'"),
+    ("weight_decay=[0.1]", "weight_decay must be a number"),
+    ("num_steps=2.5", "num_steps must be an integer"),
+    ("model.d_model=wide", "model.d_model must be a number"),
+    ("seq_len=512", "seq_len=512 exceeds model.max_seq_len=256"),
+    ("eval_batches=0", "eval_batches >= 1"),
+    ("ft.resume_from=/nonexistent/ckpt", "ft.resume_from=/nonexistent/ckpt: no such directory"),
+])
+def test_bad_values_name_the_field(override, msg, tmp_path):
+    with pytest.raises(ValueError, match=msg):
+        validate(compose_train([override, "parallel=dp2"], tmp_path))
+
+
+def test_a_resume_directory_without_a_complete_checkpoint_is_refused(tmp_path):
+    (tmp_path / "ckpt" / "step_4" / "rank_0").mkdir(parents=True)  # meta.json never written
+    with pytest.raises(ValueError, match="no complete DeadPool checkpoint"):
+        validate(compose_train([f"ft.resume_from={tmp_path / 'ckpt'}", "parallel=dp2"], tmp_path))

@@ -282,3 +282,7 @@ class Coordinator:
                     raise JobFailed(f"rank {r} failed while writing its final state:\n"
                                     + self.launcher.log_tail(slot))
             time.sleep(0.01)
+        missing = sorted(set(range(self.dims.world_size)) - set(self.finals))
+        if missing:  # never call a job completed without every rank's final state
+            raise JobFailed(f"ranks {missing} did not write their final state within 120 s "
+                            f"(slots {[self.members.ranks.get(r) for r in missing]})")

@@ -288,7 +288,7 @@ class Trainer:
             cycle = None
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
-            self.schedule.observe(dt, busy or cycle is not None, cycle)
+            self.schedule.observe(dt, busy or cycle is not None, cycle, step=self.step)
             self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s,
                                 lr=lr, grad_norm=norm)
             if first and on_first_step is not None:

@@ -310,6 +310,8 @@ class Trainer:
                "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
                "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot,
+               # ZeRO-1's parameter all-gather of this step, on the critical path (zero.py)
+               "param_gather_s": self.opt.last_gather_s,
                # steps since the newest snapshot this rank has copied and replicated; the job's
                # protection lag at a step is the largest over its ranks
                "protection_lag_steps": (self.step - self.engine.done_step

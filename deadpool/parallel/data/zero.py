@@ -63,6 +63,8 @@ process group.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -171,6 +173,9 @@ class ZeroOptimizer:
         # the summed gradients are divided by this: the data-parallel width, or the number of
         # batches in the global batch when an elastic job computes several per rank (trainer.py)
         self.grad_div = dp_size
+        # host seconds of the last step's parameter all-gather, post to wait (gloo: the gather
+        # itself; NCCL: only queuing it on the stream); None when nothing is gathered
+        self.last_gather_s: float | None = None
         self.weight_decay = weight_decay
         self.numel = sum(p.numel() for p in self.params)
         self.padded_numel = _padded(self.numel, dp_size)
@@ -302,6 +307,7 @@ class ZeroOptimizer:
         """Must be called before the step's first forward: zeroes the gradients and arms the
         buckets so each is reduced during backward once its last micro-batch has written it."""
         self.zero_grad()
+        self.last_gather_s = None
         pg = self._dp_group(comm)
         if pg is not None:
             self.buckets.arm(self._poster(comm, pg), num_microbatches)
@@ -362,7 +368,9 @@ class ZeroOptimizer:
             on_updated()
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
+            t0 = time.perf_counter()
             comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
+            self.last_gather_s = time.perf_counter() - t0
 
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:

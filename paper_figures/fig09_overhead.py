@@ -3,7 +3,8 @@ strategy against no fault tolerance (both on a 2-core CPU host), and the snapsho
 
 Reads, under the results root (``--input``, default experiments/results/):
 - runtime/overhead/results.json (experiments/bench_overhead.py: torch DDP and DeadPool with
-  snapshots off / adaptive / every step, interleaved repeats; per setting the ``ratios`` lists);
+  snapshots off / adaptive (default settings) / every step when run, interleaved repeats; per
+  setting and precision the steady-state window's ``ratios`` lists);
 - runtime/strategies/table.csv (experiments/compare_strategies.py: rows with schedule "free",
   ``ratio_vs_none`` = failure-free step time / ft=none's, median over interleaved rounds, with
   ``ratio_min``/``ratio_max`` when the table has them);
@@ -53,6 +54,7 @@ def panel_ddp(ax, bench: Path) -> None:
     for n in names:
         s = res[n]
         t = f"{s['ranks']} ranks" + (f" + {s['spares']} spare" if s.get("spares") else "")
+        t += f"\n{s['precision']}" if s.get("precision") else ""
         ticks.append(t)
     ax.set_xticks(range(len(names)), ticks)
     ax.set_ylabel("step time / torch DDP's")

@@ -9,7 +9,8 @@ as a whole job:
   ddp   stock ``DistributedDataParallel`` over gloo under torchrun (``ddp_reference.py``; bf16:
         fp32 parameters under ``torch.autocast``, plain PyTorch's recipe)
   off   DeadPool with snapshots off (``ft.snapshot=false``: its ZeRO-1 gradient sync and
-        parameter all-gather, watchdog, heartbeats, the spare)
+        parameter all-gather, watchdog, heartbeats, the spare; ``ft.on_no_spare`` set to the
+        choice that needs no snapshot, never used without a failure)
   on    DeadPool with its default settings: snapshots replicated to a buddy, the interval
         widened while they cost more than ``ft.snapshot_overhead_target`` or outlast the steps
         between them (``deadpool/snapshot/schedule.py``; nothing set for the benchmark)
@@ -51,7 +52,10 @@ from deadpool.train import compose_config  # noqa: E402
 from experiments.common import keep, metrics, run  # noqa: E402
 
 SETTINGS = {"2": ("dp2", 2, 0), "4+1": ("dp4", 4, 1)}  # name -> (parallel, ranks, spares)
-ARM_OVERRIDES = {"off": ["ft.snapshot=false"], "on": [], "on1": ["ft.snapshot_adaptive=false"]}
+# off: with no snapshots a spare-less failure can only stop (ft.on_no_spare's other choices write
+# the state from memory); a failure-free run never reaches it
+ARM_OVERRIDES = {"off": ["ft.snapshot=false", "ft.on_no_spare=checkpoint_and_stop"], "on": [],
+                 "on1": ["ft.snapshot_adaptive=false"]}
 RATIOS = {"on/ddp": ("on", "ddp"), "off/ddp": ("off", "ddp"), "on/off": ("on", "off"),
           "on1/ddp": ("on1", "ddp"), "on1/off": ("on1", "off")}
 

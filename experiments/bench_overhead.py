@@ -23,10 +23,11 @@ arm, in an order that rotates per repeat, so slow drift of the host hits every a
 A run's step time in a window of steps (inclusive, 1-based; default ``early`` 11-29 and
 ``steady`` 40-79 of 80) is the median over the window's steps of the mean over ranks. Ratios of
 two arms are taken per repeat and reported as the median and range over repeats. Also reported:
-ZeRO-1's parameter all-gather (``param_gather_s``, off arm, steady window) against the gap to
-DDP, the snapshot interval the schedule settled on, and the bytes each rank replicates per step
-(its unique state, under bf16 the fp32 master shard and moments, per snapshot, times the
-snapshots per step in the steady window). Writes ``results.json`` (per setting: ``ratios`` of
+ZeRO-1's parameter all-gather (``param_gather_s``, median of the steady window, and its share
+of the off arm's step: an upper bound on what overlapping it with the next forward could save,
+since its wait also holds the ranks' skew), the snapshot interval the schedule settled on, and
+the bytes each rank replicates per step (its unique state, under bf16 the fp32 master shard
+and moments, per snapshot, times the snapshots per step in the steady window). Writes ``results.json`` (per setting: ``ratios`` of
 the steady window, what ``paper_figures/fig09_overhead.py`` plots, and ``windows`` with both)
 and each DeadPool run's ``summary.json`` / ``metrics.jsonl`` under ``--out``.
 
@@ -183,35 +184,39 @@ def main() -> None:
                  "windows": {w: {"steps": windows[w], "step_time_s": by_window[w],
                                  "ratios": ratios[w]} for w in windows},
                  "runs": runs[(setting, prec)]}
+        if "off" in entry["runs"]:  # what overlapping the all-gather could save, at most
+            entry["param_gather_share_of_off_step"] = [
+                d["param_gather_s"] / t for d, t in zip(entry["runs"]["off"],
+                                                        by_window["steady"]["off"])]
         results["settings"][f"{setting} {prec}"] = entry
-        print(f"\n== {ranks} ranks + {spares} spare(s), {prec}, {args.repeats} interleaved "
-              f"repeats: step time ratio, median (range over repeats)")
-        for w, (lo, hi) in windows.items():
-            cells = "  ".join(f"{k} {spread(v)}" for k, v in ratios[w].items())
-            ms = "  ".join(f"{a} {statistics.median(by_window[w][a]) * 1e3:.1f}" for a in arms)
-            print(f"  {w:6s} steps {lo}-{hi}: {cells}\n    median step ms: {ms}")
-        for arm, ds in runs[(setting, prec)].items():
-            g = [d["param_gather_s"] for d in ds if d["param_gather_s"] is not None]
-            line = f"  {arm:3s} steady:" + (f" parameter all-gather {statistics.median(g) * 1e3:.2f}"
-                                             " ms" if g else "")
-            if arm != "off":
-                per_step = statistics.median(d["bytes_replicated_per_rank_per_step"] for d in ds)
-                line += (f", interval settled {[d['interval_final'] for d in ds]}, "
-                         f"{statistics.median(d['snapshots_per_step'] for d in ds):.3f} snapshots "
-                         f"per step, replicated per rank per step {per_step / 1e6:.3f} MB "
-                         f"({ds[0]['bytes_per_snapshot'] / 1e6:.3f} MB per snapshot)")
-            print(line)
-        if "off" in runs[(setting, prec)] and "ddp" in arms:
-            g = [d["param_gather_s"] for d in runs[(setting, prec)]["off"]]
-            if all(x is not None for x in g):
-                gap = [o - d for o, d in zip(by_window["steady"]["off"], by_window["steady"]["ddp"])]
-                entry["param_gather_share_of_off_ddp_gap"] = [x / y if y > 0 else None
-                                                              for x, y in zip(g, gap)]
-                print(f"  all-gather / (off - ddp) per repeat: "
-                      f"{', '.join('-' if v is None else f'{v:.2f}' for v in entry['param_gather_share_of_off_ddp_gap'])}")
-        print(flush=True)
+        report(entry, windows, args.repeats)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"results in {out}")
+
+
+def report(entry: dict, windows: dict, repeats: int) -> None:
+    print(f"\n== {entry['ranks']} ranks + {entry['spares']} spare(s), {entry['precision']}, "
+          f"{repeats} interleaved repeats: step time ratio, median (range over repeats)")
+    for w, (lo, hi) in windows.items():
+        ew = entry["windows"][w]
+        cells = "  ".join(f"{k} {spread(v)}" for k, v in ew["ratios"].items())
+        ms = "  ".join(f"{a} {statistics.median(v) * 1e3:.1f}"
+                       for a, v in ew["step_time_s"].items())
+        print(f"  {w:6s} steps {lo}-{hi}: {cells}\n    median step ms: {ms}")
+    for arm, ds in entry["runs"].items():
+        g = [d["param_gather_s"] for d in ds if d["param_gather_s"] is not None]
+        line = f"  {arm:3s} steady:"
+        if g:
+            line += f" parameter all-gather {statistics.median(g) * 1e3:.2f} ms"
+        if arm == "off" and "param_gather_share_of_off_step" in entry:
+            line += f" ({spread(entry['param_gather_share_of_off_step'])} of the step)"
+        if arm != "off":
+            per_step = statistics.median(d["bytes_replicated_per_rank_per_step"] for d in ds)
+            line += (f", interval settled {[d['interval_final'] for d in ds]}, "
+                     f"{statistics.median(d['snapshots_per_step'] for d in ds):.3f} snapshots "
+                     f"per step, replicated per rank per step {per_step / 1e6:.3f} MB "
+                     f"({ds[0]['bytes_per_snapshot'] / 1e6:.3f} MB per snapshot)")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ arm, in an order that rotates per repeat, so slow drift of the host hits every a
 A run's step time in a window of steps (inclusive, 1-based; default ``early`` 11-29 and
 ``steady`` 40-79 of 80) is the median over the window's steps of the mean over ranks. Ratios of
 two arms are taken per repeat and reported as the median and range over repeats. Also reported:
-ZeRO-1's parameter all-gather (``param_gather_s``, median of the steady window, and its share
-of the off arm's step: an upper bound on what overlapping it with the next forward could save,
+ZeRO-1's parameter all-gather (``param_gather_s``, median of the steady window, and its share of
+the off arm's step: an upper bound on what overlapping it with the next forward could save,
 since its wait also holds the ranks' skew), the snapshot interval the schedule settled on, and
-the bytes each rank replicates per step (its unique state, under bf16 the fp32 master shard
-and moments, per snapshot, times the snapshots per step in the steady window). Writes ``results.json`` (per setting: ``ratios`` of
-the steady window, what ``paper_figures/fig09_overhead.py`` plots, and ``windows`` with both)
-and each DeadPool run's ``summary.json`` / ``metrics.jsonl`` under ``--out``.
+the bytes each rank replicates per step (its unique state, under bf16 the fp32 master shard and
+moments, per snapshot, times the snapshots per step in the steady window). Writes
+``results.json`` (per setting: ``ratios`` of the steady window, what
+``paper_figures/fig09_overhead.py`` plots, and ``windows`` with both) and each DeadPool run's
+``summary.json`` / ``metrics.jsonl`` under ``--out``.
 
 Default workload: 2-layer decoder, d_model 256, 4 heads, vocab 512, seq 64, batch 8 per rank.
 """

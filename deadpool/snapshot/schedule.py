@@ -22,8 +22,8 @@ most ``ft.max_snapshot_lag_steps``):
   active steps outside probes, i.e. what snapshots cost at the current interval.
 
 The cost is protection lag: after a failure up to ``k`` (during a probe, ``k`` + its length)
-steps are recomputed. When even the widest interval cannot hide the cycle, the engine blocks (counted in
-``snapshot_blocked_s``): a bounded lag is worth more than the last percent of speed.
+steps are recomputed. When even the widest interval cannot hide the cycle, the engine blocks
+(counted in ``snapshot_blocked_s``): a bounded lag is worth more than the last percent of speed.
 
 Every rank must snapshot the same steps (a step is protected once every rank replicated it), so
 ``k`` is agreed, not local: every ``every`` steps (decision step ``d``) each rank adds a vote for

@@ -59,6 +59,25 @@ done or its peers are known to be gone.
 
 The communicator is an argument of every call: recovery replaces it, and nothing here keeps a
 process group.
+
+Not built: the all-gather overlapped with the next forward. Megatron's distributed optimizer
+posts each bucket's parameter all-gather at the end of step s and, from forward pre-hooks, waits
+for the bucket holding a module's parameters before its first use in step s + 1; here ``step``
+gathers everything and waits. Measured first (``experiments/bench_overhead.py`` records the
+gather's host time, ``param_gather_s``, on gloo over 2 CPU cores, default workload): MEASURED.
+That is an upper bound on the saving: the wait also absorbs the ranks' skew, which overlap only
+moves to the next collective, and gloo's transfer runs on CPU threads that would compete with
+the forward for the same cores. Doing it exactly takes, beyond the hooks:
+  - a layout to gather by: buckets here lie inside one owner's shard, so the parameters the
+    forward needs first (the embedding) all come from dp rank 0; the natural pieces are one
+    broadcast per owner (forward order is shard order), or Megatron's buckets cut across every
+    shard (which turns the per-bucket ``reduce`` into a reduce-scatter, unpollable on gloo);
+  - ``Trainer.dirty`` true until the last gather of step s completed (not at the end of
+    ``step``), and the snapshot of step s copying ``params`` only after it;
+  - recovery from an abort inside step s + 1's forward: only other ranks' parameter shards are
+    in flight (the owned shard, master weights and moments are clean), so rather than rolling
+    survivors back to their snapshots (more rollbacks than today), ``report_status`` would report
+    the clean regions and ``restore`` re-gather the parameters from each owner's shard.
 """
 
 from __future__ import annotations

@@ -12,14 +12,15 @@ most ``ft.max_snapshot_lag_steps``):
   snapshot work runs ("active") against steps during which none does ("quiet"), scaled to ``k``,
   must stay under the target. When no core is idle (a CPU box) snapshots are not free; on a GPU
   node whose host cores idle while the GPU computes, the cost measures ~0 and ``k`` stays ``base``.
-  With ``k = base`` there are no quiet steps, so the job skips a few snapshots (a *probe*) to
-  measure them; the protection lag then grows by the probe's length. Probes end just before a
+  With ``k = base`` there are no quiet steps, so the job skips ``probe`` (3) snapshots (a
+  *probe*) to measure them; the protection lag then grows by ``probe``. Probes end just before a
   vote (below), early and then backing off, so a short job settles too: with the defaults
-  (``every = 16``, ``probe_every = 64``) the first probe skips the snapshots of steps 10-15
-  (``first_probe`` = 6 steps: enough quiet steps for a median, past the ``warmup`` steps, which
-  are not measured), the next ones steps 29-31, 61-63, then 3 steps before every multiple of
-  ``probe_every``. The cost is the slowdown of active steps over quiet ones times the share of
-  active steps outside probes, i.e. what snapshots cost at the current interval.
+  (``every = 16``, ``probe_every = 64``) steps 13-15, 29-31, 61-63, then 3 steps before every
+  multiple of ``probe_every``. A probe yields 2-3 quiet steps and a cost needs ``min_quiet`` (4),
+  so the vote of step 32 is the first that knows it, in force from step 40. The first ``warmup``
+  steps of a generation are not measured. The cost is the slowdown of active steps over quiet
+  ones times the share of active steps outside probes, i.e. what snapshots cost at the current
+  interval.
 
 The cost is protection lag: after a failure up to ``k`` (during a probe, ``k`` + its length)
 steps are recomputed. When even the widest interval cannot hide the cycle, the engine blocks
@@ -29,7 +30,7 @@ Every rank must snapshot the same steps (a step is protected once every rank rep
 ``k`` is agreed, not local: every ``every`` steps (decision step ``d``) each rank adds a vote for
 its wanted ``k`` to a counter in the store (``interval/<d>/<k>``, in the generation's namespace),
 and at step ``d + w`` (``w`` the widest interval, 8 by default) all ranks read the votes of ``d``
-and take the largest wanted ``k`` from that step on: the vote of step 16 rules from step 24. The
+and take the largest wanted ``k`` from that step on: the vote of step 32 rules from step 40. The
 read waits (abortably) until every rank has voted; in a coupled job ranks are never ``w`` steps
 apart, so in practice it never waits. Per rank and decision this is ``2 + #levels`` store
 operations, under one per step at the default ``every = 16``. Votes and decisions happen at
@@ -66,17 +67,15 @@ class SnapshotSchedule:
         self.base, self.every, self.margin = base, every, margin
         self.target = overhead_target if self.adaptive else None
         self.probe_every, self.probe, self.min_quiet = probe_every, probe, min_quiet
-        # the first probe yields min_quiet quiet steps even when a snapshot's work spills into
-        # the step after it; it ends at the first vote that leaves warm-up and enough active
-        # steps before it, then probes back off (doubling) to one every probe_every steps
-        self.first_probe = max(probe, min_quiet + 2)
-        first_end = every
-        while first_end < warmup + min_quiet + self.first_probe:
-            first_end *= 2
+        # probes end at the first vote that leaves warm-up and enough active steps before it,
+        # then back off (doubling) to one every probe_every steps
+        end = every
+        while end < warmup + min_quiet + probe:
+            end *= 2
         self._early_ends = []
-        while first_end < probe_every:
-            self._early_ends.append(first_end)
-            first_end *= 2
+        while end < probe_every:
+            self._early_ends.append(end)
+            end *= 2
         self.warmup = warmup
         self._seen = 0  # steps observed in this generation (the first `warmup` are not measured)
         self.interval = base
@@ -100,9 +99,8 @@ class SnapshotSchedule:
         """Snapshots skipped at ``step`` to measure quiet steps (only while ``k`` is ``base``)."""
         if self.target is None or self.interval != self.base:
             return False
-        for i, end in enumerate(self._early_ends):
-            if end - (self.first_probe if i == 0 else self.probe) <= step < end:
-                return True
+        if any(end - self.probe <= step < end for end in self._early_ends):
+            return True
         return step % self.probe_every >= self.probe_every - self.probe
 
     def due(self, step: int) -> bool:

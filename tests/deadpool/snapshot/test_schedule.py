@@ -108,19 +108,19 @@ def train(s, steps, store, world=1, step_s=0.100, slowdown=0.10, cycle_s=0.05):
 def test_default_probes_come_early_then_back_off():
     s = SnapshotSchedule(1, 8, overhead_target=0.02)  # every 16, probe_every 64: the defaults
     skipped = [t for t in range(1, 200) if not s.due(t)]
-    assert skipped == [*range(10, 16), 29, 30, 31, 61, 62, 63, 125, 126, 127, 189, 190, 191]
-    # with every=8 the first probe still leaves warm-up and active steps before it
-    s8 = SnapshotSchedule(1, 8, every=8, overhead_target=0.02)
-    assert [t for t in range(1, 40) if not s8.due(t)] == [*range(10, 16), 29, 30, 31]
+    assert skipped == [13, 14, 15, 29, 30, 31, 61, 62, 63, 125, 126, 127, 189, 190, 191]
+    # the first probe ends at the first vote past warm-up and a few active steps
+    s32 = SnapshotSchedule(1, 8, every=32, overhead_target=0.02)
+    assert [t for t in range(1, 100) if not s32.due(t)] == [29, 30, 31, 61, 62, 63]
 
 
-def test_a_costly_snapshot_widens_the_interval_from_step_24():
+def test_a_costly_snapshot_widens_the_interval_from_step_40():
     master = master_store()
     seen = train(SnapshotSchedule(1, 8, overhead_target=0.02), 80, client(master.port))
-    # 10 % on every step at k = 1: the probe of steps 10-15 measures it, the vote of step 16
-    # wants k = 8 (1.25 %; k = 4 would be 2.5 %) and rules from step 24 on
-    assert seen[:23] == [1] * 23
-    assert seen[23:] == [8] * 57
+    # 10 % on every step at k = 1: the probes of steps 13-15 and 29-31 measure it, the vote of
+    # step 32 wants k = 8 (1.25 %; k = 4 would be 2.5 %) and rules from step 40 on
+    assert seen[:39] == [1] * 39
+    assert seen[39:] == [8] * 41
 
 
 def test_a_cheap_snapshot_stays_every_step_and_keeps_probing():
@@ -145,8 +145,8 @@ def test_ranks_agree_at_the_default_decision_steps():
     slow = {0: 0.0, 1: 0.10, 2: 0.03}  # only rank 1 pays enough to want k = 8
 
     def rank_fn(r):
-        return train(SnapshotSchedule(1, 8, overhead_target=0.02), 40, client(master.port),
+        return train(SnapshotSchedule(1, 8, overhead_target=0.02), 48, client(master.port),
                      world=n, slowdown=slow[r])
 
     for seen in run_threads(rank_fn, n):
-        assert seen == [1] * 23 + [8] * 17
+        assert seen == [1] * 39 + [8] * 9

@@ -87,7 +87,11 @@ def run_ddp(cfg: dict, ranks: int, run_dir: Path) -> dict:
            f"--nproc-per-node={ranks}", f"--master-port={free_port()}", str(script),
            "--spec", str(spec), "--out", str(run_dir)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with open(run_dir / "stderr.txt", "w") as err:
+        rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err).returncode
+    # torchrun's teardown has been seen to fail after every rank wrote its record: keep those
+    if rc and not all((run_dir / f"rank{r}.json").exists() for r in range(ranks)):
+        raise RuntimeError(f"DDP reference failed ({rc}): see {run_dir / 'stderr.txt'}")
     per_rank = {}
     for r in range(ranks):
         rec = json.loads((run_dir / f"rank{r}.json").read_text())

@@ -46,6 +46,8 @@ def panel_ddp(ax, bench: Path) -> None:
             ys.append(m)
             lo.append(m - min(r))
             hi.append(max(r) - m)
+        if not xs:  # an arm the benchmark did not run
+            continue
         ax.bar(xs, ys, width=width * 0.9, yerr=[lo, hi], capsize=3, label=lab, color=c, ecolor="#333333")
         for x, y, h in zip(xs, ys, hi):
             ax.text(x, y + h + 0.004, f"{y:.3f}", ha="center", va="bottom", fontsize=7)
@@ -53,7 +55,7 @@ def panel_ddp(ax, bench: Path) -> None:
     ticks = []
     for n in names:
         s = res[n]
-        t = f"{s['ranks']} ranks" + (f" + {s['spares']} spare" if s.get("spares") else "")
+        t = f"{s['ranks']}" + (f" + {s['spares']}" if s.get("spares") else "") + " ranks"
         t += f"\n{s['precision']}" if s.get("precision") else ""
         ticks.append(t)
     ax.set_xticks(range(len(names)), ticks)

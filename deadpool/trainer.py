@@ -308,7 +308,7 @@ class Trainer:
             cycle = None
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
-            self.schedule.observe(dt, busy or cycle is not None, cycle)
+            self.schedule.observe(dt, busy or cycle is not None, cycle, step=self.step)
             self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s,
                                 lr=lr, grad_norm=norm)
             if first and on_first_step is not None:
@@ -330,6 +330,8 @@ class Trainer:
                "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
                "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot,
+               # ZeRO-1's parameter all-gather of this step, on the critical path (zero.py)
+               "param_gather_s": self.opt.last_gather_s,
                # steps since the newest snapshot this rank has copied and replicated; the job's
                # protection lag at a step is the largest over its ranks
                "protection_lag_steps": (self.step - self.engine.done_step

@@ -1,29 +1,38 @@
 """Failure-free overhead against stock torch DDP, measured side by side in one invocation.
 
-    python experiments/bench_overhead.py [--repeats 3] [--steps 30] [--settings 2,4+1]
-        [--out experiments/results/runtime/overhead]
+    python experiments/bench_overhead.py [--repeats 3] [--steps 80] [--settings 2,4+1]
+        [--precisions fp32,bf16] [--arms ddp,off,on] [--out experiments/results/runtime/overhead]
+    python experiments/bench_overhead.py --quick    # smoke test: 1 repeat, 2 ranks, fp32, 24 steps
 
-Four arms on the same model, data, layout and AdamW kernel, run as whole jobs:
-  ddp   stock ``DistributedDataParallel`` over gloo under torchrun (``ddp_reference.py``)
-  off   DeadPool with snapshots off (its gradient sync, watchdog, heartbeats, spare)
-  on    DeadPool as configured by default: snapshots replicated to a buddy, the interval widened
-        from every step while they cost more than ``ft.snapshot_overhead_target`` (2 %) or
-        outlast the steps between them (``deadpool/snapshot/schedule.py``; probes every 8 steps here, not
-        64, so it settles within the run: the vote of step 16 takes effect at step 32)
-  on1   DeadPool with a snapshot every step, never widened: the raw per-step cost
-in each setting: ``2`` (2 ranks) and ``4+1`` (4 data-parallel ranks and 1 warm spare, which DDP
-does not have). Arms are interleaved (the order rotates every repeat), so slow drift of the host
-hits every arm alike. A run's step time is the median over steps after ``--skip`` (by then the
-interval has settled) of the mean over ranks; the ratio of two arms is taken per repeat and reported as the median with its range.
+Arms, on the same model, data, layout, AdamW kernel, decay groups and learning rates, each run
+as a whole job:
+  ddp   stock ``DistributedDataParallel`` over gloo under torchrun (``ddp_reference.py``; bf16:
+        fp32 parameters under ``torch.autocast``, plain PyTorch's recipe)
+  off   DeadPool with snapshots off (``ft.snapshot=false``: its ZeRO-1 gradient sync and
+        parameter all-gather, watchdog, heartbeats, the spare; ``ft.on_no_spare`` set to the
+        choice that needs no snapshot, never used without a failure)
+  on    DeadPool with its default settings: snapshots replicated to a buddy, the interval
+        widened while they cost more than ``ft.snapshot_overhead_target`` or outlast the steps
+        between them (``deadpool/snapshot/schedule.py``; nothing set for the benchmark)
+  on1   (optional) a snapshot every step, never widened: the raw per-step cost
+in each setting, ``2`` (2 ranks) and ``4+1`` (4 data-parallel ranks and 1 warm spare, which DDP
+does not have), and each precision (``fp32``, ``bf16``: bf16 parameters, fp32 master weights and
+moments sharded by ZeRO-1). Every repeat runs every (setting, precision) and, inside it, every
+arm, in an order that rotates per repeat, so slow drift of the host hits every arm alike.
 
-Also printed per setting: the bytes each rank replicates per step (its ZeRO-1 shard times the
-share of steps that were snapshotted) and the effective protection lag (how many steps behind
-the newest step the newest step replicated by every rank is, median and max), with the snapshot
-interval the back-pressure settled on. Writes ``results.json`` and each run's files under
-``--out``.
+A run's step time in a window of steps (inclusive, 1-based; default ``early`` 11-29 and
+``steady`` 40-79 of 80) is the median over the window's steps of the mean over ranks. Ratios of
+two arms are taken per repeat and reported as the median and range over repeats. Also reported:
+ZeRO-1's parameter all-gather (``param_gather_s``, median of the steady window, and its share of
+the off arm's step: an upper bound on what overlapping it with the next forward could save,
+since its wait also holds the ranks' skew), the snapshot interval the schedule settled on, and
+the bytes each rank replicates per step (its unique state, under bf16 the fp32 master shard and
+moments, per snapshot, times the snapshots per step in the steady window). Writes
+``results.json`` (per setting: ``ratios`` of the steady window, what
+``paper_figures/fig09_overhead.py`` plots, and ``windows`` with both) and each DeadPool run's
+``summary.json`` / ``metrics.jsonl`` under ``--out``.
 
-Default workload (the one a new user tried in the overhead issue): 2-layer decoder, d_model 256,
-4 heads, vocab 512, seq 64, batch 8 per rank.
+Default workload: 2-layer decoder, d_model 256, 4 heads, vocab 512, seq 64, batch 8 per rank.
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ from deadpool.train import compose_config  # noqa: E402
 from experiments.common import keep, metrics, run  # noqa: E402
 
 SETTINGS = {"2": ("dp2", 2, 0), "4+1": ("dp4", 4, 1)}  # name -> (parallel, ranks, spares)
+# off: with no snapshots a spare-less failure can only stop (ft.on_no_spare's other choices write
+# the state from memory); a failure-free run never reaches it
+ARM_OVERRIDES = {"off": ["ft.snapshot=false", "ft.on_no_spare=checkpoint_and_stop"], "on": [],
+                 "on1": ["ft.snapshot_adaptive=false"]}
+RATIOS = {"on/ddp": ("on", "ddp"), "off/ddp": ("off", "ddp"), "on/off": ("on", "off"),
+          "on1/ddp": ("on1", "ddp"), "on1/off": ("on1", "off")}
 
 
 def free_port() -> int:
@@ -53,12 +68,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def median_step(per_rank: dict[int, list[tuple[int, float]]], skip: int) -> float:
-    """Median over steps > skip of the mean over ranks of the step time."""
+def window_step(per_rank: dict[int, list[tuple[int, float]]], lo: int, hi: int) -> float:
+    """Median over steps lo..hi (inclusive) of the mean over ranks of the step time."""
     by_step: dict[int, list[float]] = {}
     for rows in per_rank.values():
         for step, t in rows:
-            if step > skip:
+            if lo <= step <= hi:
                 by_step.setdefault(step, []).append(t)
     return statistics.median(statistics.mean(v) for v in by_step.values())
 
@@ -72,7 +87,11 @@ def run_ddp(cfg: dict, ranks: int, run_dir: Path) -> dict:
            f"--nproc-per-node={ranks}", f"--master-port={free_port()}", str(script),
            "--spec", str(spec), "--out", str(run_dir)]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with open(run_dir / "stderr.txt", "w") as err:
+        rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err).returncode
+    # torchrun's teardown has been seen to fail after every rank wrote its record: keep those
+    if rc and not all((run_dir / f"rank{r}.json").exists() for r in range(ranks)):
+        raise RuntimeError(f"DDP reference failed ({rc}): see {run_dir / 'stderr.txt'}")
     per_rank = {}
     for r in range(ranks):
         rec = json.loads((run_dir / f"rank{r}.json").read_text())
@@ -90,100 +109,119 @@ def run_deadpool(overrides: list[str], run_dir: Path) -> dict:
     return {"per_rank": per_rank, "rows": rows, "summary": summary}
 
 
-def protection(rows: list[dict], skip: int, num_steps: int) -> dict:
-    """Bytes replicated per rank per step and the effective protection lag (steps)."""
-    lag_by_step: dict[int, int] = {}
-    snaps: dict[int, int] = {}
-    for r in rows:
-        if r["step"] > skip and r.get("protection_lag_steps") is not None:
-            lag_by_step[r["step"]] = max(lag_by_step.get(r["step"], 0), r["protection_lag_steps"])
-        if r["step"] > skip:
-            snaps[r["rank"]] = snaps.get(r["rank"], 0) + bool(r.get("snapshot"))
-    intervals = [r["snapshot_interval"] for r in rows
-                 if r["step"] > skip and r.get("snapshot_interval")]
-    lags = list(lag_by_step.values())
-    return {"snapshots_per_step": statistics.mean(snaps.values()) / (num_steps - skip)
-            if snaps else 0.0,
-            "lag_median": statistics.median(lags) if lags else None,
-            "lag_max": max(lags) if lags else None,
-            "interval_final": intervals[-1] if intervals else None,
-            "interval_max": max(intervals) if intervals else None}
+def details(res: dict, lo: int, hi: int) -> dict:
+    """What a DeadPool run did in steps lo..hi: snapshots per step (per rank), the interval in
+    force at the end, the median parameter all-gather, bytes replicated per rank per step."""
+    rows = [r for r in res["rows"] if lo <= r["step"] <= hi]
+    ranks = {r["rank"] for r in rows}
+    snaps = sum(bool(r.get("snapshot")) for r in rows) / len(ranks) / (hi - lo + 1)
+    gathers = [r["param_gather_s"] for r in rows if r.get("param_gather_s") is not None]
+    last = max(rows, key=lambda r: r["step"])
+    per_snapshot = res["summary"].get("replicated_bytes_per_rank_per_snapshot") or 0
+    return {"snapshots_per_step": snaps, "interval_final": last.get("snapshot_interval"),
+            "param_gather_s": statistics.median(gathers) if gathers else None,
+            "bytes_per_snapshot": per_snapshot,
+            "bytes_replicated_per_rank_per_step": per_snapshot * snaps}
+
+
+def spread(v: list[float]) -> str:
+    return f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--skip", type=int, default=32, help="steps left out of the medians (warm-up, "
-                    "the interval settling)")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--early", default="11-29", help="early window, steps lo-hi inclusive")
+    ap.add_argument("--steady", default="40-79", help="steady-state window, steps lo-hi inclusive")
     ap.add_argument("--settings", default="2,4+1")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--arms", default="ddp,off,on", help="of ddp, off, on, on1")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--extra", nargs="*", default=[], help="more DeadPool overrides (every arm)")
-    ap.add_argument("--out", default="experiments/results/runtime/overhead")
+    ap.add_argument("--out", default=None, help="default experiments/results/runtime/overhead "
+                    "(--quick: a temporary directory)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 2 ranks, fp32, "
+                    "24 steps (windows 4-11 and 12-23)")
     args = ap.parse_args()
-    out = Path(args.out)
+    if args.quick:
+        args.repeats, args.steps, args.settings, args.precisions = 1, 24, "2", "fp32"
+        args.early, args.steady = "4-11", "12-23"
+    out = Path(args.out or (tempfile.mkdtemp(prefix="overhead-quick-") if args.quick
+                            else "experiments/results/runtime/overhead"))
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
-    results = {"args": vars(args), "settings": {}}
-    for name in args.settings.split(","):
-        parallel, ranks, spares = SETTINGS[name]
-        base = [f"model={args.model}", f"model.d_model={args.d_model}", f"parallel={parallel}",
-                f"num_steps={args.steps}", f"batch_size={args.batch_size}",
-                f"seq_len={args.seq_len}", f"ft.num_spares={spares}", "faults=none",
-                "log_every_steps=0", "ft.persist_interval_steps=0", *args.extra]
-        cfg = compose_config(base, tmp / "spec")
-        arms = {"ddp": lambda d: run_ddp(cfg, ranks, d),
-                "off": lambda d: run_deadpool(base + ["ft.snapshot=false"], d),
-                "on": lambda d: run_deadpool(base + ["ft.snapshot_probe_every_steps=8"], d),
-                "on1": lambda d: run_deadpool(base + ["ft.snapshot_adaptive=false"], d)}
-        order = list(arms)
-        times: dict[str, list[float]] = {a: [] for a in arms}
-        prot: dict[str, list] = {"on": [], "on1": []}
-        for rep in range(args.repeats):
-            for arm in order[rep % len(order):] + order[:rep % len(order)]:
-                d = tmp / f"{name}-{arm}-{rep}"
+    windows = {w: tuple(int(x) for x in getattr(args, w).split("-")) for w in ("early", "steady")}
+    arms = args.arms.split(",")
+    configs = [(s, p) for s in args.settings.split(",") for p in args.precisions.split(",")]
+    times = {c: {w: {a: [] for a in arms} for w in windows} for c in configs}
+    runs: dict = {c: {a: [] for a in arms if a != "ddp"} for c in configs}
+    for rep in range(args.repeats):
+        for setting, prec in configs:
+            parallel, ranks, spares = SETTINGS[setting]
+            base = [f"model={args.model}", f"model.d_model={args.d_model}", f"parallel={parallel}",
+                    f"num_steps={args.steps}", f"batch_size={args.batch_size}",
+                    f"seq_len={args.seq_len}", f"precision={prec}", f"ft.num_spares={spares}",
+                    "faults=none", "log_every_steps=0", "ft.persist_interval_steps=0"]
+            for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+                d = tmp / f"{setting}-{prec}-{arm}-{rep}"
                 t0 = time.time()
-                res = arms[arm](d)
-                times[arm].append(median_step(res["per_rank"], args.skip))
-                if arm in prot:
-                    p = protection(res["rows"], args.skip, args.steps)
-                    p["bytes_per_snapshot"] = res["summary"].get(
-                        "replicated_bytes_per_rank_per_snapshot") or 0
-                    prot[arm].append(p)
-                if arm != "ddp":
-                    keep(d, out, f"{name}/{arm}-{rep}")
-                print(f"[{name}] repeat {rep + 1}/{args.repeats} {arm:3s}: median step "
-                      f"{times[arm][-1] * 1e3:6.1f} ms  ({time.time() - t0:.0f} s)", flush=True)
-        ratios = {k: [a / b for a, b in zip(times[x], times[y])]
-                  for k, (x, y) in {"on/ddp": ("on", "ddp"), "on/off": ("on", "off"),
-                                    "off/ddp": ("off", "ddp"), "on1/ddp": ("on1", "ddp"),
-                                    "on1/off": ("on1", "off")}.items()}
-        res = {"ranks": ranks, "spares": spares, "step_time_s": times, "ratios": ratios,
-               "protection": prot}
-        results["settings"][name] = res
-        print(f"\n== {name}: {ranks} ranks + {spares} spare(s), {args.repeats} interleaved repeats")
-        for arm in arms:
-            print(f"  {arm:3s} median step {statistics.median(times[arm]) * 1e3:6.1f} ms  "
-                  f"(runs {', '.join(f'{t * 1e3:.1f}' for t in times[arm])})")
-        for k, v in ratios.items():
-            target = {"on/ddp": 1.05, "on/off": 1.02}.get(k)
-            tgt = f"   target <= {target}: {'met' if statistics.median(v) <= target else 'NOT met'}" \
-                if target else ""
-            print(f"  {k:7s} {statistics.median(v):.3f}  [{min(v):.3f}, {max(v):.3f}]{tgt}")
-        for arm, ps in prot.items():
-            per_step = statistics.median(p["bytes_per_snapshot"] * p["snapshots_per_step"]
-                                         for p in ps)
-            res[f"bytes_replicated_per_rank_per_step_{arm}"] = per_step
-            print(f"  {arm:3s} replicated per rank per step {per_step / 1e6:.2f} MB "
-                  f"({ps[0]['bytes_per_snapshot'] / 1e6:.2f} MB per snapshot); protection lag "
-                  f"(steps) median {[p['lag_median'] for p in ps]} max {[p['lag_max'] for p in ps]}; "
-                  f"interval settled at {[p['interval_final'] for p in ps]}")
-        print(flush=True)
+                if arm == "ddp":
+                    res = run_ddp(compose_config(base, tmp / "spec"), ranks, d)
+                else:
+                    res = run_deadpool(base + ARM_OVERRIDES[arm], d)
+                    runs[(setting, prec)][arm].append(details(res, *windows["steady"]))
+                    keep(d, out, f"{setting}/{prec}/{arm}-{rep}")
+                for w, (lo, hi) in windows.items():
+                    times[(setting, prec)][w][arm].append(window_step(res["per_rank"], lo, hi))
+                print(f"[{setting} {prec}] repeat {rep + 1}/{args.repeats} {arm:3s}: steady "
+                      f"{times[(setting, prec)]['steady'][arm][-1] * 1e3:6.1f} ms  "
+                      f"({time.time() - t0:.0f} s)", flush=True)
+    results = {"args": vars(args) | {"out": str(out)}, "windows": windows, "settings": {}}
+    for (setting, prec), by_window in times.items():
+        _, ranks, spares = SETTINGS[setting]
+        ratios = {w: {k: [a / b for a, b in zip(t[x], t[y])] for k, (x, y) in RATIOS.items()
+                      if x in t and y in t} for w, t in by_window.items()}
+        entry = {"ranks": ranks, "spares": spares, "precision": prec,
+                 "step_time_s": by_window["steady"], "ratios": ratios["steady"],
+                 "windows": {w: {"steps": windows[w], "step_time_s": by_window[w],
+                                 "ratios": ratios[w]} for w in windows},
+                 "runs": runs[(setting, prec)]}
+        if "off" in entry["runs"]:  # what overlapping the all-gather could save, at most
+            entry["param_gather_share_of_off_step"] = [
+                d["param_gather_s"] / t for d, t in zip(entry["runs"]["off"],
+                                                        by_window["steady"]["off"])]
+        results["settings"][f"{setting} {prec}"] = entry
+        report(entry, windows, args.repeats)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"results in {out}")
+
+
+def report(entry: dict, windows: dict, repeats: int) -> None:
+    print(f"\n== {entry['ranks']} ranks + {entry['spares']} spare(s), {entry['precision']}, "
+          f"{repeats} interleaved repeats: step time ratio, median (range over repeats)")
+    for w, (lo, hi) in windows.items():
+        ew = entry["windows"][w]
+        cells = "  ".join(f"{k} {spread(v)}" for k, v in ew["ratios"].items())
+        ms = "  ".join(f"{a} {statistics.median(v) * 1e3:.1f}"
+                       for a, v in ew["step_time_s"].items())
+        print(f"  {w:6s} steps {lo}-{hi}: {cells}\n    median step ms: {ms}")
+    for arm, ds in entry["runs"].items():
+        g = [d["param_gather_s"] for d in ds if d["param_gather_s"] is not None]
+        line = f"  {arm:3s} steady:"
+        if g:
+            line += f" parameter all-gather {statistics.median(g) * 1e3:.2f} ms"
+        if arm == "off" and "param_gather_share_of_off_step" in entry:
+            line += f" ({spread(entry['param_gather_share_of_off_step'])} of the step)"
+        if arm != "off":
+            per_step = statistics.median(d["bytes_replicated_per_rank_per_step"] for d in ds)
+            line += (f", interval settled {[d['interval_final'] for d in ds]}, "
+                     f"{statistics.median(d['snapshots_per_step'] for d in ds):.3f} snapshots "
+                     f"per step, replicated per rank per step {per_step / 1e6:.3f} MB "
+                     f"({ds[0]['bytes_per_snapshot'] / 1e6:.3f} MB per snapshot)")
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

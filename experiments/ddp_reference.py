@@ -4,16 +4,21 @@ today, the reference of ``bench_overhead.py``. Run it under torchrun::
     torchrun --standalone --nproc-per-node 4 experiments/ddp_reference.py --spec spec.json --out OUT
 
 ``spec.json`` holds the resolved DeadPool config (model, seed, batch_size, seq_len, num_steps, lr,
-weight_decay, adamw, torch_num_threads). The loop is nanoGPT's: the same model
-(``deadpool.model.build_model``, same init), the same batches (``SyntheticCorpus``, the rank's
-data-parallel shard), AdamW with the same hyper-parameters and kernel, DDP's default buckets
-(25 MB, first 1 MB) over gloo. Each rank writes ``OUT/rank<r>.json`` with its step times and
-losses. No fault tolerance of any kind.
+lr_schedule, weight_decay, grad_clip, precision, adamw, torch_num_threads). The loop is
+nanoGPT's: the same model (``deadpool.model.build_model``, same init), the same batches
+(``SyntheticCorpus``, the rank's data-parallel shard), AdamW with the same hyper-parameters,
+kernel and weight-decay groups (matrices decayed, norms not), the same learning rate per step
+(``lr_at``), ``clip_grad_norm_`` when ``grad_clip`` is set, DDP's default buckets (25 MB, first
+1 MB) over gloo. ``precision=bf16`` is plain PyTorch's bf16 recipe: fp32 parameters, gradients
+(reduced in fp32, like DeadPool's default ``grad_reduce_dtype``) and AdamW state, forward and
+backward under ``torch.autocast(bfloat16)``. Each rank writes ``OUT/rank<r>.json`` with its step
+times and losses. No fault tolerance of any kind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deadpool.data import SyntheticCorpus  # noqa: E402
+from deadpool.lr_schedule import lr_at  # noqa: E402
 from deadpool.model import build_model  # noqa: E402
 
 
@@ -43,16 +49,27 @@ def main() -> None:
     ddp = DDP(model)
     impl = {"fused": dict(fused=True), "foreach": dict(foreach=True),
             "for_loop": dict(foreach=False)}[cfg.get("adamw", "fused")]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95),
-                            weight_decay=cfg["weight_decay"], **impl)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg["weight_decay"]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg["lr"], betas=(0.9, 0.95), **impl)
+    bf16 = cfg.get("precision", "fp32") == "bf16"
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 \
+        else contextlib.nullcontext
+    clip = cfg.get("grad_clip")
     corpus = SyntheticCorpus(cfg["model"]["vocab_size"], cfg["seed"])
     times, losses = [], []
     for step in range(cfg["num_steps"]):
         t0 = time.perf_counter()
         x, y = corpus.batch(step, rank, cfg["batch_size"], cfg["seq_len"])
         opt.zero_grad(set_to_none=True)
-        loss = ddp(x, y)
+        with autocast():
+            loss = ddp(x, y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, float(clip))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)

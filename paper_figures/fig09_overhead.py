@@ -3,7 +3,8 @@ strategy against no fault tolerance (both on a 2-core CPU host), and the snapsho
 
 Reads, under the results root (``--input``, default experiments/results/):
 - runtime/overhead/results.json (experiments/bench_overhead.py: torch DDP and DeadPool with
-  snapshots off / adaptive / every step, interleaved repeats; per setting the ``ratios`` lists);
+  snapshots off / adaptive (default settings) / every step when run, interleaved repeats; per
+  setting and precision the steady-state window's ``ratios`` lists);
 - runtime/strategies/table.csv (experiments/compare_strategies.py: rows with schedule "free",
   ``ratio_vs_none`` = failure-free step time / ft=none's, median over interleaved rounds, with
   ``ratio_min``/``ratio_max`` when the table has them);
@@ -45,6 +46,8 @@ def panel_ddp(ax, bench: Path) -> None:
             ys.append(m)
             lo.append(m - min(r))
             hi.append(max(r) - m)
+        if not xs:  # an arm the benchmark did not run
+            continue
         ax.bar(xs, ys, width=width * 0.9, yerr=[lo, hi], capsize=3, label=lab, color=c, ecolor="#333333")
         for x, y, h in zip(xs, ys, hi):
             ax.text(x, y + h + 0.004, f"{y:.3f}", ha="center", va="bottom", fontsize=7)
@@ -52,7 +55,8 @@ def panel_ddp(ax, bench: Path) -> None:
     ticks = []
     for n in names:
         s = res[n]
-        t = f"{s['ranks']} ranks" + (f" + {s['spares']} spare" if s.get("spares") else "")
+        t = f"{s['ranks']}" + (f" + {s['spares']}" if s.get("spares") else "") + " ranks"
+        t += f"\n{s['precision']}" if s.get("precision") else ""
         ticks.append(t)
     ax.set_xticks(range(len(names)), ticks)
     ax.set_ylabel("step time / torch DDP's")

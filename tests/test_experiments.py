@@ -85,3 +85,24 @@ def test_runtime_experiment_runs_tiny(name, tmp_path):
     assert (Path(cfg["run_dir"]) / "metrics.jsonl").exists()
     if cfg["faults"]["events"]:
         assert s["recoveries"], "the experiment's faults fired no recovery"
+
+
+@pytest.mark.slow
+def test_bench_overhead_quick_runs_end_to_end(tmp_path):
+    """The overhead benchmark's smoke mode: every arm runs and lands in results.json (not
+    timed: the ratios are only checked to exist and be positive)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "experiments" / "bench_overhead.py"), "--quick",
+                    "--out", str(tmp_path)], check=True, cwd=root, timeout=300,
+                   env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL)
+    res = json.loads((tmp_path / "results.json").read_text())["settings"]["2 fp32"]
+    for w in ("early", "steady"):
+        assert all(len(v) == 1 and v[0] > 0 for v in res["windows"][w]["ratios"].values())
+    assert set(res["ratios"]) == {"on/ddp", "off/ddp", "on/off"}
+    (on,) = res["runs"]["on"]
+    assert on["bytes_per_snapshot"] > 0 and on["param_gather_s"] > 0
+    assert (tmp_path / "2" / "fp32" / "on-0" / "metrics.jsonl").exists()

@@ -12,22 +12,30 @@ most ``ft.max_snapshot_lag_steps``):
   snapshot work runs ("active") against steps during which none does ("quiet"), scaled to ``k``,
   must stay under the target. When no core is idle (a CPU box) snapshots are not free; on a GPU
   node whose host cores idle while the GPU computes, the cost measures ~0 and ``k`` stays ``base``.
-  With ``k = base`` there are no quiet steps, so every ``probe_every`` steps the job skips
-  ``probe`` (3) snapshots to measure them; the protection lag then grows by ``probe``.
+  With ``k = base`` there are no quiet steps, so the job skips ``probe`` (3) snapshots (a
+  *probe*) to measure them; the protection lag then grows by ``probe``. Probes end just before a
+  vote (below), early and then backing off, so a short job settles too: with the defaults
+  (``every = 16``, ``probe_every = 64``) steps 13-15, 29-31, 61-63, then 3 steps before every
+  multiple of ``probe_every``. A probe yields 2-3 quiet steps and a cost needs ``min_quiet`` (4),
+  so the vote of step 32 is the first that knows it, in force from step 40. The first ``warmup``
+  steps of a generation are not measured. The cost is the slowdown of active steps over quiet
+  ones times the share of active steps outside probes, i.e. what snapshots cost at the current
+  interval.
 
-The cost is protection lag: after a failure up to ``k`` (during a probe, ``k + probe``) steps are
-recomputed. When even the widest interval cannot hide the cycle, the engine blocks (counted in
-``snapshot_blocked_s``): a bounded lag is worth more than the last percent of speed.
+The cost is protection lag: after a failure up to ``k`` (during a probe, ``k`` + its length)
+steps are recomputed. When even the widest interval cannot hide the cycle, the engine blocks
+(counted in ``snapshot_blocked_s``): a bounded lag is worth more than the last percent of speed.
 
 Every rank must snapshot the same steps (a step is protected once every rank replicated it), so
 ``k`` is agreed, not local: every ``every`` steps (decision step ``d``) each rank adds a vote for
 its wanted ``k`` to a counter in the store (``interval/<d>/<k>``, in the generation's namespace),
-and at decision step ``d + every`` all ranks read the votes of ``d`` and take the largest wanted
-``k`` from that step on. The read waits (abortably) until every rank has voted; in a coupled job
-ranks are never ``every`` steps apart, so in practice it never waits. Per rank and decision this
-is ``2 + #levels`` store operations, under one per step at the default ``every = 16``.
-Decisions happen at multiples of ``every``, which every ``k`` divides, so ``step % k == 0`` stays
-the rule; probes are a function of the step too. A recovered generation restarts at ``base``.
+and at step ``d + w`` (``w`` the widest interval, 8 by default) all ranks read the votes of ``d``
+and take the largest wanted ``k`` from that step on: the vote of step 32 rules from step 40. The
+read waits (abortably) until every rank has voted; in a coupled job ranks are never ``w`` steps
+apart, so in practice it never waits. Per rank and decision this is ``2 + #levels`` store
+operations, under one per step at the default ``every = 16``. Votes and decisions happen at
+multiples of ``w``, which every ``k`` divides, so ``step % k == 0`` stays the rule; probes are a
+function of the step too. A recovered generation restarts at ``base`` (its measurements kept).
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from deadpool.threads import wait_until
 class SnapshotSchedule:
     def __init__(self, base: int, max_lag: int, every: int = 16, margin: float = 1.25,
                  adaptive: bool = True, overhead_target: float | None = None,
-                 probe_every: int = 64, probe: int = 3, window: int = 16, min_quiet: int = 4):
+                 probe_every: int = 64, probe: int = 3, window: int = 16, min_quiet: int = 4,
+                 warmup: int = 2):
         if base < 1:
             raise ValueError("ft.snapshot_interval_steps must be >= 1")
         self.levels = [base]
@@ -58,8 +67,20 @@ class SnapshotSchedule:
         self.base, self.every, self.margin = base, every, margin
         self.target = overhead_target if self.adaptive else None
         self.probe_every, self.probe, self.min_quiet = probe_every, probe, min_quiet
+        # probes end at the first vote that leaves warm-up and enough active steps before it,
+        # then back off (doubling) to one every probe_every steps
+        end = every
+        while end < warmup + min_quiet + probe:
+            end *= 2
+        self._early_ends = []
+        while end < probe_every:
+            self._early_ends.append(end)
+            end *= 2
+        self.warmup = warmup
+        self._seen = 0  # steps observed in this generation (the first `warmup` are not measured)
         self.interval = base
         self._steps: deque = deque(maxlen=window)
+        self._share: deque = deque(maxlen=window)  # active or not, steps outside probes
         self._cycles: deque = deque(maxlen=window)
         self._active: deque = deque(maxlen=window)
         self._quiet: deque = deque(maxlen=window)
@@ -72,20 +93,33 @@ class SnapshotSchedule:
         self._store, self._keys, self._world = store, keys, world
         self.interval = self.base
         self._voted = set()
+        self._seen = 0
 
     def probing(self, step: int) -> bool:
         """Snapshots skipped at ``step`` to measure quiet steps (only while ``k`` is ``base``)."""
-        return (self.target is not None and self.interval == self.base
-                and step % self.probe_every >= self.probe_every - self.probe)
+        if self.target is None or self.interval != self.base:
+            return False
+        if any(end - self.probe <= step < end for end in self._early_ends):
+            return True
+        return step % self.probe_every >= self.probe_every - self.probe
 
     def due(self, step: int) -> bool:
         return step % self.interval == 0 and not self.probing(step)
 
-    def observe(self, step_s: float, active: bool, cycle_s: float | None) -> None:
+    def observe(self, step_s: float, active: bool, cycle_s: float | None,
+                step: int | None = None) -> None:
         """One training step's time, whether snapshot work ran during it, and the cycle time of
-        the snapshot that finished during it (if one did)."""
+        the snapshot that finished during it (if one did). ``step``: the step just completed
+        (its quietness is the probe's doing when the snapshot of ``step - 1`` was skipped);
+        None: counted as outside probes. The first ``warmup`` steps of a generation (lazy
+        allocations, a recovery's first step) are not measured."""
+        self._seen += 1
+        if self._seen <= self.warmup:
+            return
         self._steps.append(step_s)
         (self._active if active else self._quiet).append(step_s)
+        if step is None or not self.probing(step - 1):
+            self._share.append(active)
         if cycle_s:
             self._cycles.append(cycle_s)
 
@@ -94,7 +128,9 @@ class SnapshotSchedule:
         if len(self._quiet) < self.min_quiet or len(self._active) < self.min_quiet:
             return None
         q = statistics.median(self._quiet)
-        share = len(self._active) / (len(self._active) + len(self._quiet))
+        # the share of steps with snapshot work at this interval (probes would lower it)
+        share = (sum(self._share) / len(self._share) if self._share
+                 else len(self._active) / (len(self._active) + len(self._quiet)))
         return max(0.0, (statistics.median(self._active) - q) / q * share)
 
     def wanted(self) -> int:
@@ -118,11 +154,14 @@ class SnapshotSchedule:
     def end_of_step(self, step: int, abort_check) -> None:
         """After step ``step`` (the snapshot decision for it already made): vote, and adopt the
         decision of the previous vote. Must be called by every rank at every step."""
-        if not self.adaptive or self._store is None or step % self.every:
+        lag = self.levels[-1]
+        if not self.adaptive or self._store is None or step % lag:
             return
-        prev = step - self.every
+        prev = step - lag
         if prev in self._voted:
             self.interval = self._decide(prev, abort_check)
+        if step % self.every:
+            return
         self._store.add(self._keys.interval_vote(step, self.wanted()), 1)
         self._store.add(self._keys.interval_voters(step), 1)
         self._voted.add(step)

@@ -59,9 +59,33 @@ done or its peers are known to be gone.
 
 The communicator is an argument of every call: recovery replaces it, and nothing here keeps a
 process group.
+
+Not built: the all-gather overlapped with the next forward. Megatron's distributed optimizer
+posts each bucket's parameter all-gather at the end of step s and, from forward pre-hooks, waits
+for the bucket holding a module's parameters before its first use in step s + 1; here ``step``
+gathers everything and waits. Measured (``experiments/bench_overhead.py`` records the gather's
+host time, ``param_gather_s``; gloo on 2 CPU cores, default workload, steps 40-79): 3.6 ms of a
+77 ms step at dp=2 (4.7 %), 9.5 ms of 154 ms at dp=4 (6.0 %), in bf16 4.6 % and 7.1 %: about
+the whole gap to torch DDP with snapshots off (1.03-1.11), so it is worth building. Alone,
+after a barrier, the same gather takes 2.8 ms (dp=2) and 6.8 ms (dp=4): the rest is the ranks'
+skew, which overlap only moves to the next collective; and gloo moves the bytes on CPU threads
+that would compete with the forward for the same 2 cores, so the saving is at most those
+figures. Doing it exactly takes, beyond the hooks:
+  - a layout to gather by: buckets here lie inside one owner's shard, so the parameters the
+    forward needs first (the embedding) all come from dp rank 0; the natural pieces are one
+    broadcast per owner (forward order is shard order), or Megatron's buckets cut across every
+    shard (which turns the per-bucket ``reduce`` into a reduce-scatter, unpollable on gloo);
+  - ``Trainer.dirty`` true until the last gather of step s completed (not at the end of
+    ``step``), and the snapshot of step s copying ``params`` only after it;
+  - recovery from an abort inside step s + 1's forward: only other ranks' parameter shards are
+    in flight (the owned shard, master weights and moments are clean), so rather than rolling
+    survivors back to their snapshots (more rollbacks than today), ``report_status`` would report
+    the clean regions and ``restore`` re-gather the parameters from each owner's shard.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -171,6 +195,9 @@ class ZeroOptimizer:
         # the summed gradients are divided by this: the data-parallel width, or the number of
         # batches in the global batch when an elastic job computes several per rank (trainer.py)
         self.grad_div = dp_size
+        # host seconds of the last step's parameter all-gather, post to wait (gloo: the gather
+        # itself; NCCL: only queuing it on the stream); None when nothing is gathered
+        self.last_gather_s: float | None = None
         self.weight_decay = weight_decay
         self.numel = sum(p.numel() for p in self.params)
         self.padded_numel = _padded(self.numel, dp_size)
@@ -302,6 +329,7 @@ class ZeroOptimizer:
         """Must be called before the step's first forward: zeroes the gradients and arms the
         buckets so each is reduced during backward once its last micro-batch has written it."""
         self.zero_grad()
+        self.last_gather_s = None
         pg = self._dp_group(comm)
         if pg is not None:
             self.buckets.arm(self._poster(comm, pg), num_microbatches)
@@ -362,7 +390,9 @@ class ZeroOptimizer:
             on_updated()
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
+            t0 = time.perf_counter()
             comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
+            self.last_gather_s = time.perf_counter() - t0
 
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:

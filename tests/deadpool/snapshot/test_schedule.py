@@ -88,3 +88,65 @@ def test_ranks_adopt_the_widest_wanted_interval_at_the_next_decision():
     for seen in run_threads(rank_fn, n):
         assert seen[:15] == [1] * 15      # steps 1..15: the vote of step 8 is read at 16
         assert seen[15:] == [8] * 9
+
+
+def train(s, steps, store, world=1, step_s=0.100, slowdown=0.10, cycle_s=0.05):
+    """Drive ``s`` as the trainer does: the snapshot taken after step t runs during step t + 1,
+    which it slows by ``slowdown``. Returns the interval in force after each step."""
+    s.start(store, Keys(5), world)
+    running, seen = False, []
+    for t in range(1, steps + 1):
+        dt = step_s * (1 + slowdown) if running else step_s
+        took = s.due(t)
+        s.end_of_step(t, lambda: None)
+        s.observe(dt, running, cycle_s if running else None, step=t)
+        running = took
+        seen.append(s.interval)
+    return seen
+
+
+def test_default_probes_come_early_then_back_off():
+    s = SnapshotSchedule(1, 8, overhead_target=0.02)  # every 16, probe_every 64: the defaults
+    skipped = [t for t in range(1, 200) if not s.due(t)]
+    assert skipped == [13, 14, 15, 29, 30, 31, 61, 62, 63, 125, 126, 127, 189, 190, 191]
+    # the first probe ends at the first vote past warm-up and a few active steps
+    s32 = SnapshotSchedule(1, 8, every=32, overhead_target=0.02)
+    assert [t for t in range(1, 100) if not s32.due(t)] == [29, 30, 31, 61, 62, 63]
+
+
+def test_a_costly_snapshot_widens_the_interval_from_step_40():
+    master = master_store()
+    seen = train(SnapshotSchedule(1, 8, overhead_target=0.02), 80, client(master.port))
+    # 10 % on every step at k = 1: the probes of steps 13-15 and 29-31 measure it, the vote of
+    # step 32 wants k = 8 (1.25 %; k = 4 would be 2.5 %) and rules from step 40 on
+    assert seen[:39] == [1] * 39
+    assert seen[39:] == [8] * 41
+
+
+def test_a_cheap_snapshot_stays_every_step_and_keeps_probing():
+    master = master_store()
+    s = SnapshotSchedule(1, 8, overhead_target=0.02)
+    assert train(s, 80, client(master.port), slowdown=0.01) == [1] * 80
+    assert s.overhead() == pytest.approx(0.01, rel=1e-6)  # probes do not dilute the share
+
+
+def test_warmup_steps_are_not_measured():
+    s = SnapshotSchedule(1, 8, overhead_target=0.02, warmup=2)
+    s.observe(5.0, False, None, step=1)  # the first step: lazy allocations
+    s.observe(5.0, True, 4.0, step=2)
+    assert s.overhead() is None and s.wanted() == 1  # a 40-step cycle would have meant k = 8
+    feed(s, active=0.110, quiet=0.100, cycle=0.02)
+    assert s.overhead() == pytest.approx(0.05)
+
+
+def test_ranks_agree_at_the_default_decision_steps():
+    n = 3
+    master = master_store()
+    slow = {0: 0.0, 1: 0.10, 2: 0.03}  # only rank 1 pays enough to want k = 8
+
+    def rank_fn(r):
+        return train(SnapshotSchedule(1, 8, overhead_target=0.02), 48, client(master.port),
+                     world=n, slowdown=slow[r])
+
+    for seen in run_threads(rank_fn, n):
+        assert seen == [1] * 39 + [8] * 9

@@ -36,6 +36,7 @@ from deadpool.errors import JobFailed
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source
 from deadpool.recovery import detect, fallbacks, plan, timeline
+from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Liveness
@@ -82,9 +83,15 @@ class Coordinator:
         self.job_step = -1  # newest step any rank reported
         self.fault_t = 0.0  # newest injected fault already attributed to a recovery
         self.errors_logged: set[tuple[int, int]] = set()
+        self.error_hint = (-1, 0, False)  # (generation, num_errors seen, a sealed report behind it)
+        self.forgeries: set[str] = set()  # kinds of unsealed messages already logged
+        self._finished_hint = (-1, 0)  # (generation, num_finished) when the reports were read
+        self._finished: tuple[int, Reports] | None = None
         self.streak = 0  # recoveries since the job last completed a step
         self._last_progress: str | None = None
         self._last_read = 0.0
+        self._beats_seen: dict[int, bytes] = {}  # slot -> the raw heartbeat value last read
+        self._forged_beats: set[int] = set()
         self._tick = time.monotonic()
         self._beating = threading.Thread(target=self._beat, name="coordinator-heartbeat",
                                          daemon=True)
@@ -107,7 +114,7 @@ class Coordinator:
             if time.monotonic() - self._tick < float(self.ft["coordinator_timeout_s"]) / 2:
                 n += 1
                 try:
-                    self.store.set(Keys.COORD_HB, str(n))
+                    self.store.set(Keys.COORD_HB, self.seal.wrap(Keys.COORD_HB, str(n)))
                 except Exception:
                     pass
             time.sleep(interval)
@@ -124,12 +131,21 @@ class Coordinator:
             values = self.store.multi_get(keys)
         except Exception:  # a key not there yet (cannot happen after wait_warm): read one by one
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
-        for s, v in zip(slots, values):
-            self.live.observe(s, v)
+        for s, k, v in zip(slots, keys, values):
+            if v is None or self._beats_seen.get(s) == v:
+                continue  # unchanged since the last read: nothing to unseal
+            self._beats_seen[s] = v
+            text = self.seal.open(k, v)
+            if text is None:
+                if s not in self._forged_beats:
+                    self._forged_beats.add(s)
+                    self.log(f"[coordinator] slot {s}: heartbeat without the job's secret ignored")
+                continue
+            self.live.observe(s, text)
         steps = [self.live.step.get(s, -1) for s in self.members.ranks.values()]
         if steps and max(steps) > self.job_step:
             self.job_step = max(steps)
-            self.store.set(Keys.JOB_STEP, str(self.job_step))
+            self.store.set(Keys.JOB_STEP, self.seal.wrap(Keys.JOB_STEP, str(self.job_step)))
 
     def lost(self, slot: int) -> bool:
         """The process of ``slot`` stopped beating (or stopped, where the launcher can tell)."""
@@ -255,30 +271,51 @@ class Coordinator:
                 if self.outcome != "running":
                     break
                 continue
-            if int(self.store.add(Keys(self.gen).finished_count, 0)) >= self.dims.world_size:
-                self.store.set(Keys.JOB_DONE, "1")
+            if self._all_finished():
+                self.store.set(Keys.JOB_DONE, self.seal.wrap(Keys.JOB_DONE, "1"))
                 self._collect_finals()
                 self.outcome = "completed"
                 break
             time.sleep(poll)
         timeline.finish_pending(self, interrupted=self.outcome != "completed", force=True)
-        self.store.set(Keys.JOB_STOP, "1")
+        self.store.set(Keys.JOB_STOP, self.seal.wrap(Keys.JOB_STOP, "1"))
+
+    def _all_finished(self) -> bool:
+        """Every rank of the generation sealed ``finished/<rank>``. The ``num_finished`` counter
+        is only a wake-up hint (anyone reaching the store can bump it): the reports are read once
+        it reaches the world size, and again whenever it moves after that."""
+        keys = Keys(self.gen)
+        n = int(self.store.add(keys.finished_count, 0))
+        if n < self.dims.world_size or self._finished_hint == (self.gen, n):
+            return False
+        self._finished_hint = (self.gen, n)
+        if self._finished is None or self._finished[0] != self.gen:
+            self._finished = (self.gen, Reports(
+                self.store, self.seal, keys.finished, range(self.dims.world_size),
+                on_forged=lambda r: detect._forged(self, f"finish report of rank {r}")))
+        done = self._finished[1]
+        done.poll()
+        if not done.complete:
+            detect._forged(self, f"finish counter of generation {self.gen} ahead of the reports")
+        return done.complete
 
     def _print_progress(self) -> None:
         if self.store.check([Keys.PROGRESS]):
-            line = self.store.get(Keys.PROGRESS).decode()
-            if line != self._last_progress:
+            line = self.seal.open(Keys.PROGRESS, self.store.get(Keys.PROGRESS))
+            if line is not None and line != self._last_progress:
                 self._last_progress = line
                 self.log(line)
 
     def _collect_finals(self) -> None:
         deadline = time.time() + 120
+        finals = Reports(self.store, self.seal, Keys.final, range(self.dims.world_size),
+                         on_forged=lambda r: detect._forged(self, f"final state of rank {r}"))
         while len(self.finals) < self.dims.world_size and time.time() < deadline:
             self.tick()
+            for r, text in finals.poll().items():
+                self.finals.setdefault(r, json.loads(text))
             for r, slot in self.members.ranks.items():
-                if r not in self.finals and self.store.check([Keys.final(r)]):
-                    self.finals[r] = json.loads(self.store.get(Keys.final(r)))
-                elif r not in self.finals and self.launcher.poll(slot) not in (None, 0):
+                if r not in self.finals and self.launcher.poll(slot) not in (None, 0):
                     raise JobFailed(f"rank {r} failed while writing its final state:\n"
                                     + self.launcher.log_tail(slot))
             time.sleep(0.01)

@@ -46,6 +46,7 @@ with ``new_secret()`` per job; on SLURM the sbatch script writes the file (exper
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -116,6 +117,7 @@ def load_secret(environ=os.environ) -> str:
     return value
 
 
+@functools.lru_cache(maxsize=16)  # a heartbeat is sealed 20 times a second: derive the key once
 def _derive(secret: str, label: bytes) -> bytes:
     return hmac.new(secret.encode("utf-8"), label, hashlib.sha256).digest()
 

@@ -27,6 +27,7 @@ anyway, and a resume from disk costs at most the steps since the last protected 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class Coordinator:
         self.forgeries: set[str] = set()  # kinds of unsealed messages already logged
         self._finished_hint = (-1, 0)  # (generation, num_finished) when the reports were read
         self._finished: tuple[int, Reports] | None = None
+        self._garbage: list[str] = []  # keys of finished generations, deleted a few per loop
         self.streak = 0  # recoveries since the job last completed a step
         self._last_progress: str | None = None
         self._last_read = 0.0
@@ -146,6 +148,39 @@ class Coordinator:
         if steps and max(steps) > self.job_step:
             self.job_step = max(steps)
             self.store.set(Keys.JOB_STEP, self.seal.wrap(Keys.JOB_STEP, str(self.job_step)))
+
+    def generation_running(self, g: int) -> None:
+        """Every rank of generation ``g`` took its first step (its recovery record completed):
+        nothing refers back to older generations, so their keys are queued for deletion
+        (``collect_garbage``), except the last plan before ``g``.
+
+        Why this is safe: the statuses, error and bad-source reports of g-1 were read when plan g
+        was made; its timings belong to a record already closed; its ranks parked its
+        communicator (the abort watcher stops once parked) and started replication, the snapshot
+        schedule and their groups in g's namespace (groups kept from g-1 use the store only to
+        rendezvous, long done). A process still writing into g-1 (a rank declared dead, being
+        fenced) only recreates a key or two. Plans are read by idle spares one after the other,
+        every 10 ms: ``plan/<g-1>`` is kept for a spare still catching up, older ones go. Keys a
+        generation writes per step (``repl_done/<step>``, the snapshot interval votes) stay until
+        the generation ends (partial: they grow with the steps of a long generation)."""
+        try:
+            keys = self.store.list_keys()
+        except Exception as e:  # a store that cannot list its keys: nothing is deleted
+            if "list_keys" not in self.forgeries:
+                self.forgeries.add("list_keys")
+                self.log(f"[coordinator] keys of finished generations are not deleted: {e}")
+            return
+        self._garbage.extend(k for k in keys if _finished_key(k, g))
+
+    def collect_garbage(self, budget: int = 256) -> None:
+        """Delete up to ``budget`` queued keys (a few per loop: the loop must keep ticking)."""
+        while self._garbage and budget > 0:
+            key = self._garbage.pop()
+            budget -= 1
+            try:
+                self.store.delete_key(key)
+            except Exception:
+                pass
 
     def lost(self, slot: int) -> bool:
         """The process of ``slot`` stopped beating (or stopped, where the launcher can tell)."""
@@ -264,6 +299,7 @@ class Coordinator:
                     break
                 continue
             timeline.finish_pending(self)
+            self.collect_garbage()
             self._print_progress()
             if self.cfg.get("_grow_at") is not None and time.time() >= self.cfg["_grow_at"] \
                     and self.pending is None:
@@ -323,3 +359,16 @@ class Coordinator:
         if missing:  # never call a job completed without every rank's final state
             raise JobFailed(f"ranks {missing} did not write their final state within 120 s "
                             f"(slots {[self.members.ranks.get(r) for r in missing]})")
+
+
+_GENERATION_KEY = re.compile(r"g(\d+)/")
+_PLAN_KEY = re.compile(r"plan/(\d+)$")
+
+
+def _finished_key(key: str, running: int) -> bool:
+    """A key of a generation before ``running``, or a plan before ``running - 1``."""
+    m = _GENERATION_KEY.match(key)
+    if m:
+        return int(m.group(1)) < running
+    m = _PLAN_KEY.match(key)
+    return m is not None and int(m.group(1)) < running - 1

@@ -76,6 +76,7 @@ def finish_pending(coord, interrupted: bool = False, force: bool = False) -> Non
     coord.record_reports = None
     if not interrupted:
         coord.streak = 0  # every rank completed a step: the job progresses again
+        coord.generation_running(rec.generation)  # older generations' keys can go
 
 
 def _reports(coord, rec: RecoveryRecord, keys: Keys, ranks: list[int]) -> dict[str, Reports]:

@@ -32,7 +32,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deadpool.auth import AuthError
 from deadpool.errors import JobFailed
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source
@@ -193,20 +192,23 @@ class Coordinator:
 
     # -- startup ----------------------------------------------------------------------------------
     def wait_warm(self) -> None:
-        """Every process must import torch, build its model and report warm."""
+        """Every process must import torch, build its model and report warm (a join announcement
+        sealed with the job's secret: a process without it is never counted)."""
         deadline = time.time() + float(self.ft["startup_timeout_s"])
         waiting = set(self.members.ranks.values()) | set(self.members.spares)
+        joined = Reports(self.store, self.seal, Keys.spare_ready, waiting, on_forged=lambda s: self.log(
+            f"[coordinator] slot {s}: join announcement without the job's secret refused"))
         while waiting:
             self.tick()
-            for slot in list(waiting):
-                if self._joined(slot):
-                    waiting.discard(slot)
-                elif self.launcher.poll(slot) is not None:
+            waiting -= set(joined.poll())
+            for slot in sorted(waiting):
+                if self.launcher.poll(slot) is not None:
                     raise JobFailed(f"process in slot {slot} exited during start-up:\n"
                                     + self.launcher.log_tail(slot))
             if time.time() > deadline:
                 raise JobFailed(f"slots {sorted(waiting)} not warm after {self.ft['startup_timeout_s']} s")
-            time.sleep(0.01)
+            if waiting:
+                time.sleep(0.01)
         self.read_heartbeats(force=True)
         first = Plan(self.gen, "train", dict(self.members.ranks), resume_step=0,
                      sources={r: Source("live", r) for r in self.members.ranks})
@@ -214,19 +216,6 @@ class Coordinator:
         if self.pending is not None:  # a relaunch: its cost runs until this plan's first step
             self.pending.update(generation=self.gen, t_plan=first.t_written,
                                 start_s=first.t_written - self.pending.t_relaunch)
-
-    def _joined(self, slot: int) -> bool:
-        """The process of ``slot`` announced itself with the job's secret."""
-        key = Keys.spare_ready(slot)
-        if not self.store.check([key]):
-            return False
-        try:
-            self.seal.unwrap(key, self.store.get(key))
-            return True
-        except AuthError:
-            self.log(f"[coordinator] slot {slot}: join announcement without the job's secret refused")
-            self.store.delete_key(key)
-            return False
 
     # -- recovery (the steps are deadpool.recovery's; see its docstring) ---------------------------
     def recover(self, failed: dict[int, str], t_detect: float) -> None:

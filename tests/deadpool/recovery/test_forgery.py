@@ -277,3 +277,26 @@ def test_a_forged_or_replayed_coordinator_heartbeat_does_not_hide_its_loss():
         time.sleep(0.01)
     assert hb.coordinator_lost.is_set()
     assert JOB.unwrap(Keys.heartbeat(0), store.get(Keys.heartbeat(0))).split()[0].isdigit()
+
+
+def test_a_forged_join_announcement_is_not_counted_as_a_warm_process(tmp_path):
+    logs: list[str] = []
+    coord = job_coordinator(tmp_path, logs=logs)
+    store = coord.store
+    for s in range(5):
+        beat(store, s, 1)
+    for s in range(4):
+        sealed(store, Keys.spare_ready(s), "1.0")
+    forged(store, Keys.spare_ready(4), "1.0")  # the spare's slot, claimed by the forger
+    joined = {}
+
+    def spare_joins():
+        time.sleep(0.3)
+        joined["t"] = time.time()
+        sealed(store, Keys.spare_ready(4), "2.0")
+    t = threading.Thread(target=spare_joins)
+    t.start()
+    coord.wait_warm()
+    t.join()
+    assert time.time() >= joined["t"] and store.check([Keys.plan(0)])
+    assert any("slot 4: join announcement without the job's secret refused" in line for line in logs)

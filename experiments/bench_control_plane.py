@@ -1,7 +1,8 @@
 """Control-plane benchmark: the store protocol with N fake ranks and the real coordinator.
 
     python experiments/bench_control_plane.py --ranks 512,2048,8192,16384 --out DIR
-        [--duration-s 10] [--ranks-per-node 8] [--procs 2] [--threads 8] [--dilation 1]
+        [--duration-s 10] [--ranks-per-node 8] [--procs 2] [--threads 8]
+        [--dilation 1|auto|D1,D2,...] [--phases steady,exit,node]
 
 One process holds the real ``TCPStore`` (``auth.serve_store``) and the real ``Coordinator`` (its
 loop: detection, abort, status collection, planning, plan writing) with a launcher stand-in.
@@ -32,7 +33,10 @@ Per N it measures, in order:
 
 ``--dilation D`` multiplies every protocol period and timeout by D (the coordinator's own 10 ms
 loop excepted), so the offered load is 1/D: rates are reported multiplied by D and times divided
-by D (undilated equivalents), and D is written in the table. A size is ``survived`` when the fake
+by D (undilated equivalents), and D is written in the table (``auto``: N / 256, at least 1; a
+list: one per size). Dilation stretches what is driven by periods; the plan's bytes (every rank
+reads the whole plan) are not stretched, so ``plan_everywhere_s`` under dilation is optimistic
+at large N. ``--phases`` leaves phases out (the node phase waits D x 10 s). A size is ``survived`` when the fake
 ranks kept their schedule (lag below one heartbeat interval), the coordinator declared no healthy
 rank dead, and both recoveries were planned and read everywhere in time; the sizes after the
 first one that does not survive are not run.
@@ -299,7 +303,7 @@ def wait_for(cond, timeout_s: float) -> bool:
 
 
 def run_size(n: int, args, log=print) -> dict:
-    D, rpn = args.dilation, args.ranks_per_node
+    D, rpn = args.dilation_of[n], args.ranks_per_node
     if n < 2 * rpn or n % rpn:
         raise SystemExit(f"--ranks {n}: needs at least two nodes of --ranks-per-node {rpn}")
     run_dir = Path(tempfile.mkdtemp(prefix="bench_cp_"))
@@ -373,6 +377,9 @@ def run_size(n: int, args, log=print) -> dict:
             return out
         if out["steady_lag_s"] > float(ft["heartbeat_interval_s"]) / D:
             out["failed"] = f"fake ranks lag their schedule by {out['steady_lag_s']:.3f} s"
+        if "exit" not in args.phases:
+            out["survived"] = "failed" not in out
+            return out
         # exit: rank 1's process exits
         t_exit = time.time()
         launcher.exited[coord.members.ranks[1]] = -9
@@ -390,6 +397,9 @@ def run_size(n: int, args, log=print) -> dict:
         t_node = time.time()
         for s in node:
             flags[s] = SILENT
+        if "node" not in args.phases:
+            out["survived"] = "failed" not in out
+            return out
         if not wait_for(lambda: 2 in coord.plans and reads(2) >= alive(), 120 * D):
             out["failed"] = f"node: plan 2 read by {int(reads(2))} of {alive()}"
             return out
@@ -410,12 +420,21 @@ def run_size(n: int, args, log=print) -> dict:
 
 
 def write_table(rows: list[dict], out: Path) -> None:
-    with open(out / "table.csv", "w", newline="") as f:
+    """``DIR/table.csv``: these rows, and the rows already there for other (ranks, protocol)
+    pairs (so sizes run separately, or the new protocol's rows, share one table)."""
+    path = out / "table.csv"
+    fresh = {(str(r["ranks"]), r["protocol"]): {k: (round(v, 6) if isinstance(v, float) else v)
+                                                 for k, v in r.items() if k in COLUMNS}
+             for r in rows}
+    kept = []
+    if path.exists():
+        with open(path) as f:
+            kept = [r for r in csv.DictReader(f) if (r["ranks"], r["protocol"]) not in fresh]
+    table = sorted(kept + list(fresh.values()), key=lambda r: (r["protocol"], int(r["ranks"])))
+    with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
         w.writeheader()
-        for r in rows:
-            w.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()
-                        if k in COLUMNS})
+        w.writerows(table)
 
 
 def main(argv=None) -> None:
@@ -426,18 +445,31 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks-per-node", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--dilation", type=float, default=1.0)
+    ap.add_argument("--dilation", default="1", help="1 | auto (N / 256) | one per size: 2,8,...")
+    ap.add_argument("--phases", default="steady,exit,node")
     args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.ranks.split(",")]
+    if args.dilation == "auto":
+        args.dilation_of = {n: max(1.0, n / 256) for n in sizes}
+    else:
+        ds = [float(x) for x in args.dilation.split(",")]
+        if len(ds) not in (1, len(sizes)):
+            ap.error("--dilation: one value, auto, or one per size")
+        args.dilation_of = dict(zip(sizes, ds * len(sizes) if len(ds) == 1 else ds))
+    args.phases = set(args.phases.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for n in [int(x) for x in args.ranks.split(",")]:
-        print(f"[bench] {n} ranks, protocol old, dilation {args.dilation:g}", flush=True)
+    for n in sizes:
+        print(f"[bench] {n} ranks, protocol old, dilation {args.dilation_of[n]:g}", flush=True)
         row = run_size(n, args)
         rows.append(row)
         print("[bench] " + json.dumps(row), flush=True)
         write_table(rows, out)
-        (out / "runs.json").write_text(json.dumps(rows, indent=1))
+        runs = out / "runs.json"
+        older = [r for r in (json.loads(runs.read_text()) if runs.exists() else [])
+                 if (r["ranks"], r["protocol"]) not in {(x["ranks"], x["protocol"]) for x in rows}]
+        runs.write_text(json.dumps(older + rows, indent=1))
         if not row["survived"]:
             print(f"[bench] {n} ranks not survived ({row.get('failed')}); larger sizes not run",
                   flush=True)

@@ -88,6 +88,7 @@ class Coordinator:
         self._finished_hint = (-1, 0)  # (generation, num_finished) when the reports were read
         self._finished: tuple[int, Reports] | None = None
         self._garbage: list[str] = []  # keys of finished generations, deleted a few per loop
+        self.record_reports = None  # the open record's per-rank reports (recovery.timeline)
         self.streak = 0  # recoveries since the job last completed a step
         self._last_progress: str | None = None
         self._last_read = 0.0

@@ -81,7 +81,7 @@ def finish_pending(coord, interrupted: bool = False, force: bool = False) -> Non
 
 def _reports(coord, rec: RecoveryRecord, keys: Keys, ranks: list[int]) -> dict[str, Reports]:
     """The record's per-rank reports (timing, first step, protected), kept across calls."""
-    held = getattr(coord, "record_reports", None)
+    held = coord.record_reports
     if held is None or held[0] is not rec:
         def forged(kind):
             return lambda r: coord.log(f"[coordinator] {kind} report of rank {r} without the "

@@ -14,17 +14,29 @@ adds three layers, all derived from one per-job secret:
 3. **Seals.** Hence every control message the coordinator or a rank acts on must be written with
    ``seal`` and read with ``unseal`` (HMAC-SHA256 under a key derived from the secret): a forged
    or altered message is refused with ``AuthError``. Pass the store key as ``context`` so that a
-   sealed message cannot be replayed under another key (a fence for slot 3 copied to slot 5).
-   Seals give integrity, not secrecy, and cannot stop a connected client from deleting keys or
-   bumping ``add`` counters.
+   sealed message cannot be replayed under another key (a fence for slot 3 copied to slot 5, a
+   generation's report copied into the next one: keys carry the generation). Seals give
+   integrity, not secrecy, and cannot stop a connected client from deleting or overwriting keys
+   (a denial of service: a deleted report reads as a silent rank) or bumping ``add`` counters.
 
-Sealed today: plans, aborts, fences and join announcements (so a process without the secret can
-neither take a rank nor steer a recovery). NOT sealed yet (partial; a client that gets past the
-binding could still disturb a job through them): heartbeats and the coordinator's heartbeat,
-``crash/``, ``status/``, ``bad_source/``, ``final/``, ``job/done``, ``job/stop``, and the ``add``
-counters (``num_finished``, ``num_checkpointed``, ``num_errors``, ``num_protected``,
-``repl_done``). The fix is to seal each value with its key as context, require heartbeat counters
-to increase, and replace each counter by per-rank sealed keys (the counter kept as a wake-up hint).
+Sealed (``protocol.Seal``; a value that fails its seal is ignored, logged once per kind): plans,
+aborts, fences, join announcements; every process's heartbeat and the coordinator's
+(``hb/<slot>``, ``coord/hb``: their counts must increase, so a replayed older beat is no news);
+``crash/``, ``fault/``, ``g*/status/``, ``g*/error/``, ``g*/bad_source/``, ``g*/timing/``,
+``g*/first_step/``, ``g*/protected/``, ``final/``; the flags ``job/done`` and ``job/stop``;
+``job/step`` and ``job/progress``. The ``add`` counters the coordinator waits on
+(``num_finished``, ``num_checkpointed``, ``num_errors``, ``num_protected``) are only wake-up
+hints: each rank also writes a sealed per-rank key (``finished/<rank>``, ``checkpointed/<rank>``,
+``error/<rank>``, ``protected/<rank>``) and only those count, so a bumped counter steers nothing.
+
+NOT sealed yet (partial): the counters ranks act on among themselves, ``repl_done/<step>`` (a
+forged bump makes ranks believe a step protected early and drop older snapshots and replicas:
+it can cost a recovery its in-memory copies, never make it take a wrong state, since every
+transfer is checked against the checksum its sender took), the snapshot interval votes and
+``ckpt_interval/`` (snapshot/schedule.py, trainer.py: a forged vote changes how often ranks
+snapshot or checkpoint), ``fault_fired/`` (fault injection, a testing aid), and the group
+rendezvous keys gloo writes itself. The next step is for the coordinator to aggregate the
+replicated step from the sealed heartbeats and publish one sealed protected step.
 
 Contracts: the secret must reach processes only through ``SECRET_ENV`` or a file named by
 ``SECRET_FILE_ENV`` that only its owner can read; it must never be written to job.json, a log or
@@ -34,6 +46,7 @@ with ``new_secret()`` per job; on SLURM the sbatch script writes the file (exper
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -104,6 +117,7 @@ def load_secret(environ=os.environ) -> str:
     return value
 
 
+@functools.lru_cache(maxsize=16)  # a heartbeat is sealed 20 times a second: derive the key once
 def _derive(secret: str, label: bytes) -> bytes:
     return hmac.new(secret.encode("utf-8"), label, hashlib.sha256).digest()
 

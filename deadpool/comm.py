@@ -492,7 +492,8 @@ class Communicator:
         return box.get("value")
 
     def report_error(self, msg: str) -> None:
-        self.store.set(self.keys.error(self.topo.rank), msg[:500])
+        key = self.keys.error(self.topo.rank)
+        self.store.set(key, self.seal.wrap(key, msg[:500]))  # sealed before the hint is bumped
         self.store.add(self.keys.num_errors, 1)
         # Waking every survivor now is cheaper than waiting for the coordinator to confirm.
         announce_abort(self.store, self.seal, self.keys,

@@ -27,15 +27,16 @@ anyway, and a resume from disk costs at most the steps since the last protected 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
 
-from deadpool.auth import AuthError
 from deadpool.errors import JobFailed
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source
 from deadpool.recovery import detect, fallbacks, plan, timeline
+from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Liveness
@@ -82,9 +83,17 @@ class Coordinator:
         self.job_step = -1  # newest step any rank reported
         self.fault_t = 0.0  # newest injected fault already attributed to a recovery
         self.errors_logged: set[tuple[int, int]] = set()
+        self.error_hint = (-1, 0, False)  # (generation, num_errors seen, a sealed report behind it)
+        self.forgeries: set[str] = set()  # kinds of unsealed messages already logged
+        self._finished_hint = (-1, 0)  # (generation, num_finished) when the reports were read
+        self._finished: tuple[int, Reports] | None = None
+        self._garbage: list[str] = []  # keys of finished generations, deleted a few per loop
+        self.record_reports = None  # the open record's per-rank reports (recovery.timeline)
         self.streak = 0  # recoveries since the job last completed a step
         self._last_progress: str | None = None
         self._last_read = 0.0
+        self._beats_seen: dict[int, bytes] = {}  # slot -> the raw heartbeat value last read
+        self._forged_beats: set[int] = set()
         self._tick = time.monotonic()
         self._beating = threading.Thread(target=self._beat, name="coordinator-heartbeat",
                                          daemon=True)
@@ -107,7 +116,7 @@ class Coordinator:
             if time.monotonic() - self._tick < float(self.ft["coordinator_timeout_s"]) / 2:
                 n += 1
                 try:
-                    self.store.set(Keys.COORD_HB, str(n))
+                    self.store.set(Keys.COORD_HB, self.seal.wrap(Keys.COORD_HB, str(n)))
                 except Exception:
                     pass
             time.sleep(interval)
@@ -124,12 +133,54 @@ class Coordinator:
             values = self.store.multi_get(keys)
         except Exception:  # a key not there yet (cannot happen after wait_warm): read one by one
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
-        for s, v in zip(slots, values):
-            self.live.observe(s, v)
+        for s, k, v in zip(slots, keys, values):
+            if v is None or self._beats_seen.get(s) == v:
+                continue  # unchanged since the last read: nothing to unseal
+            self._beats_seen[s] = v
+            text = self.seal.open(k, v)
+            if text is None:
+                if s not in self._forged_beats:
+                    self._forged_beats.add(s)
+                    self.log(f"[coordinator] slot {s}: heartbeat without the job's secret ignored")
+                continue
+            self.live.observe(s, text)
         steps = [self.live.step.get(s, -1) for s in self.members.ranks.values()]
         if steps and max(steps) > self.job_step:
             self.job_step = max(steps)
-            self.store.set(Keys.JOB_STEP, str(self.job_step))
+            self.store.set(Keys.JOB_STEP, self.seal.wrap(Keys.JOB_STEP, str(self.job_step)))
+
+    def generation_running(self, g: int) -> None:
+        """Every rank of generation ``g`` took its first step (its recovery record completed):
+        nothing refers back to older generations, so their keys are queued for deletion
+        (``collect_garbage``), except the last plan before ``g``.
+
+        Why this is safe: the statuses, error and bad-source reports of g-1 were read when plan g
+        was made; its timings belong to a record already closed; its ranks parked its
+        communicator (the abort watcher stops once parked) and started replication, the snapshot
+        schedule and their groups in g's namespace (groups kept from g-1 use the store only to
+        rendezvous, long done). A process still writing into g-1 (a rank declared dead, being
+        fenced) only recreates a key or two. Plans are read by idle spares one after the other,
+        every 10 ms: ``plan/<g-1>`` is kept for a spare still catching up, older ones go. Keys a
+        generation writes per step (``repl_done/<step>``, the snapshot interval votes) stay until
+        the generation ends (partial: they grow with the steps of a long generation)."""
+        try:
+            keys = self.store.list_keys()
+        except Exception as e:  # a store that cannot list its keys: nothing is deleted
+            if "list_keys" not in self.forgeries:
+                self.forgeries.add("list_keys")
+                self.log(f"[coordinator] keys of finished generations are not deleted: {e}")
+            return
+        self._garbage.extend(k for k in keys if _finished_key(k, g))
+
+    def collect_garbage(self, budget: int = 256) -> None:
+        """Delete up to ``budget`` queued keys (a few per loop: the loop must keep ticking)."""
+        while self._garbage and budget > 0:
+            key = self._garbage.pop()
+            budget -= 1
+            try:
+                self.store.delete_key(key)
+            except Exception:
+                pass
 
     def lost(self, slot: int) -> bool:
         """The process of ``slot`` stopped beating (or stopped, where the launcher can tell)."""
@@ -142,20 +193,23 @@ class Coordinator:
 
     # -- startup ----------------------------------------------------------------------------------
     def wait_warm(self) -> None:
-        """Every process must import torch, build its model and report warm."""
+        """Every process must import torch, build its model and report warm (a join announcement
+        sealed with the job's secret: a process without it is never counted)."""
         deadline = time.time() + float(self.ft["startup_timeout_s"])
         waiting = set(self.members.ranks.values()) | set(self.members.spares)
+        joined = Reports(self.store, self.seal, Keys.spare_ready, waiting, on_forged=lambda s: self.log(
+            f"[coordinator] slot {s}: join announcement without the job's secret refused"))
         while waiting:
             self.tick()
-            for slot in list(waiting):
-                if self._joined(slot):
-                    waiting.discard(slot)
-                elif self.launcher.poll(slot) is not None:
+            waiting -= set(joined.poll())
+            for slot in sorted(waiting):
+                if self.launcher.poll(slot) is not None:
                     raise JobFailed(f"process in slot {slot} exited during start-up:\n"
                                     + self.launcher.log_tail(slot))
             if time.time() > deadline:
                 raise JobFailed(f"slots {sorted(waiting)} not warm after {self.ft['startup_timeout_s']} s")
-            time.sleep(0.01)
+            if waiting:
+                time.sleep(0.01)
         self.read_heartbeats(force=True)
         first = Plan(self.gen, "train", dict(self.members.ranks), resume_step=0,
                      sources={r: Source("live", r) for r in self.members.ranks})
@@ -163,19 +217,6 @@ class Coordinator:
         if self.pending is not None:  # a relaunch: its cost runs until this plan's first step
             self.pending.update(generation=self.gen, t_plan=first.t_written,
                                 start_s=first.t_written - self.pending.t_relaunch)
-
-    def _joined(self, slot: int) -> bool:
-        """The process of ``slot`` announced itself with the job's secret."""
-        key = Keys.spare_ready(slot)
-        if not self.store.check([key]):
-            return False
-        try:
-            self.seal.unwrap(key, self.store.get(key))
-            return True
-        except AuthError:
-            self.log(f"[coordinator] slot {slot}: join announcement without the job's secret refused")
-            self.store.delete_key(key)
-            return False
 
     # -- recovery (the steps are deadpool.recovery's; see its docstring) ---------------------------
     def recover(self, failed: dict[int, str], t_detect: float) -> None:
@@ -248,6 +289,7 @@ class Coordinator:
                     break
                 continue
             timeline.finish_pending(self)
+            self.collect_garbage()
             self._print_progress()
             if self.cfg.get("_grow_at") is not None and time.time() >= self.cfg["_grow_at"] \
                     and self.pending is None:
@@ -255,30 +297,51 @@ class Coordinator:
                 if self.outcome != "running":
                     break
                 continue
-            if int(self.store.add(Keys(self.gen).finished_count, 0)) >= self.dims.world_size:
-                self.store.set(Keys.JOB_DONE, "1")
+            if self._all_finished():
+                self.store.set(Keys.JOB_DONE, self.seal.wrap(Keys.JOB_DONE, "1"))
                 self._collect_finals()
                 self.outcome = "completed"
                 break
             time.sleep(poll)
         timeline.finish_pending(self, interrupted=self.outcome != "completed", force=True)
-        self.store.set(Keys.JOB_STOP, "1")
+        self.store.set(Keys.JOB_STOP, self.seal.wrap(Keys.JOB_STOP, "1"))
+
+    def _all_finished(self) -> bool:
+        """Every rank of the generation sealed ``finished/<rank>``. The ``num_finished`` counter
+        is only a wake-up hint (anyone reaching the store can bump it): the reports are read once
+        it reaches the world size, and again whenever it moves after that."""
+        keys = Keys(self.gen)
+        n = int(self.store.add(keys.finished_count, 0))
+        if n < self.dims.world_size or self._finished_hint == (self.gen, n):
+            return False
+        self._finished_hint = (self.gen, n)
+        if self._finished is None or self._finished[0] != self.gen:
+            self._finished = (self.gen, Reports(
+                self.store, self.seal, keys.finished, range(self.dims.world_size),
+                on_forged=lambda r: detect._forged(self, f"finish report of rank {r}")))
+        done = self._finished[1]
+        done.poll()
+        if not done.complete:
+            detect._forged(self, f"finish counter of generation {self.gen} ahead of the reports")
+        return done.complete
 
     def _print_progress(self) -> None:
         if self.store.check([Keys.PROGRESS]):
-            line = self.store.get(Keys.PROGRESS).decode()
-            if line != self._last_progress:
+            line = self.seal.open(Keys.PROGRESS, self.store.get(Keys.PROGRESS))
+            if line is not None and line != self._last_progress:
                 self._last_progress = line
                 self.log(line)
 
     def _collect_finals(self) -> None:
         deadline = time.time() + 120
+        finals = Reports(self.store, self.seal, Keys.final, range(self.dims.world_size),
+                         on_forged=lambda r: detect._forged(self, f"final state of rank {r}"))
         while len(self.finals) < self.dims.world_size and time.time() < deadline:
             self.tick()
+            for r, text in finals.poll().items():
+                self.finals.setdefault(r, json.loads(text))
             for r, slot in self.members.ranks.items():
-                if r not in self.finals and self.store.check([Keys.final(r)]):
-                    self.finals[r] = json.loads(self.store.get(Keys.final(r)))
-                elif r not in self.finals and self.launcher.poll(slot) not in (None, 0):
+                if r not in self.finals and self.launcher.poll(slot) not in (None, 0):
                     raise JobFailed(f"rank {r} failed while writing its final state:\n"
                                     + self.launcher.log_tail(slot))
             time.sleep(0.01)
@@ -286,3 +349,16 @@ class Coordinator:
         if missing:  # never call a job completed without every rank's final state
             raise JobFailed(f"ranks {missing} did not write their final state within 120 s "
                             f"(slots {[self.members.ranks.get(r) for r in missing]})")
+
+
+_GENERATION_KEY = re.compile(r"g(\d+)/")
+_PLAN_KEY = re.compile(r"plan/(\d+)$")
+
+
+def _finished_key(key: str, running: int) -> bool:
+    """A key of a generation before ``running``, or a plan before ``running - 1``."""
+    m = _GENERATION_KEY.match(key)
+    if m:
+        return int(m.group(1)) < running
+    m = _PLAN_KEY.match(key)
+    return m is not None and int(m.group(1)) < running - 1

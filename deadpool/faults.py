@@ -46,7 +46,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from deadpool.protocol import Keys
+from deadpool.protocol import Keys, Seal
 
 TRAIN_PHASES = ("step_start", "forward", "backward", "pp_warmup", "pp_cooldown", "mid_step",
                 "allreduce", "optimizer", "param_gather", "snapshot_copy", "replication")
@@ -97,13 +97,14 @@ class FaultInjector:
     ``on_corrupt`` is called for a ``corrupt`` fault (the snapshot engine flips replica bytes).
     """
 
-    def __init__(self, events, slot: int, store=None, on_corrupt=None):
+    def __init__(self, events, slot: int, store=None, on_corrupt=None, seal=None):
         self.events = [e if isinstance(e, FaultEvent) else FaultEvent.from_cfg(e) for e in events]
         self.slot = slot
         self.store = store
         self.rank: int | None = None
         self.fired: set[FaultEvent] = set()
         self.on_corrupt = on_corrupt
+        self.seal = seal if seal is not None else Seal(None)  # the fault record is sealed
 
     def set_rank(self, rank: int | None) -> None:
         self.rank = rank
@@ -129,7 +130,8 @@ class FaultInjector:
         if self.store is not None:
             rec = {"t": time.time(), "rank": self.rank, "step": step, "phase": ev.phase,
                    "kind": ev.kind.value, "slot": self.slot}
-            self.store.set(Keys.fault(self.slot), json.dumps(rec))
+            key = Keys.fault(self.slot)
+            self.store.set(key, self.seal.wrap(key, json.dumps(rec)))
         print(f"[fault] {ev.kind.value} at {ev.phase} of step {step} (rank {self.rank}, slot "
               f"{self.slot})", flush=True)
         if ev.kind is Fault.KILL:

@@ -1,12 +1,15 @@
 """Which process groups a rank belongs to, and which of them survivors may keep after a failure.
 
 Pure functions of the layout (no process group is touched): the communicator builds the groups
-``rank_groups`` lists, and the planner asks ``reusable_groups`` which ones a recovery can keep.
+``rank_groups`` lists, and the planner asks ``reusable_groups`` which ones of ``all_groups`` a
+recovery can keep. Each is linear in the world size (the recovery path must not be quadratic:
+at 16k ranks an O(N^2) step takes minutes).
 """
 
 from __future__ import annotations
 
-from deadpool.topology import Topology
+from deadpool.policies import buddy_table
+from deadpool.topology import ParallelDims, Topology
 
 
 def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
@@ -19,7 +22,7 @@ def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
     c = dims.coords(rank)
     out = []
     for axis in ("dp", "tp"):
-        ranks = next(g for g in dims.axis_groups(axis) if rank in g)
+        ranks = dims.axis_group(axis, rank)
         if len(ranks) > 1:
             rest = "-".join(f"{a}{c[a]}" for a in ("pp", "dp", "tp") if a != axis)
             out.append((axis, f"{axis}/{rest}", ranks, False))
@@ -38,6 +41,27 @@ def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
         out.append(("repl_out", f"repl/{rank}-{buddy}", [rank, buddy], True))
         out.append(("repl_in", f"repl/{ward}-{rank}", [ward, rank], True))
     return sorted(out, key=lambda g: g[1])
+
+
+def all_groups(dims: ParallelDims, buddy_policy: str) -> dict[str, list[int]]:
+    """Every group of the layout, key -> ranks: the union of every rank's ``rank_groups``,
+    enumerated once per group (O(world size)) rather than once per member."""
+    out: dict[str, list[int]] = {}
+    for axis in ("dp", "tp"):
+        if getattr(dims, axis) > 1:
+            for ranks in dims.axis_groups(axis):
+                c = dims.coords(ranks[0])
+                rest = "-".join(f"{a}{c[a]}" for a in ("pp", "dp", "tp") if a != axis)
+                out[f"{axis}/{rest}"] = ranks
+    for s in range(dims.pp - 1):
+        for dp in range(dims.dp):
+            for tp in range(dims.tp):
+                a, b = dims.rank_of(s, dp, tp), dims.rank_of(s + 1, dp, tp)
+                out[f"ppf/{a}-{b}"], out[f"ppb/{b}-{a}"] = [a, b], [b, a]
+    for r, b in enumerate(buddy_table(dims, buddy_policy)):
+        if b != r:
+            out[f"repl/{r}-{b}"] = [r, b]
+    return out
 
 
 def reusable_groups(counts: dict[int, dict[str, list[int]]], members: dict[str, list[int]],

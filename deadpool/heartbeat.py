@@ -1,8 +1,8 @@
 """A process's heartbeat thread: proof of life for the coordinator, fences, coordinator loss.
 
-Writes ``hb/<slot>`` (beat count + the training thread's progress, see watchdog.py) every
-interval, SIGKILLs its own process when the coordinator fenced it, and watches the
-coordinator's own heartbeat (``coord/hb``).
+Writes ``hb/<slot>`` (beat count + the training thread's progress, see watchdog.py, sealed with
+the job's secret) every interval, SIGKILLs its own process when the coordinator fenced it, and
+watches the coordinator's own heartbeat (``coord/hb``, sealed, a count that must increase).
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ class Heartbeat(threading.Thread):
         self.beat()  # the coordinator reads every process's heartbeat from the start
 
     def beat(self, n: int = 0) -> None:
-        self.store.set(self.key, f"{n} {self.progress.encode()}")
+        # sealed: a process without the job's secret cannot keep a dead slot alive; the count
+        # only increases, so a replayed older beat is refused (watchdog.Liveness)
+        self.store.set(self.key, self.seal.wrap(self.key, f"{n} {self.progress.encode()}"))
 
     def run(self):
         fence = Keys.fence(self.slot)
-        n, last_coord, t_coord = 0, None, time.monotonic()
+        n, last_coord, t_coord = 0, -1, time.monotonic()
+        seen = False  # the coordinator's key exists (then it always does: one round trip, not two)
         while True:
             n += 1
             try:
@@ -58,10 +61,9 @@ class Heartbeat(threading.Thread):
                 # checked every 4th beat: store round trips share the cores with training
                 if n % 4 == 1 and self.store.check([fence]) and self._sealed(fence):
                     os.kill(os.getpid(), signal.SIGKILL)
-                # once the coordinator's key exists it always does: one round trip, not two
-                coord = (self.store.get(Keys.COORD_HB)
-                         if last_coord is not None or self.store.check([Keys.COORD_HB]) else None)
-                if coord != last_coord:
+                seen = seen or self.store.check([Keys.COORD_HB])
+                coord = self._coordinator_beat() if seen else None
+                if coord is not None and coord > last_coord:  # an older (replayed) beat is no news
                     last_coord, t_coord = coord, time.monotonic()
                     self.seen_coordinator = True
             except Exception:  # a store hiccup, or the coordinator is gone: retry next beat
@@ -69,6 +71,14 @@ class Heartbeat(threading.Thread):
             if time.monotonic() - t_coord > self.coordinator_timeout_s:
                 self.coordinator_lost.set()
             time.sleep(self.interval_s)
+
+    def _coordinator_beat(self) -> int | None:
+        """The coordinator's beat count, None unless the job sealed it."""
+        text = self.seal.open(Keys.COORD_HB, self.store.get(Keys.COORD_HB))
+        try:
+            return None if text is None else int(text)
+        except ValueError:
+            return None
 
     def _sealed(self, key: str) -> bool:
         try:

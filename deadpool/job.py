@@ -188,6 +188,7 @@ def run_job(cfg: dict, log=print) -> dict:
         restart.t_relaunch = time.time()
         restart.teardown_s = restart.t_relaunch - restart.t_detect
         cfg = _relaunch_cfg(cfg, store, coord.gen + 1, restart, log)
+        _clear(store)  # the relaunch gets a fresh namespace: nothing reads this one any more
         log(f"[deadpool] relaunch {attempt + 1}: every process restarts from "
             f"{cfg['ft']['resume_from'] or 'step 0'} at dp={cfg['parallel']['dp']}")
     else:
@@ -236,6 +237,15 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
                 launcher.kill(s)
         launcher.wait_all(timeout_s=30)
     return coord, store
+
+
+def _clear(store) -> None:
+    """Delete every key of a launch's namespace (the store outlives launches)."""
+    try:
+        for key in store.list_keys():
+            store.delete_key(key)
+    except Exception:  # a store that cannot list keys: they stay (the namespace is never reused)
+        pass
 
 
 def _relaunch_cfg(cfg: dict, store, first_generation: int, rec, log) -> dict:

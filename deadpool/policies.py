@@ -173,6 +173,15 @@ def buddy_table(dims, name: str) -> tuple[int, ...]:
     return table
 
 
+@lru_cache(maxsize=64)
+def ward_table(dims, name: str) -> tuple[int, ...]:
+    """The inverse of ``buddy_table``: whose replica each rank holds."""
+    ward = [0] * dims.world_size
+    for r, b in enumerate(buddy_table(dims, name)):
+        ward[b] = r
+    return tuple(ward)
+
+
 def check_placement(dims, policy="ring_over_nodes", replicate: str = "unique") -> list[str]:
     """What one node's loss would cost under this layout and buddy ``policy`` (a name or a
     ``BuddyPolicy``), as warnings (empty:

@@ -61,6 +61,14 @@ class Keys:
         """A rank's proposed disk checkpoint interval (ft.persist_interval_steps=auto)."""
         return f"{self._p}ckpt_interval/{rank}"
 
+    def finished(self, rank: int) -> str:
+        """A rank finished training in this generation (sealed; ``num_finished`` is only a hint)."""
+        return f"{self._p}finished/{rank}"
+
+    def checkpointed(self, rank: int) -> str:
+        """A rank wrote its state for a ``checkpoint_and_stop`` plan (sealed; the counter is a hint)."""
+        return f"{self._p}checkpointed/{rank}"
+
     def bad_source(self, rank: int) -> str:
         """A receiver's report that a state it was sent failed its checksum (JSON: holder, owner, step)."""
         return f"{self._p}bad_source/{rank}"
@@ -295,9 +303,9 @@ class RecoveryRecord:
 
 
 class Seal:
-    """Authenticates control messages (plans, aborts, fences, join announcements) with the job's
-    secret, bound to the store key they are written under (deadpool/auth.py). With no secret
-    (unit tests on a private store) messages pass unsealed."""
+    """Authenticates every control message (plans, aborts, fences, join announcements,
+    heartbeats, reports, flags) with the job's secret, bound to the store key it is written under
+    (deadpool/auth.py). With no secret (unit tests on a private store) messages pass unsealed."""
 
     def __init__(self, secret: str | None):
         self.secret = secret
@@ -310,6 +318,17 @@ class Seal:
         if self.secret is None:
             return value.decode() if isinstance(value, (bytes, bytearray)) else value
         return auth.unseal(self.secret, value, context=key)
+
+    def open(self, key: str, value: str | bytes) -> str | None:
+        """``unwrap``, or None for a message this job did not seal (the caller ignores it)."""
+        try:
+            return self.unwrap(key, value)
+        except auth.AuthError:
+            return None
+
+    def flag(self, store, key: str) -> bool:
+        """A sealed flag (``job/done``, ``job/stop``) is set: it exists and this job sealed it."""
+        return store.check([key]) and self.open(key, store.get(key)) is not None
 
 
 def now() -> float:

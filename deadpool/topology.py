@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deadpool.policies import buddy_table
+from deadpool.policies import buddy_table, ward_table
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,11 @@ class ParallelDims:
     def rank_of(self, pp: int, dp: int, tp: int) -> int:
         return (pp * self.dp + dp) * self.tp + tp
 
+    def axis_group(self, axis: str, rank: int) -> list[int]:
+        """``rank``'s group along one mesh axis, sorted (O(degree), unlike ``axis_groups``)."""
+        c = self.coords(rank)
+        return [self.rank_of(**dict(c, **{axis: i})) for i in range(getattr(self, axis))]
+
     def axis_groups(self, axis: str) -> list[list[int]]:
         """All groups along one mesh axis, each a sorted list of ranks."""
         others = [a for a in ("pp", "dp", "tp") if a != axis]
@@ -84,9 +89,7 @@ class ParallelDims:
         peers (same pp and tp coordinates; parameters and optimizer state are replicated across
         the data-parallel group, gradients all-reduced bit-identically). A sharded optimizer
         would make this empty for optimizer state."""
-        c = self.coords(rank)
-        return [r for r in range(self.world_size)
-                if self.coords(r)["pp"] == c["pp"] and self.coords(r)["tp"] == c["tp"]]
+        return self.axis_group("dp", rank)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -139,4 +142,4 @@ class Topology:
 
     def ward(self) -> int:
         """The rank whose replica this rank holds (inverse of ``buddy``: a permutation)."""
-        return buddy_table(self.dims, self.buddy_policy).index(self.rank)
+        return ward_table(self.dims, self.buddy_policy)[self.rank]

@@ -4,7 +4,8 @@ Each process runs a heartbeat thread that writes ``hb/<slot>`` every ``heartbeat
 
     "<beat> <progress> <step> <phase>"
 
-``beat`` counts heartbeats; ``progress`` counts phase changes of the training thread (forward,
+``beat`` counts heartbeats and must increase (the value is sealed, see deadpool/auth.py, and a
+replayed older beat is ignored); ``progress`` counts phase changes of the training thread (forward,
 backward, all-reduce, optimizer, each recovery phase...). The coordinator never compares clocks
 across hosts: it records, on its own monotonic clock, when it last saw each counter change.
 
@@ -94,7 +95,10 @@ class Liveness:
             return  # not ours (or torn): ignore
         now = self.clock()
         with self.lock:
-            if self._beat.get(slot, (None,))[0] != beat:
+            last = self._beat.get(slot)
+            if last is not None and beat < last[0]:
+                return  # an older beat written again (a replay): no news, and no progress either
+            if last is None or beat > last[0]:
                 self._beat[slot] = (beat, now)
             if self._prog.get(slot, (None,))[0] != prog:
                 self._prog[slot] = (prog, now)

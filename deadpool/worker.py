@@ -69,9 +69,9 @@ class Worker:
         self.dims = ParallelDims.from_config(cfg["parallel"])
         run_dir = Path(cfg["run_dir"])
         (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        self.injector = FaultInjector(cfg["faults"]["events"], slot, self.store)
+        self.injector = FaultInjector(cfg["faults"]["events"], slot, self.store, seal=self.seal)
         self.trainer = Trainer(cfg, slot, self.injector, run_dir / "metrics" / f"slot{slot}.jsonl",
-                               publish_progress=lambda line: self.store.set(Keys.PROGRESS, line),
+                               publish_progress=self._publish_progress,
                                progress=self.progress)
         self.injector.on_corrupt = lambda: self.trainer.engine.corrupt_replicas()
         self.run_dir = run_dir
@@ -92,6 +92,12 @@ class Worker:
         self.progress.set(-1, "idle")
         key = Keys.spare_ready(slot)  # join: only a process holding the job's secret can
         self.store.set(key, self.seal.wrap(key, repr(time.time())))
+
+    def _publish_progress(self, line: str) -> None:
+        self.store.set(Keys.PROGRESS, self.seal.wrap(Keys.PROGRESS, line))
+
+    def _set_sealed(self, key: str, text: str) -> None:
+        self.store.set(key, self.seal.wrap(key, text))
 
     def open_store(self, timeout_s: float = 60.0):
         return connect(self.host, self.port, self.secret, timeout_s)
@@ -117,12 +123,14 @@ class Worker:
                 raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"
                                    " s: is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?")
             n += 1
-            if n % 10 == 0 and self.store.check([Keys.JOB_STOP]):
+            if n % 10 == 0 and self.seal.flag(self.store, Keys.JOB_STOP):
                 return None
             if self.trainer.rank is None and time.monotonic() - waited > 0.05:
                 waited = time.monotonic()  # an idle spare: idle-phase faults key on the job's step
-                if self.store.check([Keys.JOB_STEP]):
-                    self.injector.fire(int(self.store.get(Keys.JOB_STEP)), "idle")
+                step = (self.seal.open(Keys.JOB_STEP, self.store.get(Keys.JOB_STEP))
+                        if self.store.check([Keys.JOB_STEP]) else None)
+                if step is not None:
+                    self.injector.fire(int(step), "idle")
             # one store round trip per 10 ms: an idle spare shares cores with training ranks
             # (TCPStore.wait with a timeout would block instead, but a timed-out wait leaves the
             # client's socket expecting a reply it no longer reads)
@@ -203,15 +211,16 @@ class Worker:
             # the rendezvous client is free again (an abandoned build or transfer keeps its own)
             self._idle_build_store = comm.build_store
             timing.ready = now()
-            self.store.set(keys.timing(rank), timing.to_json())
+            self._set_sealed(keys.timing(rank), timing.to_json())
             if self.ft["snapshot"]:
                 tr.engine.start_replication(comm, self.open_store, first_step=tr.step)
             self.injector.fire(tr.step, "repl_restart")
-            tr.train(comm, on_first_step=lambda: self.store.set(keys.first_step(rank), repr(now())))
+            tr.train(comm, on_first_step=lambda: self._set_sealed(keys.first_step(rank), repr(now())))
+            self._set_sealed(keys.finished(rank), "1")  # the report; the counter only wakes
             self.store.add(keys.finished_count, 1)
             # wait for the whole job: a late failure elsewhere may still roll this rank back
             self.progress.set(tr.step, "wait_done")
-            wait_until(lambda: self.store.check([Keys.JOB_DONE]), every_s=0.005,
+            wait_until(lambda: self.seal.flag(self.store, Keys.JOB_DONE), every_s=0.005,
                        between=comm.raise_if_aborted)
             self.write_final(rank)
             return True
@@ -247,7 +256,7 @@ class Worker:
         out.mkdir(exist_ok=True)
         torch.save({k: v.detach().cpu().clone() for k, v in tr.state_dict().items()},
                    out / f"rank{rank}.pt")
-        self.store.set(Keys.final(rank), json.dumps({
+        self._set_sealed(Keys.final(rank), json.dumps({
             "digest": tr.digest(), "step": tr.step, "slot": self.slot,
             "state_bytes": tr.engine.layout.nbytes,
             # what this rank sends its buddy per snapshot (snapshot.py's regions)
@@ -288,7 +297,8 @@ def main(argv=None) -> None:
         code = 1
         try:
             store = connect(cfg["_store"]["host"], int(cfg["_store"]["port"]), secret, 5)
-            store.set(Keys.crash(args.slot), f"{type(e).__name__}: {e}"[:500])
+            key = Keys.crash(args.slot)
+            store.set(key, Seal(secret).wrap(key, f"{type(e).__name__}: {e}"[:500]))
         except Exception:
             pass
     sys.stdout.flush()

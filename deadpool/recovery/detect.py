@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 
+from deadpool import reports
 from deadpool.protocol import Keys, RankStatus, announce_abort
 
 
@@ -26,12 +27,12 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
     ``({}, t)`` means the generation must be aborted although no rank is known dead (a
     collective broke, or every rank is stuck waiting on the others)."""
     coord.read_heartbeats()
-    members, store = coord.members, coord.store
+    members = coord.members
     failed: dict[int, str] = {}
     keys = Keys(coord.gen)
     for rank, slot in members.ranks.items():
         if coord.launcher.poll(slot) is not None:
-            crashed = store.check([Keys.crash(slot)])
+            crashed = _crash_reports(coord, {rank: slot})
             failed[rank] = "exception" if crashed else "exit"
         elif coord.lost(slot):
             failed[rank] = "heartbeat"
@@ -39,12 +40,10 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
     hung, stuck = coord.live.hung(list(by_slot))
     for slot in hung:
         failed.setdefault(by_slot[slot], "progress")
-    if not failed and int(store.add(keys.num_errors, 0)) > 0:
-        for rank, slot in members.ranks.items():
-            if store.check([Keys.crash(slot)]):
-                failed[rank] = "exception"
+    if not failed and _collective_error(coord, keys):
+        for rank in _crash_reports(coord, members.ranks):
+            failed[rank] = "exception"
         if not failed:
-            _log_errors(coord, keys)
             return {}, time.time()  # a collective broke; culprit not yet known
     check_spares(coord)
     if not failed and stuck:
@@ -80,18 +79,51 @@ def abort_and_fence(coord, failed: dict[int, str], reason: str | None = None) ->
         coord.launcher.kill(coord.members.ranks[rank])
 
 
-def _log_errors(coord, keys: Keys) -> None:
-    for rank in coord.members.ranks:
-        if (keys.g, rank) not in coord.errors_logged and coord.store.check([keys.error(rank)]):
-            coord.errors_logged.add((keys.g, rank))
-            coord.log(f"[coordinator] gen {coord.gen}: rank {rank} reports: "
-                      f"{coord.store.get(keys.error(rank)).decode()[:300]}")
+def _crash_reports(coord, slots: dict[int, int]) -> dict[int, str]:
+    """rank -> the crash report its process sealed before exiting (``crash/<slot>``)."""
+    return reports.read(coord.store, coord.seal, {r: Keys.crash(s) for r, s in slots.items()},
+                        on_forged=lambda r: _forged(coord, f"crash report for rank {r}"))
+
+
+def _collective_error(coord, keys: Keys) -> bool:
+    """A rank of this generation sealed a report of a broken collective (``error/<rank>``).
+
+    ``num_errors`` is only a hint of when to look (anyone reaching the store can bump it): the
+    reports are read when it changes, and a bump with no sealed report behind it steers nothing.
+    """
+    n = int(coord.store.add(keys.num_errors, 0))
+    g, seen, confirmed = coord.error_hint
+    if g == keys.g and n == seen:
+        return confirmed
+    if g != keys.g:
+        confirmed = False
+    if n > 0:
+        errors = reports.read(coord.store, coord.seal,
+                              {r: keys.error(r) for r in coord.members.ranks},
+                              on_forged=lambda r: _forged(coord, f"error report for rank {r}"))
+        for rank, text in sorted(errors.items()):
+            if (keys.g, rank) not in coord.errors_logged:
+                coord.errors_logged.add((keys.g, rank))
+                coord.log(f"[coordinator] gen {coord.gen}: rank {rank} reports: {text[:300]}")
+        confirmed = confirmed or bool(errors)
+        if not confirmed:
+            _forged(coord, f"error counter of generation {keys.g} bumped with no report")
+    coord.error_hint = (keys.g, n, confirmed)
+    return confirmed
+
+
+def _forged(coord, what: str) -> None:
+    """Log, once per kind of message, that one without the job's secret was ignored."""
+    if what not in coord.forgeries:
+        coord.forgeries.add(what)
+        coord.log(f"[coordinator] {what} without the job's secret: ignored")
 
 
 def _bad_reported(coord) -> bool:
     """A receiver reported a corrupt copy in the current generation."""
     keys = Keys(coord.gen)
-    return any(coord.store.check([keys.bad_source(r)]) for r in coord.members.ranks)
+    return bool(reports.read(coord.store, coord.seal,
+                             {r: keys.bad_source(r) for r in coord.members.ranks}))
 
 
 def check_spares(coord) -> None:
@@ -111,14 +143,18 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
     ranks, launcher = coord.members.ranks, coord.launcher
     deadline = time.time() + float(coord.ft["status_timeout_s"])
     statuses: dict[int, RankStatus] = {}
+    pending = reports.Reports(coord.store, coord.seal, keys.status,
+                              [r for r in ranks if r not in failed],
+                              on_forged=lambda r: _forged(coord, f"status for rank {r}"))
     while True:
         coord.read_heartbeats()
+        for rank, text in pending.poll().items():
+            if rank not in failed and rank not in statuses:
+                statuses[rank] = RankStatus.from_json(text)
         for rank, slot in ranks.items():
             if rank in failed or rank in statuses:
                 continue
-            if coord.store.check([keys.status(rank)]):
-                statuses[rank] = RankStatus.from_json(coord.store.get(keys.status(rank)))
-            elif launcher.poll(slot) is not None:
+            if launcher.poll(slot) is not None:
                 failed[rank] = "exit"
                 launcher.kill(slot)
             elif coord.lost(slot):
@@ -133,6 +169,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
             for rank in silent:
                 failed[rank] = "heartbeat"
                 launcher.kill(ranks[rank])
+        pending.forget(failed)
         if len(statuses) + len(failed) >= len(ranks):
             return statuses
         if time.time() > deadline:
@@ -148,13 +185,15 @@ def collect_bad_sources(coord, keys: Keys) -> list[dict]:
     """Copies that receivers found corrupt in the aborted generation: never used again
     (added to ``coord.bad`` as ``(holder, owner, step)``)."""
     found = []
-    for rank in range(coord.dims.world_size):
-        if coord.store.check([keys.bad_source(rank)]):
-            b = json.loads(coord.store.get(keys.bad_source(rank)))
-            coord.bad.add((int(b["holder"]), int(b["owner"]), int(b["step"])))
-            found.append(b)
-            coord.log(f"[coordinator] copy of rank {b['owner']}'s state at step {b['step']} held "
-                      f"by rank {b['holder']} failed its CRC check; it will not be used")
+    got = reports.read(coord.store, coord.seal,
+                       {r: keys.bad_source(r) for r in range(coord.dims.world_size)},
+                       on_forged=lambda r: _forged(coord, f"bad-source report of rank {r}"))
+    for rank in sorted(got):
+        b = json.loads(got[rank])
+        coord.bad.add((int(b["holder"]), int(b["owner"]), int(b["step"])))
+        found.append(b)
+        coord.log(f"[coordinator] copy of rank {b['owner']}'s state at step {b['step']} held "
+                  f"by rank {b['holder']} failed its CRC check; it will not be used")
     return found
 
 
@@ -162,10 +201,12 @@ def collect_faults(coord, dead: set[int]) -> dict[int, dict]:
     """The injected faults behind this recovery (the dead ranks' first, else one survivor's),
     newer than any already attributed: they date the failure (``t_kill``) and name its kind."""
     faults = {}
-    for rank, slot in sorted(coord.members.ranks.items(), key=lambda rs: rs[0] not in dead):
-        if coord.store.check([Keys.fault(slot)]):
-            f = json.loads(coord.store.get(Keys.fault(slot)))
-            if f["t"] > coord.fault_t and (rank in dead or not faults):
-                faults[rank] = f
+    got = reports.read(coord.store, coord.seal,
+                       {r: Keys.fault(s) for r, s in coord.members.ranks.items()},
+                       on_forged=lambda r: _forged(coord, f"fault record of rank {r}"))
+    for rank in sorted((r for r in coord.members.ranks if r in got), key=lambda r: r not in dead):
+        f = json.loads(got[rank])
+        if f["t"] > coord.fault_t and (rank in dead or not faults):
+            faults[rank] = f
     coord.fault_t = max([coord.fault_t] + [f["t"] for f in faults.values()])
     return faults

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 
-from deadpool import checkpoint
+from deadpool import checkpoint, reports
 from deadpool.protocol import UNSET, Keys, Plan, RecoveryRecord, Source, announce_abort
 from deadpool.recovery import detect, plan, timeline
 from deadpool.threads import wait_until
@@ -37,9 +37,9 @@ def no_recovery(coord, failed: dict[int, str], t_detect: float) -> None:
         stop(coord, g + 1, rec, f"rank(s) {sorted(failed)} failed and ft.strategy="
                                 f"{coord.strategy.name} recovers nothing")
         return
-    faults = [json.loads(coord.store.get(Keys.fault(slot)))
-              for r, slot in coord.members.ranks.items()
-              if r in failed and coord.store.check([Keys.fault(slot)])]
+    got = reports.read(coord.store, coord.seal,
+                       {r: Keys.fault(s) for r, s in coord.members.ranks.items() if r in failed})
+    faults = [json.loads(got[r]) for r in coord.members.ranks if r in got]
     t_kill = min([f["t"] for f in faults] + [t_detect])
     step = checkpoint.latest_complete_step(coord.ft["checkpoint_dir"]) or 0
     rec.update(fault=faults[0]["kind"] if faults else "unknown", t_kill=t_kill,
@@ -122,9 +122,18 @@ def checkpoint_and_stop(coord, generation: int, decision, rec: RecoveryRecord, r
 
 
 def _wait_checkpoint(coord, p: Plan) -> None:
-    key = Keys(p.generation).checkpointed_count()
-    wait_until(lambda: int(coord.store.add(key, 0)) >= len(p.assignments), every_s=0.01,
-               between=coord.tick, timeout_s=300)
+    keys = Keys(p.generation)
+    done = reports.Reports(coord.store, coord.seal, keys.checkpointed, p.assignments,
+                           on_forged=lambda r: coord.log(f"[coordinator] checkpoint report of rank "
+                                                         f"{r} without the job's secret: ignored"))
+
+    def written() -> bool:
+        # the counter is only a hint (anyone can bump it): each rank's sealed report counts
+        if int(coord.store.add(keys.checkpointed_count(), 0)) < len(p.assignments):
+            return False
+        done.poll()
+        return done.complete
+    wait_until(written, every_s=0.01, between=coord.tick, timeout_s=300)
     dims = coord.dims
     checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,
                           layout=dims.layout)

@@ -34,10 +34,11 @@ again. Recomputation is therefore at most the steps since the newest step every 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from dataclasses import dataclass, field
 
 from deadpool.comm import resolve_backend
-from deadpool.groups import rank_groups, reusable_groups
+from deadpool.groups import all_groups, reusable_groups
 from deadpool.protocol import RankStatus, Source
 from deadpool.topology import Topology
 
@@ -61,9 +62,13 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
                 order: tuple[str, ...] = SOURCE_KINDS,
                 bad: set[tuple[int, int, int]] = frozenset(), sharded: bool = False,
                 replica_has_shared: bool = True) -> RecoveryDecision:
-    """``equivalents(r)``: the data-parallel peers of ``r`` (same model shard); ``buddy_of(r)``:
-    the preferred holder of ``r``'s replica; ``sharded``: each rank also holds state no peer has
-    (a ZeRO-1 optimizer shard); ``replica_has_shared``: replicas include the shared region."""
+    """``equivalents(r)``: the data-parallel peers of ``r`` (same model shard; an equivalence
+    class containing ``r``); ``buddy_of(r)``: the preferred holder of ``r``'s replica;
+    ``sharded``: each rank also holds state no peer has (a ZeRO-1 optimizer shard);
+    ``replica_has_shared``: replicas include the shared region.
+
+    Linear in the world size per candidate step: holders are indexed once (``_Holders``), never
+    searched across every rank per rank."""
     for kind in order:
         if kind not in SOURCE_KINDS:
             raise ValueError(f"ft.state_sources: {kind!r} is not one of {SOURCE_KINDS}")
@@ -76,13 +81,13 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
             steps.update(held)
     live_max = max((st.live_step for st in statuses.values() if st.live_step is not None),
                    default=0)
+    holders = _Holders(statuses, equivalents, buddy_of, bad)
     covered: set[int] = set()
     for S in sorted(steps, reverse=True):
-        load: dict[int, int] = {}  # holder -> transfers it serves (spread peer sends)
+        pick = holders.chooser(S)  # spreads the transfers over holders (least loaded first)
         sources: dict[int, Source] = {}
         for r in world:
-            src = _source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
-                          replica_has_shared)
+            src = _source(r, S, statuses, order, bad, pick, sharded, replica_has_shared)
             if src is None:
                 break
             sources[r] = src
@@ -91,7 +96,7 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
             return RecoveryDecision(S, sources, max(0, live_max - S))
     # keep scanning to know which ranks have a copy at *some* step (for the message)
     for r in world:
-        if r not in covered and any(_source(r, S, statuses, equivalents, buddy_of, order, bad, {},
+        if r not in covered and any(_source(r, S, statuses, order, bad, holders.any_of(S),
                                             sharded, replica_has_shared) for S in steps):
             covered.add(r)
     lost = [r for r in world if r not in covered]
@@ -100,54 +105,128 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
     return RecoveryDecision(None, {}, 0, why, lost)
 
 
-def _source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded=False,
+def _source(r, S, statuses, order, bad, pick, sharded=False,
             replica_has_shared=True) -> Source | None:
-    src = _held_source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
-                       replica_has_shared)
+    src = _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared)
     if src is None and S == 0:
         return Source("init", r)
     return src
 
 
-def _held_source(r, S, statuses, equivalents, buddy_of, order, bad, load, sharded,
-                 replica_has_shared) -> Source | None:
+def _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared) -> Source | None:
     st = statuses.get(r)
     if st is not None and st.live_step == S:
         return Source("live", r)
     if _has_own(st, S) and (r, r, S) not in bad:
         return Source("local", r)
     if sharded:  # the optimizer shard exists only in r's replicas
-        h = _pick(r, S, "replica", statuses, equivalents, buddy_of, bad, load)
+        h = pick(r, "replica")
         if h is None:
             return None
         if replica_has_shared:
             return Source("replica", h)
-        q = _pick(r, S, "peer", statuses, equivalents, buddy_of, bad, load)
+        q = pick(r, "peer")
         return None if q is None else Source("replica", h, shared_from=q)
     for kind in order:
-        h = _pick(r, S, kind, statuses, equivalents, buddy_of, bad, load)
+        h = pick(r, kind)
         if h is not None:
             return Source(kind, h)
     return None
 
 
-def _pick(r, S, kind, statuses, equivalents, buddy_of, bad, load) -> int | None:
-    """The holder serving ``r``'s state at ``S`` from a ``peer`` (its own state: a corrupt copy
-    is recorded as ``(q, q, S)``) or a ``replica`` (recorded as ``(holder, r, S)``)."""
-    if kind == "peer":
-        holders = [q for q in equivalents(r) if q != r and _has_own(statuses.get(q), S)
-                   and (q, q, S) not in bad]
-        # prefer a peer already at S (no rollback needed to serve), then the least loaded
-        holders.sort(key=lambda q: (load.get(q, 0), statuses[q].live_step != S, q))
-    else:
-        holders = [q for q, st_q in statuses.items() if q != r
-                   and S in st_q.replicas.get(r, []) and (q, r, S) not in bad]
-        pref = buddy_of(r)
-        holders.sort(key=lambda q: (q != pref, load.get(q, 0), q))
-    if not holders:
-        return None
-    load[holders[0]] = load.get(holders[0], 0) + 1
-    return holders[0]
+class _Holders:
+    """Who can serve which rank's state at a step, indexed once per plan.
+
+    A ``peer`` serves its own state (a corrupt copy is recorded as ``(q, q, S)``): the holders of
+    ``r``'s state at ``S`` are its data-parallel peers with their own state at ``S``. A
+    ``replica`` holder serves ``r``'s replica (recorded as ``(holder, r, S)``); the buddy is
+    preferred. Among several, the least loaded serves (then, for peers, one already at ``S``, so
+    that no rollback is needed to serve; then the lowest rank). Loads only grow during a plan,
+    so the least loaded peer is kept in a heap per data-parallel group and step whose stale
+    entries are refreshed when they surface.
+    """
+
+    def __init__(self, statuses, equivalents, buddy_of, bad):
+        self.statuses, self.equivalents, self.buddy_of, self.bad = statuses, equivalents, buddy_of, bad
+        self._group: dict[int, list[int]] = {}  # rank -> its peers (one list shared by the class)
+        self.replica_holders: dict[int, list[int]] = {}  # owner -> ranks holding some replica
+        self._own_at: dict[tuple[int, int], list[int]] = {}
+        for q, st in sorted(statuses.items()):
+            for owner in st.replicas:
+                self.replica_holders.setdefault(owner, []).append(q)
+
+    def group(self, r: int) -> list[int]:
+        g = self._group.get(r)
+        if g is None:
+            g = list(self.equivalents(r))
+            for q in g:
+                self._group[q] = g
+            self._group[r] = g
+        return g
+
+    def _replicas(self, r: int, S: int) -> list[int]:
+        return [q for q in self.replica_holders.get(r, ()) if q != r
+                and S in self.statuses[q].replicas.get(r, []) and (q, r, S) not in self.bad]
+
+    def any_of(self, S: int):
+        """``pick`` that only says whether some holder exists (loads left alone)."""
+        def pick(r: int, kind: str) -> int | None:
+            if kind == "peer":
+                return next((q for q in self._own(self.group(r), S) if q != r), None)
+            found = self._replicas(r, S)
+            return found[0] if found else None
+        return pick
+
+    def _own(self, g: list[int], S: int) -> list[int]:
+        """The members of group ``g`` holding their own uncorrupted state at ``S`` (cached)."""
+        key = (id(g), S)
+        if key not in self._own_at:
+            self._own_at[key] = [q for q in g if _has_own(self.statuses.get(q), S)
+                                 and (q, q, S) not in self.bad]
+        return self._own_at[key]
+
+    def chooser(self, S: int):
+        """``pick(r, kind)``: the holder that serves ``r``'s state at ``S``, charged one load."""
+        load: dict[int, int] = {}
+        heaps: dict[int, list] = {}
+
+        def pick(r: int, kind: str) -> int | None:
+            if kind == "replica":
+                found = self._replicas(r, S)
+                if not found:
+                    return None
+                pref = self.buddy_of(r)
+                q = min(found, key=lambda q: (q != pref, load.get(q, 0), q))
+            else:
+                q = self._least_loaded_peer(r, S, load, heaps)
+                if q is None:
+                    return None
+            load[q] = load.get(q, 0) + 1
+            return q
+        return pick
+
+    def _least_loaded_peer(self, r: int, S: int, load: dict, heaps: dict) -> int | None:
+        g = self.group(r)
+        h = heaps.get(id(g))
+        if h is None:
+            h = [(0, self.statuses[q].live_step != S, q) for q in self._own(g, S)]
+            heapq.heapify(h)
+            heaps[id(g)] = h
+        skipped, found = [], None
+        while h:
+            held, behind, q = h[0]
+            now = load.get(q, 0)
+            if held != now:  # charged since (as a replica holder, or by another rank's pick)
+                heapq.heapreplace(h, (now, behind, q))
+            elif q == r:
+                skipped.append(heapq.heappop(h))
+            else:
+                found = q
+                heapq.heapreplace(h, (now + 1, behind, q))  # the caller charges the load
+                break
+        for e in skipped:
+            heapq.heappush(h, e)
+        return found
 
 
 # -- the coordinator's use of it -----------------------------------------------------------------
@@ -195,10 +274,6 @@ def groups_to_keep(coord, statuses: dict[int, RankStatus], replaced: list[int],
     backend = resolve_backend(coord.cfg["device"], coord.cfg.get("backend", "auto"))
     if coord.ft.get("rebuild", "affected") != "affected" or backend != "gloo":
         return []
-    members = {}
-    for r in range(coord.dims.world_size):
-        topo = Topology(coord.dims, r, generation, coord.ft["buddy_policy"])
-        for _, key, ranks, _ in rank_groups(topo):
-            members[key] = ranks
+    members = all_groups(coord.dims, coord.ft["buddy_policy"])  # the layout's, every generation
     counts = {r: st.groups for r, st in statuses.items()}
     return reusable_groups(counts, members, set(replaced))

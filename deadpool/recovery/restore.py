@@ -42,7 +42,8 @@ def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> N
                     eng.local_steps() if worker.has_state and eng is not None else [],
                     eng.replica_steps() if eng is not None else {},
                     comm.group_counts() if comm is not None else {})
-    worker.store.set(Keys(plan.generation).status(rank), st.to_json())
+    key = Keys(plan.generation).status(rank)
+    worker.store.set(key, worker.seal.wrap(key, st.to_json()))
 
 
 def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimings) -> None:
@@ -125,8 +126,9 @@ def transfers(worker, plan: Plan, rank: int):
 
 def _report_corrupt(worker, plan: Plan, rank: int, comm: Communicator, e: CorruptState):
     """Tell the planner which copy failed its checksum (never used again), then regroup."""
-    worker.store.set(Keys(plan.generation).bad_source(rank), json.dumps(
-        {"holder": e.holder, "owner": e.owner, "step": e.step}))
+    key = Keys(plan.generation).bad_source(rank)
+    worker.store.set(key, worker.seal.wrap(key, json.dumps(
+        {"holder": e.holder, "owner": e.owner, "step": e.step})))
     comm.report_error(str(e))
     raise CollectiveError(str(e)) from None
 
@@ -137,4 +139,6 @@ def stop_to_disk(worker, plan: Plan, rank: int) -> None:
     worker.progress.set(plan.resume_step, "checkpoint")
     rank_state.write_for_stop(worker.trainer, worker.dims, worker.ft["checkpoint_dir"],
                               plan.resume_step, rank, plan.sources)
-    worker.store.add(Keys(plan.generation).checkpointed_count(), 1)
+    keys = Keys(plan.generation)
+    worker.store.set(keys.checkpointed(rank), worker.seal.wrap(keys.checkpointed(rank), "1"))
+    worker.store.add(keys.checkpointed_count(), 1)  # a wake-up hint; the sealed key counts

@@ -16,6 +16,7 @@ Breakdown (seconds; ``t_kill`` is the injected fault's time when known, else the
 from __future__ import annotations
 
 from deadpool.protocol import UNSET, Keys, RankTimings, RecoveryRecord
+from deadpool.reports import Reports
 
 INTERRUPTED = "interrupted by another failure"
 
@@ -42,39 +43,65 @@ def open_record(coord, failed: dict[int, str], faults: dict[int, dict], decision
 
 
 def finish_pending(coord, interrupted: bool = False, force: bool = False) -> None:
-    """Complete the open record (``coord.pending``) from the ranks' timing keys once they are all
-    there (and, when ranks replicate, every rank is protected again, unless ``force``);
-    ``interrupted``: a new failure came first."""
+    """Complete the open record (``coord.pending``) from the ranks' sealed timing keys once they
+    are all there (and, when ranks replicate, every rank is protected again, unless ``force``);
+    ``interrupted``: a new failure came first. Called every loop of the coordinator while a
+    record is open: each call asks the store only about the reports still missing."""
     rec = coord.pending
     if rec is None:
         return
-    store = coord.store
     keys = Keys(rec.generation)
     ranks = list(coord.members.ranks) if not interrupted else []
+    reports = _reports(coord, rec, keys, ranks)
     timings: list[RankTimings] = []
-    for r in ranks:
-        if not store.check([keys.timing(r)]):
+    firsts: list[float] = []
+    if not interrupted:
+        got = reports["timing"].poll()
+        if not reports["timing"].complete:
             return
-        timings.append(RankTimings.from_json(store.get(keys.timing(r))))
-    firsts = []
-    for r in ranks:
-        if not store.check([keys.first_step(r)]):
+        timings = [RankTimings.from_json(got[r]) for r in ranks]
+        got = reports["first_step"].poll()
+        if not reports["first_step"].complete:
             return
-        firsts.append(float(store.get(keys.first_step(r))))
-    if not (interrupted or force) and coord.replicates \
-            and int(store.add(keys.protected_count, 0)) < len(ranks):
+        firsts = [float(got[r]) for r in ranks]
+    if not (interrupted or force) and coord.replicates and not _protected(coord, keys, reports,
+                                                                          len(ranks)):
         return
     if interrupted:
         rec.outcome = INTERRUPTED
     else:
-        _breakdown(coord, rec, keys, ranks, timings, firsts)
+        _breakdown(coord, rec, reports, ranks, timings, firsts)
     coord.recoveries.append(rec)
     coord.pending = None
+    coord.record_reports = None
     if not interrupted:
         coord.streak = 0  # every rank completed a step: the job progresses again
+        coord.generation_running(rec.generation)  # older generations' keys can go
 
 
-def _breakdown(coord, rec: RecoveryRecord, keys: Keys, ranks: list[int],
+def _reports(coord, rec: RecoveryRecord, keys: Keys, ranks: list[int]) -> dict[str, Reports]:
+    """The record's per-rank reports (timing, first step, protected), kept across calls."""
+    held = coord.record_reports
+    if held is None or held[0] is not rec:
+        def forged(kind):
+            return lambda r: coord.log(f"[coordinator] {kind} report of rank {r} without the "
+                                       f"job's secret: ignored")
+        held = (rec, {kind: Reports(coord.store, coord.seal, key_of, ranks, on_forged=forged(kind))
+                      for kind, key_of in (("timing", keys.timing), ("first_step", keys.first_step),
+                                           ("protected", keys.protected))})
+        coord.record_reports = held
+    return held[1]
+
+
+def _protected(coord, keys: Keys, reports: dict[str, Reports], n: int) -> bool:
+    """Every rank sealed ``protected/<rank>``; ``num_protected`` is only the hint to look."""
+    if int(coord.store.add(keys.protected_count, 0)) < n:
+        return False
+    reports["protected"].poll()
+    return reports["protected"].complete
+
+
+def _breakdown(coord, rec: RecoveryRecord, reports: dict[str, Reports], ranks: list[int],
                timings: list[RankTimings], firsts: list[float]) -> None:
     tp, tk = rec.t_plan, rec.t_kill
     t_ready = max(t.ready for t in timings)
@@ -89,8 +116,7 @@ def _breakdown(coord, rec: RecoveryRecord, keys: Keys, ranks: list[int],
     first = chain_start(coord.recoveries, rec)
     if first is not rec:  # a cascade: time from the first fault of the chain
         rec.first_kill_to_first_step_s = max(firsts) - first.t_kill
-    store = coord.store
-    prot = [float(store.get(keys.protected(r))) for r in ranks if store.check([keys.protected(r)])]
+    prot = [float(t) for t in reports["protected"].poll().values()]
     rec.kill_to_protected_s = (max(prot) - tk) if len(prot) == len(ranks) else None
     rec.bytes_transferred = sum(t.bytes_received for t in timings)
     rec.outcome = "hot-swapped" if rec.get("spare_slot") not in (None, []) else \

@@ -116,7 +116,8 @@ class Replicator(threading.Thread):
                     self.engine._protected = max(self.engine._protected, slot.step)
             if not self.protected_reported:
                 keys = self.comm.keys
-                store.set(keys.protected(self.comm.topo.rank), repr(time.time()))
-                store.add(keys.protected_count, 1)
+                key = keys.protected(self.comm.topo.rank)
+                store.set(key, self.comm.seal.wrap(key, repr(time.time())))  # sealed report,
+                store.add(keys.protected_count, 1)  # then the coordinator's wake-up hint
                 self.protected_reported = True
 

@@ -166,11 +166,20 @@ def test_coordinator_death_workers_save_and_exit_and_the_resume_is_bitwise_equal
 
 @pytest.mark.slow
 def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(reference, tmp_path):
+    """Two strangers: a worker started with a wrong secret claims the spare's slot, and a client
+    that reaches the store and finds the job's namespace (``list_keys``) forges every control
+    key it can: job/stop and job/done, a finished count, an error count, a final state, a
+    bad-source report, the dead rank's status and, once it is killed, its heartbeat. The job
+    must hot-swap exactly once and end bitwise equal to the failure-free run."""
     import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
 
     from deadpool import auth
     # an intruder starts as soon as job.json exists, claiming the spare's slot
     intruder: dict = {}
+    done = threading.Event()
 
     def intrude():
         job, deadline = tmp_path / "job.json", time.time() + 120
@@ -187,14 +196,54 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
             [sys.executable, "-m", "deadpool.worker", "--job", str(tmp_path / "intruder.json"),
              "--slot", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
-    t = threading.Thread(target=intrude, daemon=True)
-    t.start()
-    s = run_and_compare(tmp_path, reference, [
-        "ft.num_spares=1", events("rank:1,step:12,phase:mid_step,kind:kill")])
-    t.join(timeout=180)
+    def forge():
+        job, deadline = tmp_path / "job.json", time.time() + 120
+        while not job.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        try:
+            cfg = json.loads(job.read_text())
+            raw = dist.TCPStore(cfg["_store"]["host"], int(cfg["_store"]["port"]),
+                                is_master=False, timeout=timedelta(seconds=5), use_libuv=True)
+            ns = None
+            while ns is None and not done.is_set():  # the job's namespace, from its plan key
+                ns = next((k.rsplit("/", 2)[0] for k in raw.list_keys()
+                           if k.endswith("/plan/0")), None)
+                time.sleep(0.02)
+            if ns is None:
+                return
+            other = auth.new_secret()
+            for key, value in (("job/stop", "1"), ("job/done", "1"), ("final/0", '{"digest": 0}'),
+                               ("g0/bad_source/2", '{"holder": 0, "owner": 1, "step": 3}'),
+                               ("g0/status/1", '{"rank": 1, "slot": 1, "live_step": 99, '
+                                               '"local_steps": [99], "replicas": {}}')):
+                raw.set(f"{ns}/{key}", auth.seal(other, value, context=key))
+            raw.add(f"{ns}/g0/num_finished", 4)
+            raw.add(f"{ns}/g0/num_errors", 1)
+            intruder["forged"] = True
+            n = 10 ** 6
+            while not done.is_set():  # once rank 1 is killed, beat for it
+                if raw.check([f"{ns}/fault/1"]):
+                    n += 1
+                    raw.set(f"{ns}/hb/1", f"{n} {n} 12 forward")
+                time.sleep(0.02)
+        except Exception:  # the job ended and its store with it
+            return
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (intrude, forge)]
+    for t in threads:
+        t.start()
+    try:
+        s = run_and_compare(tmp_path, reference, [
+            "ft.num_spares=1", events("rank:1,step:12,phase:mid_step,kind:kill")])
+    finally:
+        done.set()
+    for t in threads:
+        t.join(timeout=180)
     assert "p" in intruder, "the intruder never ran"
+    assert intruder.get("forged"), "the forger never found the job's namespace"
     (rec,) = s["recoveries"]
     assert rec["spare_slot"] == 4 and rec["outcome"] == "hot-swapped"
+    assert rec["failed_rank"] == 1 and rec["detected_by"] == "exit"
     # the real slot-4 process took the rank; the intruder never saw a plan and said why
     assert intruder["p"].returncode != 0
     assert "job secret" in intruder["p"].stdout + intruder["p"].stderr

@@ -30,7 +30,11 @@ class FakeLauncher:
         return ""
 
 
-def coordinator(tmp_path, overrides=(), logs=None) -> Coordinator:
+def coordinator(tmp_path, overrides=(), logs=None, secret: str | None = None,
+                store=None) -> Coordinator:
+    """``secret``: the coordinator seals and checks every control message (else they pass
+    unsealed); ``store``: another store than a fresh in-memory one."""
     cfg = compose_train(["model=tiny", "parallel=dp4", *overrides], tmp_path)
     log = (lambda line: logs.append(line)) if logs is not None else (lambda line: None)
-    return Coordinator(cfg, dist.HashStore(), FakeLauncher(), log=log)
+    return Coordinator(cfg, dist.HashStore() if store is None else store, FakeLauncher(), log=log,
+                       secret=secret)

@@ -176,3 +176,42 @@ def test_the_record_is_completed_from_every_ranks_timings(tmp_path):
     assert rec.transfer_s == pytest.approx(0.5)  # the slowest rank: 11.5 - 11.0
     assert rec.kill_to_first_step_s == pytest.approx(12.03 - 9.0)
     assert "rollback_s" in rec.to_dict() and "load_s" not in rec.to_dict()
+
+
+@pytest.mark.parametrize("backend", ["hash", "tcp"])
+def test_keys_of_finished_generations_are_deleted_and_the_key_count_stays_flat(tmp_path, backend):
+    from deadpool import auth
+    store = None
+    if backend == "tcp":  # the real store, through the job's namespace
+        store = auth.namespaced(auth.serve_store("127.0.0.1", 0, timeout_s=10), auth.new_secret())
+    coord = coordinator(tmp_path, ["ft.snapshot=false"], store=store)
+    store = coord.store
+    store.set(Keys.plan(0), "plan")
+    counts = []
+    for g in range(1, 8):
+        old = Keys(g - 1)  # what generation g-1 left: reports, rendezvous keys, per-step counters
+        for r in range(4):
+            for key in (old.status(r), old.error(r), old.timing(r), old.first_step(r),
+                        old.finished(r), f"g{g - 1}/dp/pp0-tp0/{r}"):
+                store.set(key, "x")
+        for step in range(10):
+            store.add(old.repl_done(step), 4)
+        store.add(old.num_errors, 1)
+        store.set(Keys.plan(g), "plan")
+        d = plan.RecoveryDecision(6, {}, 1)  # the recovery into g completes
+        rec = timeline.open_record(coord, {1: "exit"}, {}, d, 10.0, [])
+        rec.update(t_plan=10.5, spare_slot=4)
+        coord.pending, coord.members.generation = rec, g
+        for r in range(4):
+            store.set(Keys(g).timing(r), RankTimings(10.6, 11.0, 11.5, 11.6, 11.7).to_json())
+            store.set(Keys(g).first_step(r), "12.0")
+        timeline.finish_pending(coord)
+        assert coord.pending is None
+        while coord._garbage:
+            coord.collect_garbage(budget=16)
+        counts.append(store.num_keys())
+        left = set(store.list_keys())
+        assert not any(k.startswith(f"g{g - 1}/") for k in left)
+        assert Keys.plan(g) in left and Keys.plan(g - 1) in left and Keys.plan(g - 2) not in left
+        assert Keys(g).timing(0) in left  # the running generation's keys stay
+    assert counts[1:] == [counts[1]] * (len(counts) - 1), counts

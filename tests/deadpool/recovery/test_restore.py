@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from deadpool.protocol import Keys, Plan, RankStatus, Source
+from deadpool.protocol import Keys, Plan, RankStatus, Seal, Source
 from deadpool.recovery import restore
 from deadpool.snapshot import Replica, SnapshotEngine, encode_header
 from deadpool.watchdog import Progress
@@ -31,7 +31,7 @@ def worker(step=S, dirty=False, has_state=True, replica_of=None):
             {"step": S, "layout": eng.layout_desc}), (0, 0), "unique")]
     tr = SimpleNamespace(step=step, dirty=dirty, engine=eng, header=lambda: {"step": step})
     return SimpleNamespace(trainer=tr, has_state=has_state, store=dist.HashStore(), slot=9,
-                           parked=[], prev_comm=None, progress=Progress(),
+                           seal=Seal(None), parked=[], prev_comm=None, progress=Progress(),
                            injector=SimpleNamespace(fire=lambda step, phase: None))
 
 

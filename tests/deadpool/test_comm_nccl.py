@@ -5,7 +5,6 @@ Multi-rank NCCL itself runs in experiments/gpu/check_nccl_multirank.py on a GPU 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
@@ -51,7 +50,7 @@ class CountingStore:
 
 
 def run(tmp_path, monkeypatch, dims: ParallelDims, steps: int, script=None, at=None,
-        extra=()):
+        extra=(), master=None):
     """Train every rank of ``dims`` in a thread on fake NCCL; per rank returns
     ``(trainer, communicator, exception or None, store requests)``, plus the fake's events."""
     events = fake_nccl.install(monkeypatch, script)
@@ -60,7 +59,7 @@ def run(tmp_path, monkeypatch, dims: ParallelDims, steps: int, script=None, at=N
                          f"parallel.pp={dims.pp}", f"parallel.ranks_per_node={dims.ranks_per_node}",
                          f"num_steps={steps}", "log_every_steps=0",
                          "ft.persist_interval_steps=0", *extra], tmp_path)
-    master = master_store()
+    master = master or master_store()
 
     def rank_fn(r):
         store = CountingStore(client(master.port))
@@ -81,13 +80,6 @@ def run(tmp_path, monkeypatch, dims: ParallelDims, steps: int, script=None, at=N
         return tr, comm, err, store.requests
 
     return run_threads(rank_fn, dims.world_size, timeout_s=120), events, master
-
-
-def abort_from(master, rank_of_announcer: int, reason: str):
-    def announce(rank):
-        if rank == rank_of_announcer:
-            announce_abort(client(master.port), Seal(None), Keys(0), reason)
-    return announce
 
 
 def test_the_training_thread_syncs_once_per_step_and_asks_the_store_nothing_per_collective(
@@ -162,13 +154,9 @@ def test_a_gather_that_completes_because_of_the_abort_is_never_trusted(tmp_path,
     """An aborted all-gather reports itself complete with junk in the parameters: the step must
     end Aborted with the live state marked torn (dirty), never as a clean step 2."""
     script = StallGather()
-    real_master = master_store
-
-    def master_and_remember():
-        script.master = real_master()
-        return script.master
-    monkeypatch.setattr(sys.modules[__name__], "master_store", master_and_remember)
-    res, _, _ = run(tmp_path, monkeypatch, ParallelDims(dp=2), 4, script=script)
+    script.master = master_store()
+    res, _, _ = run(tmp_path, monkeypatch, ParallelDims(dp=2), 4, script=script,
+                    master=script.master)
     for tr, comm, err, _ in res:
         assert isinstance(err, Aborted), err
         assert tr.dirty and tr.step == 1  # torn: only snapshots count for this rank

@@ -390,7 +390,7 @@ class ZeroOptimizer:
             on_updated()
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # host time: on NCCL only the post (it runs on the stream)
             comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
             self.last_gather_s = time.perf_counter() - t0
 

@@ -24,6 +24,7 @@ completes): the coordinator aborts it, and whoever cannot answer is fenced.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -139,3 +140,121 @@ class Liveness:
         busy = [s for s in slots if self.phase.get(s, "start") not in IDLE]
         # stuck only when nobody progresses: a peer waiting on a slow-but-moving rank is fine
         return own, bool(stalled) and not own and len(stalled) == len(busy)
+
+
+class NodeLiveness:
+    """Coordinator side under node agents (deadpool/agent): liveness from one record per node.
+
+    Each agent judges its own processes with a ``Liveness`` on its own clock and writes a record
+    every ``ft.agent_interval_s`` (``agent.node.NodeAgent.record``)::
+
+        "<seq> <plan> <step> <busy> <stalled>[ <json: exit, slow, own>]"
+
+    ``seq`` must increase (a replayed record is no news); ``plan`` is the newest plan generation
+    the agent applied; ``busy``/``stalled`` count its ranks in phases that must progress and those
+    stalled (the node's share of ``Liveness.hung``); the JSON, present only when something is
+    wrong, names exited processes (``exit``: slot -> code), processes whose beat is older than
+    half the soft timeout (``slow``: slot -> [beat age, stopped]) and hung ones (``own``).
+
+    A slot's beat age is the larger of what its agent reports and how long its node's record has
+    not changed (a dead or cut-off node ages all its slots). Every question is answered from
+    what the records flagged, so a loop costs O(nodes + flagged slots), never O(ranks).
+    """
+
+    def __init__(self, soft_s: float, hard_s: float, node_timeout_s: float, node_of,
+                 clock=time.monotonic):
+        self.soft_s, self.hard_s, self.node_timeout_s = soft_s, hard_s, node_timeout_s
+        self.node_of = node_of  # slot -> node
+        self.clock = clock
+        self._seen: dict[int, tuple[int, float]] = {}     # node -> (seq, t seen changing)
+        self._plan: dict[int, int] = {}                   # node -> plan generation applied
+        self._counts: dict[int, tuple[int, int]] = {}      # node -> (busy, stalled)
+        self._step: dict[int, int] = {}
+        self._exit: dict[int, int] = {}                    # slot -> exit code
+        self._slow: dict[int, tuple[float, float, bool]] = {}  # slot -> (age, t read, stopped)
+        self._own: dict[int, list[int]] = {}               # node -> hung slots
+        self.generation = 0
+        self.lock = threading.Lock()
+
+    def observe_node(self, node: int, text: str) -> None:
+        head, _, tail = text.partition(" {")
+        try:
+            seq, plan, step, busy, stalled = (int(x) for x in head.split())
+            detail = json.loads("{" + tail) if tail else {}
+        except ValueError:
+            return  # not ours (or torn): ignore
+        now = self.clock()
+        with self.lock:
+            last = self._seen.get(node)
+            if last is not None and seq <= last[0]:
+                return  # unchanged, or an older record written again (a replay)
+            self._seen[node] = (seq, now)
+            self._plan[node], self._step[node] = plan, step
+            self._counts[node] = (busy, stalled)
+            for s, code in detail.get("exit", {}).items():
+                self._exit[int(s)] = int(code)
+            for s in [s for s in self._slow if self.node_of(s) == node]:
+                del self._slow[s]
+            for s, (age, stopped) in detail.get("slow", {}).items():
+                self._slow[int(s)] = (float(age), now, bool(stopped))
+            self._own[node] = [int(s) for s in detail.get("own", [])]
+
+    def new_generation(self, generation: int) -> None:
+        """Plan ``generation`` was written: stall counts of agents that have not applied it yet
+        are from the last generation and do not count (``Liveness.reset_progress``)."""
+        self.generation = generation
+
+    def reset_progress(self, slot: int) -> None:
+        pass  # the agent restarts its processes' progress clocks when it applies a plan
+
+    @property
+    def max_step(self) -> int:
+        return max(self._step.values(), default=-1)
+
+    def node_age(self, node: int) -> float | None:
+        seen = self._seen.get(node)
+        return None if seen is None else self.clock() - seen[1]
+
+    def exit_code(self, slot: int) -> int | None:
+        return self._exit.get(slot)
+
+    def stopped(self, slot: int) -> bool:
+        slow = self._slow.get(slot)
+        return slow is not None and slow[2]
+
+    def beat_age(self, slot: int) -> float | None:
+        node = self.node_age(self.node_of(slot))
+        slow = self._slow.get(slot)
+        own = None if slow is None else slow[0] + self.clock() - slow[1]
+        return node if own is None else max(own, node or 0.0)
+
+    def beat_lost(self, slot: int, is_stopped) -> bool:
+        node = self.node_age(self.node_of(slot))
+        if node is not None and node > self.node_timeout_s:
+            return True  # the node's agent went silent: its processes are gone with it
+        age = self.beat_age(slot)
+        if age is None or age <= self.soft_s:
+            return False
+        return age > self.hard_s or self.stopped(slot) or is_stopped(slot)
+
+    def stale_nodes(self) -> list[int]:
+        now = self.clock()
+        return [n for n, (_, t) in self._seen.items() if now - t > min(self.soft_s, self.node_timeout_s)]
+
+    def suspects(self, slots_of_node) -> set[int]:
+        """Slots worth a closer look: exited, slow, hung, or on a node whose record is stale
+        (``slots_of_node(node)``)."""
+        out = set(self._exit) | set(self._slow)
+        for own in self._own.values():
+            out.update(own)
+        for n in self.stale_nodes():
+            out.update(slots_of_node(n))
+        return out
+
+    def hung(self, slots=None) -> tuple[list[int], bool]:
+        """``Liveness.hung`` over the records of agents that applied the current plan."""
+        current = [n for n, g in self._plan.items() if g >= self.generation]
+        own = sorted(s for n in current for s in self._own.get(n, []))
+        busy = sum(self._counts[n][0] for n in current)
+        stalled = sum(self._counts[n][1] for n in current)
+        return own, bool(stalled) and not own and stalled == busy

@@ -1,0 +1,154 @@
+"""The node board: the shared memory through which a node agent and its local ranks talk.
+
+One file per node, mapped by the agent and by each of its processes (``mmap``, on ``/dev/shm``
+where it exists). Every field is a 64-bit word, written by one side only, so a reader never needs
+a lock (a torn read across two words only shows a field one beat old, as the store's heartbeat
+value did)::
+
+    header (agent writes)      magic, abort generation (the newest generation aborted),
+                               plan generation (the newest plan the agent holds for its ranks),
+                               flags (coordinator seen / lost, job done / stop), job step
+    one record per local slot  (the rank writes) pid, beat, progress count, step, phase;
+                               (the agent writes) fence
+
+A process reads the header between its polled waits without a system call, where it used to ask
+the store; its heartbeat is a few word writes, where it used to be three store round trips.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+MAGIC = 0x4450_4E42_0001  # "DPNB" v1
+HEADER_WORDS = 16
+SLOT_WORDS = 16
+PHASE_BYTES = 64  # the last 8 words of a slot record
+# header words
+_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS = range(6)
+# slot words
+_SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE = range(6)
+_PHASE_WORD = 8
+
+COORD_SEEN, COORD_LOST, JOB_DONE, JOB_STOP = 1, 2, 4, 8
+
+
+class NodeBoard:
+    """A mapped board. ``create`` (the agent) sizes and initialises it; ``open`` (a rank) maps it.
+
+    Slot records are indexed by the local index (0 .. slots-1); the launch slot each belongs to is
+    written at creation."""
+
+    def __init__(self, path: Path, mm: mmap.mmap):
+        self.path = Path(path)
+        self._mm = mm
+        self.words = memoryview(mm).cast("q")
+        if self.words[_MAGIC] != MAGIC:
+            raise ValueError(f"{path} is not a DeadPool node board")
+        self.num_slots = int(self.words[_SLOTS])
+
+    @classmethod
+    def create(cls, path: Path, slots: list[int]) -> "NodeBoard":
+        size = 8 * (HEADER_WORDS + SLOT_WORDS * len(slots))
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        w = memoryview(mm).cast("q")
+        w[_ABORT] = w[_PLAN] = w[_JOB_STEP] = -1
+        w[_SLOTS] = len(slots)
+        for i, slot in enumerate(slots):
+            base = HEADER_WORDS + SLOT_WORDS * i
+            w[base + _SLOT] = slot
+            w[base + _STEP] = -1
+        w[_MAGIC] = MAGIC  # last: a reader that sees the magic sees an initialised board
+        w.release()
+        return cls(path, mm)
+
+    @classmethod
+    def open(cls, path: Path) -> "NodeBoard":
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return cls(path, mm)
+
+    # -- header (the agent writes, ranks read) --------------------------------------------------------
+    @property
+    def abort_generation(self) -> int:
+        return int(self.words[_ABORT])
+
+    def announce_abort(self, generation: int) -> None:
+        if generation > self.words[_ABORT]:
+            self.words[_ABORT] = generation
+
+    @property
+    def plan_generation(self) -> int:
+        return int(self.words[_PLAN])
+
+    def publish_plan(self, generation: int) -> None:
+        self.words[_PLAN] = generation
+
+    def flag(self, bit: int) -> bool:
+        return bool(self.words[_FLAGS] & bit)
+
+    def set_flag(self, bit: int) -> None:
+        self.words[_FLAGS] = self.words[_FLAGS] | bit
+
+    @property
+    def job_step(self) -> int:
+        return int(self.words[_JOB_STEP])
+
+    def set_job_step(self, step: int) -> None:
+        self.words[_JOB_STEP] = step
+
+    # -- slot records ---------------------------------------------------------------------------------
+    def _base(self, index: int) -> int:
+        if not 0 <= index < self.num_slots:
+            raise IndexError(f"local index {index} not on this board ({self.num_slots} slots)")
+        return HEADER_WORDS + SLOT_WORDS * index
+
+    def slot_of(self, index: int) -> int:
+        return int(self.words[self._base(index) + _SLOT])
+
+    def index_of(self, slot: int) -> int:
+        for i in range(self.num_slots):
+            if self.words[HEADER_WORDS + SLOT_WORDS * i + _SLOT] == slot:
+                return i
+        raise KeyError(f"slot {slot} is not on this node's board")
+
+    def write_beat(self, index: int, pid: int, beat: int, progress: int, step: int,
+                   phase: str) -> None:
+        """The rank's heartbeat: phase first, the beat last (a reader that sees the new beat sees
+        the rest of it, but for a phase changing in between, one beat stale)."""
+        b = self._base(index)
+        raw = phase.encode()[:PHASE_BYTES].ljust(PHASE_BYTES, b"\0")
+        start = 8 * (b + _PHASE_WORD)
+        self._mm[start:start + PHASE_BYTES] = raw
+        w = self.words
+        w[b + _PID], w[b + _PROG], w[b + _STEP] = pid, progress, step
+        w[b + _BEAT] = beat
+
+    def read_beat(self, index: int) -> tuple[int, int, int, int, str]:
+        """(pid, beat, progress, step, phase) of a local slot."""
+        b = self._base(index)
+        w = self.words
+        start = 8 * (b + _PHASE_WORD)
+        phase = bytes(self._mm[start:start + PHASE_BYTES]).rstrip(b"\0").decode(errors="replace")
+        return int(w[b + _PID]), int(w[b + _BEAT]), int(w[b + _PROG]), int(w[b + _STEP]), phase
+
+    def fenced(self, index: int) -> bool:
+        return bool(self.words[self._base(index) + _FENCE])
+
+    def fence(self, index: int) -> None:
+        self.words[self._base(index) + _FENCE] = 1
+
+    def close(self) -> None:
+        self.words.release()
+        self._mm.close()

@@ -1,0 +1,89 @@
+"""Pushed control events: the coordinator appends, every node agent follows in order.
+
+The coordinator writes ``ev/<i>`` (sealed JSON, i = 0, 1, 2, ...) for each decision the nodes
+must act on at once::
+
+    {"kind": "abort", "g": g}          generation g failed: ranks leave their waits
+    {"kind": "plan", "g": g}           plan g is written (``plan/<g>``)
+    {"kind": "fence", "slots": [...]}  SIGKILL these processes: declared dead, never to return
+    {"kind": "done"} / {"kind": "stop"}
+
+An agent waits for the next event with a blocking ``TCPStore.wait`` on its own connection (the
+store answers when the key is set: no polling, no store work while nothing happens), reads it,
+acts, and waits for the next. A wait that times out (nothing happened for ``wait_s``) is retried
+on a fresh connection: after a timeout the old one may still receive the late answer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+from deadpool.protocol import Seal
+
+
+def event_key(i: int) -> str:
+    return f"ev/{i}"
+
+
+class EventLog:
+    """Coordinator side: append events (thread-safe; the store client must be too)."""
+
+    def __init__(self, store, seal: Seal):
+        self.store, self.seal = store, seal
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def push(self, kind: str, **data) -> int:
+        with self._lock:
+            i = self.n
+            key = event_key(i)
+            self.store.set(key, self.seal.wrap(key, json.dumps(dict(data, kind=kind))))
+            self.n += 1
+            return i
+
+
+class EventFollower:
+    """Agent side: ``next()`` blocks until event ``i`` exists and returns it (a dict), in order.
+
+    ``open_store()`` makes a fresh store client. A forged event (not sealed by the job) is
+    reported with ``on_forged(i)`` and read again until the coordinator's overwrites it."""
+
+    def __init__(self, open_store, seal: Seal, wait_s: float = 30.0, on_forged=None):
+        self.open_store, self.seal, self.wait_s = open_store, seal, wait_s
+        self.on_forged = on_forged
+        self.i = 0
+        self.store = None
+
+    def next(self, stop: threading.Event | None = None) -> dict | None:
+        """The next event; None if ``stop`` was set meanwhile. Raises the store's error when the
+        store is gone (the coordinator died): the caller decides."""
+        while stop is None or not stop.is_set():
+            key = event_key(self.i)
+            if self.store is None:
+                self.store = self.open_store()
+            try:
+                self.store.wait([key], timedelta(seconds=self.wait_s))
+            except Exception:
+                self.store = None  # a timed-out client may still get the late reply: drop it
+                if not self._exists(key):
+                    continue
+            text = self.seal.open(key, (self.store or self._fresh()).get(key))
+            if text is None:  # written by a process without the secret: the real event will
+                if self.on_forged is not None:  # overwrite it, so read the same key again
+                    self.on_forged(self.i)
+                time.sleep(0.01)
+                continue
+            self.i += 1
+            return json.loads(text)
+        return None
+
+    def _fresh(self):
+        self.store = self.open_store()
+        return self.store
+
+    def _exists(self, key: str) -> bool:
+        """After a failed wait: is the store there at all (raises if not) and the key set?"""
+        return self._fresh().check([key])

@@ -1,0 +1,193 @@
+"""One node's agent: the only process of a node that talks to the coordinator's store in steady
+state.
+
+``NodeAgent`` is the logic, driven by three callers in the agent process (``agent/__main__.py``),
+or by the control-plane benchmark for thousands of simulated nodes::
+
+    tick()          every ft.agent_interval_s: read the board (each local process's beat and
+                    progress), judge them with a ``watchdog.Liveness`` on this node's clock, and
+                    write one sealed record ``node/<n>`` (format: ``watchdog.NodeLiveness``);
+                    every second or so, check the coordinator's heartbeat
+    apply(event)    a pushed event (agent/events.py): abort -> the board's abort generation;
+                    plan -> fetch the plan once for the node, hand it to the local processes
+                    (a file next to the board) and restart their progress clocks; fence ->
+                    SIGKILL the named local processes; done / stop -> board flags
+    on_exit(slot)   a local process exited (seen by the process's waiter thread within
+                    milliseconds): written at once, and the coordinator woken
+                    (``nodes/changed``, a hint it reads every loop)
+
+What the node costs the store in steady state: one record per interval and one coordinator
+heartbeat read per second, whatever the number of its processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
+from deadpool.protocol import Keys, Plan, Seal
+from deadpool.watchdog import IDLE, PEER_WAIT, Liveness
+
+NODES_CHANGED = "nodes/changed"  # a wake-up hint for the coordinator (unsealed: it only wakes)
+KEEP_PLAN_FILES = 4
+
+
+def node_key(node: int) -> str:
+    return f"node/{node}"
+
+
+def plan_file(node_dir: Path, generation: int) -> Path:
+    return Path(node_dir) / f"plan-{generation}.json"
+
+
+def process_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, traced) or gone, from /proc (Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+
+
+class NodeAgent:
+    def __init__(self, node: int, board: NodeBoard, store, seal: Seal, ft: dict, node_dir: Path,
+                 kill=None, read_plan=None, clock=time.monotonic, wall=time.time):
+        """``kill(slot)``: SIGKILL a local process; ``read_plan(g, prev)``: plan ``g`` from the
+        store (the default reads ``plan/<g>``)."""
+        self.node, self.board, self.store, self.seal = node, board, store, seal
+        self.node_dir = Path(node_dir)
+        self.slots = [board.slot_of(i) for i in range(board.num_slots)]
+        self.index = {s: i for i, s in enumerate(self.slots)}
+        self.kill = kill or (lambda slot: None)
+        self.read_plan = read_plan or self._read_plan
+        self.clock, self.wall = clock, wall
+        self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
+                             float(ft["progress_timeout_s"]), clock=clock)
+        self.coordinator_timeout_s = float(ft["coordinator_timeout_s"])
+        self.coord_every_s = min(1.0, self.coordinator_timeout_s / 4)
+        self.seq = 0
+        self.exits: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
+        self.assigned: set[int] = set()  # local slots holding a rank in the newest plan
+        self.plan: Plan | None = None
+        self.plan_generation = -1
+        self.fenced: set[int] = set()
+        self._coord = (-1, clock())  # (newest coordinator beat, when it advanced)
+        self._coord_checked = -1e9
+        self.coordinator_lost = False
+
+    # -- the periodic part ----------------------------------------------------------------------------
+    def observe(self) -> None:
+        for i, slot in enumerate(self.slots):
+            pid, beat, prog, step, phase = self.board.read_beat(i)
+            if beat > 0:
+                self.pids[slot] = pid
+                self.live.observe(slot, f"{beat} {prog} {step} {phase}")
+
+    def record(self) -> str:
+        """This node's sealed-record text (``watchdog.NodeLiveness`` reads it)."""
+        live = self.live
+        ranks = [s for s in self.slots if s in self.assigned and s not in self.exits]
+        busy = [s for s in ranks if live.phase.get(s, "start") not in IDLE]
+        stalled = [s for s in ranks if live.stalled(s)]
+        own = [s for s in stalled if live.phase.get(s) not in PEER_WAIT]
+        steps = [live.step.get(s, -1) for s in ranks]
+        slow = {}
+        for s in self.slots:
+            age = live.beat_age(s)
+            if s not in self.exits and age is not None and age > live.soft_s / 2:
+                pid = self.pids.get(s)
+                slow[str(s)] = [round(age, 3), pid is not None and process_stopped(pid)]
+        head = f"{self.seq} {self.plan_generation} {max(steps, default=-1)} {len(busy)} {len(stalled)}"
+        detail = {}
+        if self.exits:
+            detail["exit"] = {str(s): c for s, c in self.exits.items()}
+        if slow:
+            detail["slow"] = slow
+        if own:
+            detail["own"] = own
+        return head + (" " + json.dumps(detail, separators=(",", ":")) if detail else "")
+
+    def publish(self, urgent: bool = False) -> None:
+        self.seq += 1
+        key = node_key(self.node)
+        self.store.set(key, self.seal.wrap(key, self.record()))
+        if urgent:
+            self.store.add(NODES_CHANGED, 1)
+
+    def tick(self) -> None:
+        self.observe()
+        self.publish()
+        now = self.clock()
+        if now - self._coord_checked >= self.coord_every_s:
+            self._coord_checked = now
+            self.check_coordinator()
+        if any(s not in self.assigned and s not in self.exits for s in self.slots):
+            self._job_step()  # an idle spare's faults key on the job's step (faults.py)
+
+    def check_coordinator(self, error: bool = False) -> None:
+        """The coordinator's heartbeat advanced lately; else its processes save and exit."""
+        beat = None
+        if not error:
+            try:
+                text = self.seal.open(Keys.COORD_HB, self.store.get(Keys.COORD_HB)) \
+                    if self.store.check([Keys.COORD_HB]) else None
+                beat = None if text is None else int(text)
+            except Exception:
+                beat = None
+        now = self.clock()
+        if beat is not None and beat > self._coord[0]:
+            self._coord = (beat, now)
+            self.board.set_flag(COORD_SEEN)
+        elif now - self._coord[1] > self.coordinator_timeout_s and not self.coordinator_lost:
+            self.coordinator_lost = True
+            self.board.set_flag(COORD_LOST)
+
+    def _job_step(self) -> None:
+        if self.store.check([Keys.JOB_STEP]):
+            text = self.seal.open(Keys.JOB_STEP, self.store.get(Keys.JOB_STEP))
+            if text is not None:
+                self.board.set_job_step(int(text))
+
+    # -- the pushed part ------------------------------------------------------------------------------
+    def on_exit(self, slot: int, code: int) -> None:
+        self.exits[slot] = code
+        self.publish(urgent=True)
+
+    def apply(self, event: dict) -> None:
+        kind = event["kind"]
+        if kind == "abort":
+            self.board.announce_abort(int(event["g"]))
+        elif kind == "plan":
+            self._take_plan(int(event["g"]))
+        elif kind == "fence":
+            for slot in event["slots"]:
+                if slot in self.index and slot not in self.fenced:
+                    self.fenced.add(slot)
+                    self.board.fence(self.index[slot])
+                    self.kill(slot)
+        elif kind == "done":
+            self.board.set_flag(JOB_DONE)
+        elif kind == "stop":
+            self.board.set_flag(JOB_STOP)
+
+    def _take_plan(self, g: int) -> None:
+        plan = self.read_plan(g, self.plan)
+        path = plan_file(self.node_dir, g)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(plan.to_json())
+        os.replace(tmp, path)  # a reader sees the whole plan or none
+        self.plan, self.plan_generation = plan, g
+        self.assigned = {s for s in plan.assignments.values() if s in self.index}
+        for s in self.assigned:  # every process starts the new generation's clock
+            self.live.reset_progress(s)
+        self.board.publish_plan(g)
+        old = plan_file(self.node_dir, g - KEEP_PLAN_FILES)
+        old.unlink(missing_ok=True)
+
+    def _read_plan(self, g: int, prev: Plan | None) -> Plan:
+        key = Keys.plan(g)
+        return Plan.from_json(self.seal.unwrap(key, self.store.get(key)))

@@ -1,0 +1,237 @@
+"""The wire form of a ``Plan``: in full, or as a delta against the plan written before it.
+
+At 16,384 ranks a plan in full is about 1 MB (every assignment, a source for every rank, every
+group kept), yet a recovery changes little: one rank moves to a spare, a shrink drops a data-
+parallel replica, and almost every rank's source is ``live`` (or ``local``) from itself. The
+delta carries only that, so each process reads a few hundred bytes per generation::
+
+    plan g-1 (held)                       delta g                          plan g (decoded)
+    assignments {0:0, 1:1, .., 7:7}       assign  {set: {5: 8}}            {0:0, .., 5:8, .., 7:7}
+    sources     live from self            sources {default: live,          live from self, but
+                                                   except: {5: peer 1}}     5 <- peer 1
+                                          keep    {except: [groups of 5]}  every group but 5's
+
+Which pieces are relative to what:
+
+- ``assignments`` are relative to the base plan: ranks whose slot changed or that were added,
+  and ranks removed (a shrink).
+- ``sources`` stand alone: a default kind that every assigned rank not listed takes from itself
+  (``Source(kind, rank)``), ranks listed with their own source, and assigned ranks with none.
+- ``keep_groups`` stand alone: the list, or (when shorter) its complement against the universe
+  of keys it is drawn from, ``all_group_keys``, which encoder and decoder must both pass. The
+  universe must be the keys a recovery can keep (``groups.all_groups`` without the ``repl/``
+  groups, which ``groups.reusable_groups`` never keeps); against ``all_groups`` whole, the
+  complement would list every replication group.
+- Everything else (generation, action, resume step, reason, ``t_written``) is carried as is.
+
+Membership is versioned: a delta names its base (the base plan's generation and a digest of its
+assignments, ``membership_digest``) and the digest of the membership it produces. A decoder that
+holds no plan, another generation, a plan with other assignments, or another group universe gets
+``BaseMismatch`` and must read the full form instead (``Keys.plan_full``); it never decodes a
+delta against the wrong membership. Round trips are exact: ``decode_plan(encode_plan(p, prev),
+prev) == p`` for every field (dict order aside). ``decode_plan`` also reads ``Plan.to_json``'s
+form (a plan written before wire forms existed) as a full plan.
+
+Keys: the coordinator must write each plan twice, both sealed, ``Keys.plan(g)`` as
+``encode_plan(plan, previous plan written, keys)`` (the first plan of a job in full) and
+``Keys.plan_full(g)`` as ``encode_plan(plan, None)``. A process that holds the plan written
+before ``g`` (one waiting after it, a warm spare reading each plan in turn) reads the delta; one
+that holds none (started later) or gets ``BaseMismatch`` reads the full form.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from typing import Iterable
+
+import xxhash
+
+from deadpool.protocol import Plan, Source
+
+WIRE_VERSION = 1
+_OPTIONAL = ("shared_from", "owner", "dir")  # Source fields left out when None
+
+
+class BaseMismatch(ValueError):
+    """A delta cannot be decoded against what this process holds (no plan, another generation,
+    another membership, another group universe): the caller must read the full form."""
+
+
+def membership_digest(assignments: dict[int, int]) -> str:
+    """A 64-bit digest (hex) of a membership, ``rank -> slot`` in rank order: the version a delta
+    is relative to."""
+    flat = array("q")
+    for r, s in sorted(assignments.items()):
+        flat.append(r)
+        flat.append(s)
+    return xxhash.xxh3_64_hexdigest(flat.tobytes())
+
+
+def encode_plan(plan: Plan, prev: Plan | None,
+                all_group_keys: Iterable[str] | None = None) -> str:
+    """``plan`` as text: in full with ``prev=None``, else as a delta against ``prev`` (the plan
+    written before it, which a decoder must hold). ``all_group_keys`` allows ``keep_groups`` as
+    a complement; the decoder must then pass the same keys."""
+    if prev is None:
+        return _dumps({"wire": WIRE_VERSION, "form": "full", **_full_fields(plan)})
+    return _dumps({
+        "wire": WIRE_VERSION, "form": "delta",
+        "generation": plan.generation,
+        "base": {"generation": prev.generation, "membership": membership_digest(prev.assignments)},
+        "membership": membership_digest(plan.assignments),
+        "action": plan.action, "resume_step": plan.resume_step,
+        "reason": plan.reason, "t_written": plan.t_written,
+        "assign": _assign_delta(plan.assignments, prev.assignments),
+        "sources": _sources_with_default(plan.sources, plan.assignments),
+        "keep": _keep_form(plan.keep_groups, all_group_keys),
+    })
+
+
+def decode_plan(text: str | bytes, prev: Plan | None,
+                all_group_keys: Iterable[str] | None = None) -> Plan:
+    """The plan ``encode_plan`` wrote. A delta needs the plan it was made against as ``prev``
+    (else ``BaseMismatch``); a full form ignores ``prev``."""
+    d = json.loads(text)
+    if "wire" not in d:  # Plan.to_json: a full plan
+        return _plan_from_fields(d)
+    if d["wire"] != WIRE_VERSION:
+        raise ValueError(f"plan wire version {d['wire']} is not supported (this reads {WIRE_VERSION})")
+    form = d.pop("form")
+    del d["wire"]
+    if form == "full":
+        return _plan_from_fields(d)
+    if form != "delta":
+        raise ValueError(f"plan wire form {form!r} is neither 'full' nor 'delta'")
+    g, base = d["generation"], d["base"]
+    if prev is None:
+        raise BaseMismatch(f"plan {g} is a delta against plan {base['generation']} and no plan "
+                           "is held: read the full form")
+    if prev.generation != base["generation"]:
+        raise BaseMismatch(f"plan {g} is a delta against plan {base['generation']}, "
+                           f"not the plan held ({prev.generation}): read the full form")
+    if membership_digest(prev.assignments) != base["membership"]:
+        raise BaseMismatch(f"plan {g} is a delta against another membership of plan "
+                           f"{prev.generation} than the one held: read the full form")
+    assignments = dict(prev.assignments)
+    for r in d["assign"]["drop"]:
+        del assignments[r]
+    for r, s in d["assign"]["set"].items():
+        assignments[int(r)] = s
+    if membership_digest(assignments) != d["membership"]:
+        raise ValueError(f"plan {g}: the decoded membership does not match the one encoded")
+    return Plan(g, d["action"], assignments, d["resume_step"],
+                sources=_sources_from(d["sources"], assignments),
+                reason=d["reason"], t_written=d["t_written"],
+                keep_groups=_keep_from(d["keep"], all_group_keys, g))
+
+
+# -- pieces ----------------------------------------------------------------------------------------
+def _dumps(d: dict) -> str:
+    return json.dumps(d, separators=(",", ":"))
+
+
+def _src(s: Source) -> dict:
+    d = {"kind": s.kind, "holder": s.holder}
+    for k in _OPTIONAL:
+        v = getattr(s, k)
+        if v is not None:
+            d[k] = v
+    return d
+
+
+def _full_fields(plan: Plan) -> dict:
+    return {"generation": plan.generation, "action": plan.action,
+            "assignments": {str(r): s for r, s in plan.assignments.items()},
+            "resume_step": plan.resume_step,
+            "sources": {str(r): _src(s) for r, s in plan.sources.items()},
+            "reason": plan.reason, "t_written": plan.t_written,
+            "keep_groups": list(plan.keep_groups)}
+
+
+def _plan_from_fields(d: dict) -> Plan:
+    d["assignments"] = {int(r): s for r, s in d["assignments"].items()}
+    d["sources"] = {int(r): Source(**s) for r, s in d["sources"].items()}
+    return Plan(**d)
+
+
+def _assign_delta(new: dict[int, int], old: dict[int, int]) -> dict:
+    return {"set": {str(r): s for r, s in new.items() if old.get(r) != s},
+            "drop": [r for r in old if r not in new]}
+
+
+def _self_kind(r: int, s: Source) -> str | None:
+    """The kind of ``s`` if it is ``Source(kind, r)`` with nothing else set (a default's form)."""
+    if s.holder == r and s.shared_from is None and s.owner is None and s.dir is None:
+        return s.kind
+    return None
+
+
+def _sources_with_default(sources: dict[int, Source], assignments: dict[int, int]) -> dict:
+    """The kind most assigned ranks take from themselves becomes the default, when it names more
+    ranks than it would have to list as having no source."""
+    counts: dict[str, int] = {}
+    missing = 0
+    for r in assignments:
+        s = sources.get(r)
+        if s is None:
+            missing += 1
+        else:
+            k = _self_kind(r, s)
+            if k is not None:
+                counts[k] = counts.get(k, 0) + 1
+    default = max(counts, key=counts.get, default=None)
+    if default is not None and counts[default] <= missing:
+        default = None
+    if default is None:
+        return {"default": None, "none": [], "except": {str(r): _src(s) for r, s in sources.items()}}
+    return {"default": default,
+            "none": [r for r in assignments if r not in sources],
+            "except": {str(r): _src(s) for r, s in sources.items()
+                       if r not in assignments or _self_kind(r, s) != default}}
+
+
+def _sources_from(d: dict, assignments: dict[int, int]) -> dict[int, Source]:
+    out: dict[int, Source] = {}
+    kind = d["default"]
+    if kind is not None:
+        skip = set(d["none"])
+        skip.update(int(r) for r in d["except"])
+        for r in assignments:
+            if r not in skip:
+                out[r] = Source(kind, r)
+    for r, s in d["except"].items():
+        out[int(r)] = Source(**s)
+    return out
+
+
+def _universe(all_group_keys: Iterable[str]) -> tuple[list[str], str]:
+    keys = sorted(set(all_group_keys))
+    return keys, xxhash.xxh3_64_hexdigest("\n".join(keys).encode())
+
+
+def _keep_form(keep: list[str], all_group_keys: Iterable[str] | None) -> dict:
+    """The list, or its complement against the universe when that is shorter; the complement
+    rebuilds the keys in sorted order, so it is only used for a sorted list without repeats."""
+    if all_group_keys is not None and keep == sorted(set(keep)):
+        universe, digest = _universe(all_group_keys)
+        kept = set(keep)
+        if len(keep) > len(universe) - len(kept) and kept.issubset(universe):
+            return {"except": [k for k in universe if k not in kept],
+                    "of": {"n": len(universe), "digest": digest}}
+    return {"list": list(keep)}
+
+
+def _keep_from(d: dict, all_group_keys: Iterable[str] | None, g: int) -> list[str]:
+    if "list" in d:
+        return d["list"]
+    if all_group_keys is None:
+        raise BaseMismatch(f"plan {g} lists the groups kept as a complement and no group keys "
+                           "were given to decode it: read the full form")
+    universe, digest = _universe(all_group_keys)
+    if (len(universe), digest) != (d["of"]["n"], d["of"]["digest"]):
+        raise BaseMismatch(f"plan {g} lists the groups kept against another set of group keys "
+                           f"({d['of']['n']} keys) than the one given ({len(universe)}): "
+                           "read the full form")
+    dropped = set(d["except"])
+    return [k for k in universe if k not in dropped]

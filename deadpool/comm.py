@@ -140,8 +140,12 @@ class Communicator:
     """Process groups of one generation for one rank. Build with ``Communicator.build``."""
 
     def __init__(self, topo: Topology, store, backend: str, poll_s: float, timeout_s: float,
-                 lost: threading.Event | None = None, fault_hook=None, seal: Seal | None = None):
+                 lost: threading.Event | None = None, fault_hook=None, seal: Seal | None = None,
+                 abort_probe=None):
         self.topo = topo
+        # under a node agent: ``abort_probe(g)`` reads the node's board (no store request); the
+        # store's abort key is read only once it says the generation was aborted
+        self.abort_probe = abort_probe
         self.store = store
         self.backend = backend
         self.stream_ordered = backend == "nccl"  # see the module docstring
@@ -172,7 +176,7 @@ class Communicator:
     def build(cls, topo: Topology, store, backend: str = "gloo", poll_s: float = 0.02,
               timeout_s: float = 120.0, repl_nice: int = 0, store_factory=None, lost=None,
               fault_hook=None, step: int = 0, seal: Seal | None = None,
-              previous: "Communicator | None" = None, keep=()) -> "Communicator":
+              previous: "Communicator | None" = None, keep=(), abort_probe=None) -> "Communicator":
         """Build this rank's groups of ``topo.generation``; abortable (raises ``Aborted``).
 
         ``previous`` / ``keep``: groups of the previous generation whose keys the plan lists as
@@ -185,7 +189,7 @@ class Communicator:
             raise RuntimeError(f"{abandoned_helpers()} helper threads of earlier generations are "
                                "still stuck (group builds or transfers abandoned on abort): this "
                                "process stops taking ranks, a spare takes its place")
-        self = cls(topo, store, backend, poll_s, timeout_s, lost, fault_hook, seal)
+        self = cls(topo, store, backend, poll_s, timeout_s, lost, fault_hook, seal, abort_probe)
         gstore = store_factory() if store_factory is not None else store
         self.build_store = gstore  # free again once the build is done (callers may reuse it)
         self.start_watcher()  # an abort during the build aborts what it has made so far
@@ -331,11 +335,14 @@ class Communicator:
         return self.group_ranks[name].index(rank)
 
     # -- failure-aware waiting -------------------------------------------------------------------
-    def _read_abort_key(self) -> bool:
+    def _read_abort_key(self, probe: bool = True) -> bool:
         """Read the abort key (a store request): True, and the generation marked aborted, once
-        it holds a message sealed by this job."""
+        it holds a message sealed by this job. With ``abort_probe`` (and ``probe``) the store is
+        asked only once the node's agent has seen the abort."""
         if self._abort_reason is not None:
             return True
+        if probe and self.abort_probe is not None and not self.abort_probe(self.topo.generation):
+            return False
         if not self.store.check([self.keys.abort]):
             return False
         try:
@@ -368,7 +375,7 @@ class Communicator:
         if isinstance(err, (Aborted, CollectiveError, CoordinatorLost)):
             return err
         try:
-            if self._read_abort_key():
+            if self._read_abort_key(probe=False):
                 return Aborted(self._abort_reason)
         except Exception:  # the store is unreachable: the heartbeat decides what that means
             pass

@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 from deadpool.errors import JobFailed
 from deadpool.policies import SPARE_POLICIES, make_policy
-from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source
+from deadpool import reports
+from deadpool.agent.node import NODES_CHANGED, node_key
+from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort
 from deadpool.recovery import detect, fallbacks, plan, timeline
 from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
@@ -52,9 +54,11 @@ class Membership:
 
 class Coordinator:
     def __init__(self, cfg: dict, store, launcher, log=print, secret: str | None = None,
-                 restart: RecoveryRecord | None = None):
+                 restart: RecoveryRecord | None = None, live=None, events=None):
         """``restart``: the record of the failure this job was relaunched for (ft=checkpoint_
-        restart, ``job.run_job``); completed from the relaunched processes' start-up timings."""
+        restart, ``job.run_job``); completed from the relaunched processes' start-up timings.
+        ``live`` / ``events``: under node agents (``launcher.AgentLauncher``), the liveness read
+        from the agents' records (``watchdog.NodeLiveness``) and the pushed event log."""
         self.cfg = cfg
         self.seal = Seal(secret)
         self.ft = cfg["ft"]
@@ -71,9 +75,11 @@ class Coordinator:
                                   spares=list(range(n, n + int(self.ft["num_spares"]))),
                                   generation=int(cfg.get("_first_generation", 0)))
         self.spare_policy = make_policy(SPARE_POLICIES, self.ft["spare_policy"])
-        self.live = Liveness(float(self.ft["heartbeat_timeout_s"]),
-                             float(self.ft["heartbeat_hard_timeout_s"]),
-                             float(self.ft["progress_timeout_s"]))
+        self.events = events
+        self.live = live or Liveness(float(self.ft["heartbeat_timeout_s"]),
+                                     float(self.ft["heartbeat_hard_timeout_s"]),
+                                     float(self.ft["progress_timeout_s"]))
+        self._nodes_hint = -1
         self.bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) copies found corrupt
         self.recoveries: list[RecoveryRecord] = []
         self.pending: RecoveryRecord | None = restart  # the open record (recovery.timeline)
@@ -124,6 +130,9 @@ class Coordinator:
     def read_heartbeats(self, force: bool = False) -> None:
         """Feed every process's heartbeat to the liveness tracker (at most once per interval)."""
         self.tick()
+        if self.events is not None:
+            self._read_nodes(force)
+            return
         if not force and self._tick - self._last_read < float(self.ft["heartbeat_interval_s"]) / 2:
             return
         self._last_read = self._tick
@@ -148,6 +157,42 @@ class Coordinator:
         if steps and max(steps) > self.job_step:
             self.job_step = max(steps)
             self.store.set(Keys.JOB_STEP, self.seal.wrap(Keys.JOB_STEP, str(self.job_step)))
+
+    def _read_nodes(self, force: bool) -> None:
+        """Under node agents: every node's record, once per half agent interval or at once when
+        an agent bumped ``nodes/changed`` (a process exited). One request per loop otherwise."""
+        hint = int(self.store.add(NODES_CHANGED, 0))
+        if not force and hint == self._nodes_hint and \
+                self._tick - self._last_read < float(self.ft["agent_interval_s"]) / 2:
+            return
+        self._nodes_hint, self._last_read = hint, self._tick
+        nodes = self.launcher.nodes
+        got = reports.read(self.store, self.seal, {n: node_key(n) for n in nodes},
+                           on_forged=lambda n: detect._forged(self, f"record of node {n}"))
+        for node, text in got.items():
+            self.live.observe_node(node, text)
+        if self.live.max_step > self.job_step:
+            self.job_step = self.live.max_step
+            self.store.set(Keys.JOB_STEP, self.seal.wrap(Keys.JOB_STEP, str(self.job_step)))
+
+    def suspects(self):
+        """Slots whose process may have failed: every member's, or under node agents only those
+        the records flag (O(nodes + flagged), not O(ranks))."""
+        if self.events is None:
+            return list(self.members.ranks.values())
+        return self.live.suspects(self.launcher.slots_of_node)
+
+    def announce_abort(self, reason: str) -> None:
+        """Abort the current generation: the sealed key, and under node agents a pushed event."""
+        announce_abort(self.store, self.seal, Keys(self.gen), reason)
+        if self.events is not None:
+            self.events.push("abort", g=self.gen)
+
+    def set_flag(self, key: str) -> None:
+        """``job/done`` or ``job/stop`` (sealed; pushed to node agents)."""
+        self.store.set(key, self.seal.wrap(key, "1"))
+        if self.events is not None:
+            self.events.push("done" if key == Keys.JOB_DONE else "stop")
 
     def generation_running(self, g: int) -> None:
         """Every rank of generation ``g`` took its first step (its recovery record completed):
@@ -190,6 +235,9 @@ class Coordinator:
         p.t_written = time.time()
         key = Keys.plan(p.generation)
         self.store.set(key, self.seal.wrap(key, p.to_json()))
+        if self.events is not None:
+            self.live.new_generation(p.generation)
+            self.events.push("plan", g=p.generation)
 
     # -- startup ----------------------------------------------------------------------------------
     def wait_warm(self) -> None:
@@ -298,13 +346,13 @@ class Coordinator:
                     break
                 continue
             if self._all_finished():
-                self.store.set(Keys.JOB_DONE, self.seal.wrap(Keys.JOB_DONE, "1"))
+                self.set_flag(Keys.JOB_DONE)
                 self._collect_finals()
                 self.outcome = "completed"
                 break
             time.sleep(poll)
         timeline.finish_pending(self, interrupted=self.outcome != "completed", force=True)
-        self.store.set(Keys.JOB_STOP, self.seal.wrap(Keys.JOB_STOP, "1"))
+        self.set_flag(Keys.JOB_STOP)
 
     def _all_finished(self) -> bool:
         """Every rank of the generation sealed ``finished/<rank>``. The ``num_finished`` counter

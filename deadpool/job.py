@@ -22,10 +22,12 @@ from deadpool.coordinator import Coordinator
 from deadpool.data import check_data
 from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
-from deadpool.launcher import ExternalLauncher, LocalLauncher
+from deadpool.agent.events import EventLog
+from deadpool.launcher import AgentLauncher, ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.policies import check_placement
+from deadpool.protocol import Seal
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
@@ -33,6 +35,7 @@ from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
 from deadpool.strategies import strategy_of
 from deadpool.tensorboard_log import check as check_tensorboard, write_recoveries
+from deadpool.watchdog import NodeLiveness
 
 
 def validate(cfg: dict) -> None:
@@ -214,7 +217,18 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     job_json.write_text(json.dumps(cfg, indent=1))
     n_workers = ParallelDims.from_config(cfg["parallel"]).world_size
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
-    if cfg["launcher"]["name"] == "local":
+    live = events = None
+    if cfg["launcher"]["name"] == "local" and cfg["launcher"].get("agents"):
+        ft = cfg["ft"]
+        events = EventLog(store, Seal(secret))
+        launcher = AgentLauncher(run_dir, job_json, secret, cfg, None, events)
+        live = launcher.live = NodeLiveness(
+            float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
+            float(ft["node_timeout_s"]), launcher.node_of_slot.get)
+        launcher.start(slots)
+        log(f"[deadpool] {len(launcher.agents)} node agent(s) started {n_workers} workers + "
+            f"{cfg['ft']['num_spares']} warm spare(s); store on port {master.port}; run dir {run_dir}")
+    elif cfg["launcher"]["name"] == "local":
         launcher = LocalLauncher(run_dir, job_json, secret,
                                  share_gpu=bool(cfg["launcher"].get("share_gpu")))
         launcher.start(slots)
@@ -224,7 +238,8 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
         launcher = ExternalLauncher(store, secret)
         log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{master.port}; waiting for "
             f"{len(slots)} processes (job file {job_json})")
-    coord = Coordinator(cfg, store, launcher, log=log, secret=secret, restart=restart)
+    coord = Coordinator(cfg, store, launcher, log=log, secret=secret, restart=restart, live=live,
+                        events=events)
     try:
         coord.run()
     except JobFailed as e:

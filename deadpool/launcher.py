@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,34 @@ def local_rank(slot: int, num_devices: int | None = None) -> int:
     return slot % num_devices if num_devices > 0 else 0
 
 
+def job_env(secret: str | None) -> dict:
+    """The environment of a job's local processes: the job's secret in it (never argv, job.json
+    or a log)."""
+    env = dict(os.environ)
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env["PYTHONUNBUFFERED"] = "1"
+    if secret is not None:
+        env[auth.SECRET_ENV] = secret
+        env.pop(auth.SECRET_FILE_ENV, None)
+    return env
+
+
+def start_worker(run_dir: Path, job_json: Path, slot: int, env: dict, share_gpu: bool = False,
+                 preexec_fn=None) -> tuple[subprocess.Popen, Path]:
+    """Start the process of ``slot`` (its output appended to ``logs/slot<slot>.log``: a relaunch
+    appends). One GPU per local rank: the worker selects cuda:LOCAL_RANK (spares too: a spare's
+    device is fixed at launch; with fewer GPUs than processes they share round-robin)."""
+    log = Path(run_dir) / "logs" / f"slot{slot}.log"
+    local_env = dict(env, LOCAL_RANK=str(local_rank(slot)))
+    if share_gpu:
+        local_env.update(nccl_env.share_gpu_env(slot))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deadpool.worker", "--job", str(job_json), "--slot", str(slot)],
+        stdout=open(log, "a"), stderr=subprocess.STDOUT, env=local_env,
+        start_new_session=preexec_fn is None, preexec_fn=preexec_fn)
+    return proc, log
+
+
 class LocalLauncher:
     def __init__(self, run_dir: Path, job_json: Path, secret: str | None = None,
                  share_gpu: bool = False):
@@ -44,24 +73,10 @@ class LocalLauncher:
 
     def start(self, slots: list[int]) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        env["PYTHONUNBUFFERED"] = "1"
-        if self.secret is not None:  # the children's environment only: never argv, job.json or a log
-            env[auth.SECRET_ENV] = self.secret
-            env.pop(auth.SECRET_FILE_ENV, None)
+        env = job_env(self.secret)
         for slot in slots:
-            log = self.run_dir / "logs" / f"slot{slot}.log"
-            self.logs[slot] = log
-            # one GPU per local rank: the worker selects cuda:LOCAL_RANK (spares too: a spare's
-            # device is fixed at launch; with fewer GPUs than processes they share round-robin)
-            local_env = dict(env, LOCAL_RANK=str(local_rank(slot)))
-            if self.share_gpu:
-                local_env.update(nccl_env.share_gpu_env(slot))
-            self.procs[slot] = subprocess.Popen(
-                [sys.executable, "-m", "deadpool.worker", "--job", str(self.job_json), "--slot", str(slot)],
-                stdout=open(log, "a"), stderr=subprocess.STDOUT, env=local_env,  # "a": relaunches
-                start_new_session=True)
+            self.procs[slot], self.logs[slot] = start_worker(self.run_dir, self.job_json, slot, env,
+                                                             self.share_gpu)
 
     def poll(self, slot: int) -> int | None:
         """Exit code of the process in ``slot``, or None while it runs."""
@@ -142,3 +157,82 @@ def job_processes(run_dir) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+class AgentLauncher:
+    """One node agent per node (``deadpool.agent``), each the parent of its node's processes.
+
+    The coordinator never touches a rank's process: exits, stops and beats come from the agents'
+    records (``live``, a ``watchdog.NodeLiveness``), and a fence is an event the agent carries
+    out (``events``, an ``agent.events.EventLog``). An agent's own exit, visible here because it
+    is a local child, loses its node at once (its processes die with it); under a remote launcher
+    only its silent record would show it."""
+
+    def __init__(self, run_dir: Path, job_json: Path, secret: str | None, cfg: dict, live, events):
+        from deadpool.agent.__main__ import node_slots, num_nodes
+
+        self.run_dir, self.job_json, self.secret = Path(run_dir), Path(job_json), secret
+        self.live, self.events = live, events
+        self.nodes = {n: node_slots(cfg, n) for n in range(num_nodes(cfg))}
+        self.node_of_slot = {s: n for n, slots in self.nodes.items() for s in slots}
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.fenced: set[int] = set()
+
+    def start(self, slots: list[int]) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        env = job_env(self.secret)
+        for node in sorted({self.node_of_slot[s] for s in slots}):
+            log = self.run_dir / "logs" / f"agent{node}.log"
+            self.agents[node] = subprocess.Popen(
+                [sys.executable, "-m", "deadpool.agent", "--job", str(self.job_json),
+                 "--node", str(node)],
+                stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def slots_of_node(self, node: int) -> list[int]:
+        return self.nodes.get(node, [])
+
+    def node_gone(self, slot: int) -> bool:
+        p = self.agents.get(self.node_of_slot.get(slot))
+        return p is None or p.poll() is not None
+
+    def poll(self, slot: int) -> int | None:
+        code = self.live.exit_code(slot)
+        if code is None and self.node_gone(slot):
+            return -signal.SIGKILL  # its agent is gone, and every process of the node with it
+        return code
+
+    def is_stopped(self, slot: int) -> bool:
+        return self.live.stopped(slot) or self.node_gone(slot)
+
+    def kill(self, slot: int) -> None:
+        if slot not in self.fenced:
+            self.fenced.add(slot)
+            try:
+                self.events.push("fence", slots=[slot])
+            except Exception:  # the store is gone (the job is ending): the agents end with it
+                pass
+
+    def kill_node(self, node: int) -> None:
+        """SIGKILL a node's agent (its processes die with it): tests' node loss, and the end."""
+        p = self.agents.get(node)
+        if p is not None and p.poll() is None:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_all(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for node, p in self.agents.items():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_node(node)
+                p.wait()
+
+    def log_tail(self, slot: int, lines: int = 20) -> str:
+        try:
+            return "\n".join((self.run_dir / "logs" / f"slot{slot}.log").read_text()
+                             .splitlines()[-lines:])
+        except OSError:
+            return ""

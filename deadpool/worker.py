@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool import auth, nccl_env
+from deadpool.agent.client import BoardHeartbeat, NodeLink
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
@@ -61,9 +62,15 @@ class Worker:
         self.seal = Seal(secret)
         self.store = self.open_store()
         self.progress = Progress()
-        self.heartbeat = Heartbeat(lambda: self.open_store(timeout_s=2.0), slot,
-                                   self.ft["heartbeat_interval_s"],
-                                   float(self.ft["coordinator_timeout_s"]), self.progress, self.seal)
+        # started by a node agent: beats, plans, aborts and flags go through its board
+        self.link = NodeLink.attach()
+        if self.link is not None:
+            self.heartbeat = BoardHeartbeat(self.link, self.ft["heartbeat_interval_s"], self.progress)
+        else:
+            self.heartbeat = Heartbeat(lambda: self.open_store(timeout_s=2.0), slot,
+                                       self.ft["heartbeat_interval_s"],
+                                       float(self.ft["coordinator_timeout_s"]), self.progress,
+                                       self.seal)
         self.heartbeat.start()
         self.lost = self.heartbeat.coordinator_lost
         self.dims = ParallelDims.from_config(cfg["parallel"])
@@ -116,25 +123,41 @@ class Worker:
         while True:
             if self.lost.is_set():
                 raise CoordinatorLost("the coordinator stopped answering")
-            if self.store.check([key]):
+            if self.link is not None:
+                plan = self.link.plan(generation)
+                if plan is not None:
+                    return plan
+            elif self.store.check([key]):
                 return Plan.from_json(self.seal.unwrap(key, self.store.get(key)))
             if generation == self.first_gen and \
                     time.monotonic() - t0 > float(self.ft["startup_timeout_s"]):
                 raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"
                                    " s: is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?")
             n += 1
-            if n % 10 == 0 and self.seal.flag(self.store, Keys.JOB_STOP):
+            if self.link is not None and self.link.stopped or \
+                    self.link is None and n % 10 == 0 and self.seal.flag(self.store, Keys.JOB_STOP):
                 return None
             if self.trainer.rank is None and time.monotonic() - waited > 0.05:
                 waited = time.monotonic()  # an idle spare: idle-phase faults key on the job's step
-                step = (self.seal.open(Keys.JOB_STEP, self.store.get(Keys.JOB_STEP))
-                        if self.store.check([Keys.JOB_STEP]) else None)
+                step = self._job_step()
                 if step is not None:
                     self.injector.fire(int(step), "idle")
             # one store round trip per 10 ms: an idle spare shares cores with training ranks
             # (TCPStore.wait with a timeout would block instead, but a timed-out wait leaves the
             # client's socket expecting a reply it no longer reads)
             time.sleep(0.01)
+
+    def _job_step(self) -> int | None:
+        if self.link is not None:
+            return self.link.job_step
+        if not self.store.check([Keys.JOB_STEP]):
+            return None
+        return self.seal.open(Keys.JOB_STEP, self.store.get(Keys.JOB_STEP))
+
+    def _job_done(self) -> bool:
+        if self.link is not None:
+            return self.link.done
+        return self.seal.flag(self.store, Keys.JOB_DONE)
 
     def run(self) -> int:
         """Follow the coordinator's plans until the job ends; returns the exit code."""
@@ -200,7 +223,8 @@ class Worker:
                                       store_factory=self._build_store, lost=self.lost,
                                       fault_hook=self.injector.fire, step=plan.resume_step,
                                       seal=self.seal, previous=self.prev_comm,
-                                      keep=set(plan.keep_groups))
+                                      keep=set(plan.keep_groups),
+                                      abort_probe=None if self.link is None else self.link.aborted)
             timing.groups_kept = len(comm.kept)
             if self.prev_comm is not None:  # its other groups may hold a dead peer's socket
                 self.prev_comm.release(keep=set(comm.kept))
@@ -220,7 +244,7 @@ class Worker:
             self.store.add(keys.finished_count, 1)
             # wait for the whole job: a late failure elsewhere may still roll this rank back
             self.progress.set(tr.step, "wait_done")
-            wait_until(lambda: self.seal.flag(self.store, Keys.JOB_DONE), every_s=0.005,
+            wait_until(self._job_done, every_s=0.005,
                        between=comm.raise_if_aborted)
             self.write_final(rank)
             return True

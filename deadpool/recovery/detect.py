@@ -18,7 +18,7 @@ import json
 import time
 
 from deadpool import reports
-from deadpool.protocol import Keys, RankStatus, announce_abort
+from deadpool.protocol import Keys, RankStatus
 
 
 def failures(coord) -> tuple[dict[int, str], float] | None:
@@ -30,16 +30,19 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
     members = coord.members
     failed: dict[int, str] = {}
     keys = Keys(coord.gen)
-    for rank, slot in members.ranks.items():
+    suspects = coord.suspects()  # every rank's slot, or under node agents the flagged ones
+    hung, stuck = coord.live.hung(members.ranks.values())
+    by_slot = {s: r for r, s in members.ranks.items()} if suspects or hung else {}
+    for rank in sorted(by_slot[s] for s in suspects if s in by_slot):
+        slot = members.ranks[rank]
         if coord.launcher.poll(slot) is not None:
             crashed = _crash_reports(coord, {rank: slot})
             failed[rank] = "exception" if crashed else "exit"
         elif coord.lost(slot):
             failed[rank] = "heartbeat"
-    by_slot = {s: r for r, s in members.ranks.items()}
-    hung, stuck = coord.live.hung(list(by_slot))
     for slot in hung:
-        failed.setdefault(by_slot[slot], "progress")
+        if slot in by_slot:
+            failed.setdefault(by_slot[slot], "progress")
     if not failed and _collective_error(coord, keys):
         for rank in _crash_reports(coord, members.ranks):
             failed[rank] = "exception"
@@ -73,8 +76,7 @@ def name_culprit(coord, poll_s: float) -> dict[int, str]:
 def abort_and_fence(coord, failed: dict[int, str], reason: str | None = None) -> None:
     """Set the generation's abort key (every rank leaves what it waits on within one poll) and
     SIGKILL the failed ranks' processes (a stopped process must never come back)."""
-    announce_abort(coord.store, coord.seal, Keys(coord.gen),
-                   reason or f"ranks {sorted(failed)} failed")
+    coord.announce_abort(reason or f"ranks {sorted(failed)} failed")
     for rank in failed:
         coord.launcher.kill(coord.members.ranks[rank])
 
@@ -146,13 +148,15 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
     pending = reports.Reports(coord.store, coord.seal, keys.status,
                               [r for r in ranks if r not in failed],
                               on_forged=lambda r: _forged(coord, f"status for rank {r}"))
+    by_slot = {s: r for r, s in ranks.items()}
     while True:
         coord.read_heartbeats()
         for rank, text in pending.poll().items():
             if rank not in failed and rank not in statuses:
                 statuses[rank] = RankStatus.from_json(text)
-        for rank, slot in ranks.items():
-            if rank in failed or rank in statuses:
+        for slot in coord.suspects():
+            rank = by_slot.get(slot)
+            if rank is None or rank in failed or rank in statuses:
                 continue
             if launcher.poll(slot) is not None:
                 failed[rank] = "exit"
@@ -163,12 +167,13 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
         # Every rank that has not answered also stopped beating (soft timeout): silent to the
         # abort and no heartbeat are two independent signals, so they are lost now rather than
         # at the hard timeout. It matters under srun, where no process handle shows an exit.
-        silent = [r for r in ranks if r not in failed and r not in statuses]
+        silent = pending.missing
         if silent and all((coord.live.beat_age(ranks[r]) or 0.0) > coord.live.soft_s
-                          for r in silent):
+                          for r in silent if r not in failed):
             for rank in silent:
-                failed[rank] = "heartbeat"
-                launcher.kill(ranks[rank])
+                if rank not in failed:
+                    failed[rank] = "heartbeat"
+                    launcher.kill(ranks[rank])
         pending.forget(failed)
         if len(statuses) + len(failed) >= len(ranks):
             return statuses

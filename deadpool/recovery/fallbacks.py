@@ -20,7 +20,7 @@ import json
 import time
 
 from deadpool import checkpoint, reports
-from deadpool.protocol import UNSET, Keys, Plan, RecoveryRecord, Source, announce_abort
+from deadpool.protocol import UNSET, Keys, Plan, RecoveryRecord, Source
 from deadpool.recovery import detect, plan, timeline
 from deadpool.threads import wait_until
 
@@ -188,7 +188,7 @@ def grow(coord) -> None:
     width."""
     g, t = coord.gen, time.time()
     keys = Keys(g)
-    announce_abort(coord.store, coord.seal, keys, "regrow")
+    coord.announce_abort("regrow")
     timeline.finish_pending(coord, force=True)
     timeline.finish_pending(coord, interrupted=True)
     failed: dict[int, str] = {}

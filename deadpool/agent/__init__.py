@@ -1,0 +1,18 @@
+"""Node agents: one process per node between its ranks and the coordinator's store.
+
+Without agents every process polls the store (heartbeats at 20 Hz, the abort key inside every
+wait, the plan key while waiting): one store thread then serves O(ranks) requests per second and
+saturates at a few thousand ranks. With agents (``launcher.agents=true``)::
+
+    rank  --(shared memory: board.py)-->  node agent  --(one sealed record per interval)-->  store
+    rank  <--(board flags, plan files)--  node agent  <--(pushed events: events.py)--------  coordinator
+
+    board.py    the node's shared memory: beats and progress in, aborts, plans and flags out
+    node.py     NodeAgent: judges local liveness, writes the node's record, applies events
+    events.py   the coordinator's event log and the agents' blocking follower
+    client.py   the rank's side: BoardHeartbeat, NodeLink
+    __main__    the agent process: starts the node's processes as children (they die with it)
+
+The coordinator reads node records (``watchdog.NodeLiveness``) and pushes aborts, plans and
+fences (``launcher.AgentLauncher``); its per-loop work grows with nodes and events, not ranks.
+"""

@@ -1,0 +1,88 @@
+"""A rank's side of its node agent: the board instead of the store for everything it polls.
+
+    NodeLink.attach()   the board of the agent that started this process (None when no agent
+                        did: the process then polls the store, as under srun today)
+    BoardHeartbeat      the heartbeat thread: beat and progress into the board, fences and the
+                        coordinator's loss out of it (``heartbeat.Heartbeat``'s interface)
+    NodeLink            plans, aborts, done / stop and the job's step, read from the board and
+                        the plan files the agent writes
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
+from deadpool.agent.node import plan_file
+from deadpool.protocol import Plan
+from deadpool.watchdog import Progress
+
+NODE_DIR_ENV, NODE_INDEX_ENV = "DEADPOOL_NODE_DIR", "DEADPOOL_NODE_INDEX"
+
+
+class NodeLink:
+    def __init__(self, node_dir: Path, index: int):
+        self.node_dir = Path(node_dir)
+        self.index = index
+        self.board = NodeBoard.open(self.node_dir / "board")
+        self.slot = self.board.slot_of(index)
+
+    @classmethod
+    def attach(cls, environ=os.environ) -> "NodeLink | None":
+        where = environ.get(NODE_DIR_ENV)
+        return None if not where else cls(Path(where), int(environ[NODE_INDEX_ENV]))
+
+    def plan(self, generation: int) -> Plan | None:
+        """Plan ``generation`` once the agent holds it (it writes each plan in turn)."""
+        if self.board.plan_generation < generation:
+            return None
+        return Plan.from_json(plan_file(self.node_dir, generation).read_text())
+
+    def aborted(self, generation: int) -> bool:
+        return self.board.abort_generation >= generation
+
+    @property
+    def done(self) -> bool:
+        return self.board.flag(JOB_DONE)
+
+    @property
+    def stopped(self) -> bool:
+        return self.board.flag(JOB_STOP)
+
+    @property
+    def job_step(self) -> int | None:
+        step = self.board.job_step
+        return None if step < 0 else step
+
+
+class BoardHeartbeat(threading.Thread):
+    """``heartbeat.Heartbeat`` through the node's board: no store round trip per beat."""
+
+    def __init__(self, link: NodeLink, interval_s: float, progress: Progress):
+        super().__init__(name="heartbeat", daemon=True)
+        self.link, self.interval_s, self.progress = link, interval_s, progress
+        self.coordinator_lost = threading.Event()
+        self.seen_coordinator = False
+        self.n = 0
+        self.beat()
+
+    def beat(self) -> None:
+        self.n += 1
+        p = self.progress
+        self.link.board.write_beat(self.link.index, os.getpid(), self.n, p.count, p.step, p.phase)
+
+    def run(self):
+        board = self.link.board
+        while True:
+            self.beat()
+            if board.fenced(self.link.index):  # declared dead: never come back (after SIGCONT)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if board.flag(COORD_SEEN):
+                self.seen_coordinator = True
+            if board.flag(COORD_LOST):
+                self.coordinator_lost.set()
+            time.sleep(self.interval_s)

@@ -33,10 +33,12 @@ import time
 from dataclasses import dataclass
 
 from deadpool.errors import JobFailed
+from deadpool.groups import keepable_keys
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool import reports
 from deadpool.agent.node import NODES_CHANGED, node_key
 from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort
+from deadpool.protocol_wire import publish_plan
 from deadpool.recovery import detect, fallbacks, plan, timeline
 from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
@@ -80,6 +82,8 @@ class Coordinator:
                                      float(self.ft["heartbeat_hard_timeout_s"]),
                                      float(self.ft["progress_timeout_s"]))
         self._nodes_hint = -1
+        self._last_plan: Plan | None = None  # the plan a delta is written against
+        self._group_keys: list[str] | None = None  # groups.keepable_keys, for plan deltas
         self.bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) copies found corrupt
         self.recoveries: list[RecoveryRecord] = []
         self.pending: RecoveryRecord | None = restart  # the open record (recovery.timeline)
@@ -233,8 +237,11 @@ class Coordinator:
 
     def write_plan(self, p: Plan) -> None:
         p.t_written = time.time()
-        key = Keys.plan(p.generation)
-        self.store.set(key, self.seal.wrap(key, p.to_json()))
+        if self._group_keys is None:
+            self._group_keys = keepable_keys(self.dims, self.ft["buddy_policy"])
+        # a delta against the plan written before (which every process reading in order holds)
+        publish_plan(self.store, self.seal, p, self._last_plan, self._group_keys)
+        self._last_plan = p
         if self.events is not None:
             self.live.new_generation(p.generation)
             self.events.push("plan", g=p.generation)
@@ -400,7 +407,7 @@ class Coordinator:
 
 
 _GENERATION_KEY = re.compile(r"g(\d+)/")
-_PLAN_KEY = re.compile(r"plan/(\d+)$")
+_PLAN_KEY = re.compile(r"plan/(\d+)(/full)?$")
 
 
 def _finished_key(key: str, running: int) -> bool:

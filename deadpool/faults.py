@@ -29,7 +29,9 @@ Phases of a recovery (the step number is the resume step)::
 
 Kinds::
 
-    kill       SIGKILL the process (a crashed node)
+    kill       SIGKILL the process (a crashed process)
+    kill_node  SIGKILL the process's node agent, then the process: the whole node is lost (its
+               other processes die with their agent; needs launcher.agents=true)
     stop       SIGSTOP the process (a hung node: sockets stay open, heartbeats stop)
     exception  raise in the thread that reached the phase (the step, or a helper thread)
     hang       that thread sleeps forever while the process and its heartbeat live on
@@ -56,6 +58,7 @@ PHASES = TRAIN_PHASES + RECOVERY_PHASES
 
 class Fault(str, enum.Enum):
     KILL = "kill"
+    KILL_NODE = "kill_node"
     STOP = "stop"
     EXCEPTION = "exception"
     HANG = "hang"
@@ -134,7 +137,10 @@ class FaultInjector:
             self.store.set(key, self.seal.wrap(key, json.dumps(rec)))
         print(f"[fault] {ev.kind.value} at {ev.phase} of step {step} (rank {self.rank}, slot "
               f"{self.slot})", flush=True)
-        if ev.kind is Fault.KILL:
+        if ev.kind is Fault.KILL_NODE and os.environ.get("DEADPOOL_NODE_DIR"):
+            os.kill(os.getppid(), signal.SIGKILL)  # the agent: its children die with it
+            os.kill(os.getpid(), signal.SIGKILL)
+        if ev.kind in (Fault.KILL, Fault.KILL_NODE):
             os.kill(os.getpid(), signal.SIGKILL)
         elif ev.kind is Fault.STOP:
             os.kill(os.getpid(), signal.SIGSTOP)

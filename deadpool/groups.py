@@ -78,3 +78,10 @@ def reusable_groups(counts: dict[int, dict[str, list[int]]], members: dict[str, 
         if all(c is not None and c[0] == c[1] == seen[0][0] for c in seen):
             keep.append(key)
     return keep
+
+
+def keepable_keys(dims: ParallelDims, buddy_policy: str) -> list[str]:
+    """The keys of the groups a recovery can keep (``reusable_groups`` never keeps replication
+    or transfer groups): what a plan's ``keep_groups`` is a subset of, on the wire
+    (``protocol_wire``), so coordinator and readers must compute the same."""
+    return sorted(k for k in all_groups(dims, buddy_policy) if not k.startswith(("repl", "xfer")))

@@ -73,6 +73,12 @@ def validate(cfg: dict) -> None:
         raise ValueError(f"parallel.global_dp={gdp} must be >= parallel.dp={p['dp']}")
     if ft.get("elastic_regrow_after_s") is not None and float(ft["elastic_regrow_after_s"]) < 0:
         raise ValueError("ft.elastic_regrow_after_s must be >= 0 or null")
+    agents = cfg["launcher"]["name"] == "local" and bool(cfg["launcher"].get("agents"))
+    if agents and not 0 < float(ft["agent_interval_s"]) <= float(ft["node_timeout_s"]) / 4:
+        raise ValueError("ft.agent_interval_s must be > 0 and <= ft.node_timeout_s / 4 (a node is "
+                         "lost after missing several records, not one)")
+    if not agents and any(str(ev.get("kind")) == "kill_node" for ev in cfg["faults"]["events"]):
+        raise ValueError("a kill_node fault needs node agents (launcher=local launcher.agents=true)")
     if ft["progress_timeout_s"] <= ft["heartbeat_timeout_s"]:
         raise ValueError("ft.progress_timeout_s must exceed ft.heartbeat_timeout_s")
     if ft["coordinator_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:

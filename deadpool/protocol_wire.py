@@ -47,7 +47,7 @@ from typing import Iterable
 
 import xxhash
 
-from deadpool.protocol import Plan, Source
+from deadpool.protocol import Keys, Plan, Source
 
 WIRE_VERSION = 1
 _OPTIONAL = ("shared_from", "owner", "dir")  # Source fields left out when None
@@ -235,3 +235,30 @@ def _keep_from(d: dict, all_group_keys: Iterable[str] | None, g: int) -> list[st
                            "read the full form")
     dropped = set(d["except"])
     return [k for k in universe if k not in dropped]
+
+
+# -- the store side ----------------------------------------------------------------------------------
+def publish_plan(store, seal, plan: Plan, prev: Plan | None,
+                 all_group_keys: Iterable[str] | None = None) -> int:
+    """Write ``plan`` sealed: in full under ``Keys.plan_full`` (for a process that holds no plan),
+    then as a delta against ``prev`` under ``Keys.plan`` (what processes reading in order fetch).
+    Returns the bytes of the form processes read."""
+    full = Keys.plan_full(plan.generation)
+    store.set(full, seal.wrap(full, encode_plan(plan, None)))
+    key = Keys.plan(plan.generation)
+    text = encode_plan(plan, prev, all_group_keys)
+    store.set(key, seal.wrap(key, text))
+    return len(text)
+
+
+def fetch_plan(store, seal, generation: int, prev: Plan | None,
+               all_group_keys: Iterable[str] | None = None) -> Plan:
+    """Plan ``generation``, which must be written: the delta against ``prev`` when that is the
+    plan it was made against, else the full form. Raises ``auth.AuthError`` for a plan the job
+    did not seal."""
+    key = Keys.plan(generation)
+    try:
+        return decode_plan(seal.unwrap(key, store.get(key)), prev, all_group_keys)
+    except BaseMismatch:
+        full = Keys.plan_full(generation)
+        return decode_plan(seal.unwrap(full, store.get(full)), None)

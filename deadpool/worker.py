@@ -38,8 +38,10 @@ from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
 from deadpool.faults import FaultInjector
+from deadpool.groups import keepable_keys
 from deadpool.heartbeat import Heartbeat
 from deadpool.protocol import Keys, Plan, RankTimings, Seal, now
+from deadpool.protocol_wire import fetch_plan
 from deadpool.recovery import restore
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
@@ -64,6 +66,8 @@ class Worker:
         self.progress = Progress()
         # started by a node agent: beats, plans, aborts and flags go through its board
         self.link = NodeLink.attach()
+        self.plan_held: Plan | None = None  # the last plan read (the next comes as a delta on it)
+        self._group_keys: list[str] | None = None
         if self.link is not None:
             self.heartbeat = BoardHeartbeat(self.link, self.ft["heartbeat_interval_s"], self.progress)
         else:
@@ -128,7 +132,11 @@ class Worker:
                 if plan is not None:
                     return plan
             elif self.store.check([key]):
-                return Plan.from_json(self.seal.unwrap(key, self.store.get(key)))
+                if self._group_keys is None:
+                    self._group_keys = keepable_keys(self.dims, self.ft["buddy_policy"])
+                self.plan_held = fetch_plan(self.store, self.seal, generation, self.plan_held,
+                                            self._group_keys)
+                return self.plan_held
             if generation == self.first_gen and \
                     time.monotonic() - t0 > float(self.ft["startup_timeout_s"]):
                 raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"

@@ -31,6 +31,7 @@ from deadpool import auth
 from deadpool.agent.board import NodeBoard
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
+from deadpool.groups import keepable_keys
 from deadpool.launcher import job_env, start_worker
 from deadpool.protocol import Seal
 from deadpool.topology import ParallelDims
@@ -91,8 +92,10 @@ def main(argv=None) -> int:
     board = NodeBoard.create(where / "board", slots)
     procs: dict[int, object] = {}
     store = open_store()
+    dims = ParallelDims.from_config(cfg["parallel"])
     agent = NodeAgent(args.node, board, store, seal, ft, where,
-                      kill=lambda slot: _kill(procs.get(slot)))
+                      kill=lambda slot: _kill(procs.get(slot)),
+                      group_keys=keepable_keys(dims, ft["buddy_policy"]))
     lock = threading.Lock()  # the store client and the agent's state are shared by the threads
     with lock:
         agent.publish()

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.protocol import Keys, Plan, Seal
+from deadpool.protocol_wire import fetch_plan
 from deadpool.watchdog import IDLE, PEER_WAIT, Liveness
 
 NODES_CHANGED = "nodes/changed"  # a wake-up hint for the coordinator (unsealed: it only wakes)
@@ -54,15 +55,15 @@ def process_stopped(pid: int) -> bool:
 
 class NodeAgent:
     def __init__(self, node: int, board: NodeBoard, store, seal: Seal, ft: dict, node_dir: Path,
-                 kill=None, read_plan=None, clock=time.monotonic, wall=time.time):
-        """``kill(slot)``: SIGKILL a local process; ``read_plan(g, prev)``: plan ``g`` from the
-        store (the default reads ``plan/<g>``)."""
+                 kill=None, group_keys=None, clock=time.monotonic, wall=time.time):
+        """``kill(slot)``: SIGKILL a local process; ``group_keys``: ``groups.keepable_keys`` of
+        the layout (plans on the wire may list kept groups as their complement)."""
         self.node, self.board, self.store, self.seal = node, board, store, seal
         self.node_dir = Path(node_dir)
         self.slots = [board.slot_of(i) for i in range(board.num_slots)]
         self.index = {s: i for i, s in enumerate(self.slots)}
         self.kill = kill or (lambda slot: None)
-        self.read_plan = read_plan or self._read_plan
+        self.group_keys = group_keys
         self.clock, self.wall = clock, wall
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
@@ -175,7 +176,7 @@ class NodeAgent:
             self.board.set_flag(JOB_STOP)
 
     def _take_plan(self, g: int) -> None:
-        plan = self.read_plan(g, self.plan)
+        plan = fetch_plan(self.store, self.seal, g, self.plan, self.group_keys)  # once per node
         path = plan_file(self.node_dir, g)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(plan.to_json())
@@ -187,7 +188,3 @@ class NodeAgent:
         self.board.publish_plan(g)
         old = plan_file(self.node_dir, g - KEEP_PLAN_FILES)
         old.unlink(missing_ok=True)
-
-    def _read_plan(self, g: int, prev: Plan | None) -> Plan:
-        key = Keys.plan(g)
-        return Plan.from_json(self.seal.unwrap(key, self.store.get(key)))

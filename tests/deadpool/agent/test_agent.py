@@ -1,0 +1,213 @@
+"""The node agent's parts without processes: the board, the agent's record and events, the
+coordinator's reading of records (NodeLiveness) and the pushed event log."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from deadpool import auth
+from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, NodeBoard
+from deadpool.agent.client import BoardHeartbeat, NodeLink
+from deadpool.agent.events import EventFollower, EventLog, event_key
+from deadpool.agent.node import NODES_CHANGED, NodeAgent, node_key
+from deadpool.protocol import Keys, Plan, Seal, Source
+from deadpool.watchdog import NodeLiveness, Progress
+from tests.deadpool.helpers import client, master_store
+
+SECRET = auth.new_secret()
+FT = {"heartbeat_timeout_s": 1.0, "heartbeat_hard_timeout_s": 10.0, "progress_timeout_s": 5.0,
+      "coordinator_timeout_s": 4.0}
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_board_carries_beats_up_and_flags_down_between_two_mappings(tmp_path):
+    agent_side = NodeBoard.create(tmp_path / "board", [6, 7])
+    rank_side = NodeBoard.open(tmp_path / "board")
+    assert [rank_side.slot_of(i) for i in range(2)] == [6, 7] and rank_side.index_of(7) == 1
+    rank_side.write_beat(1, pid=4242, beat=3, progress=9, step=12, phase="allreduce")
+    assert agent_side.read_beat(1) == (4242, 3, 9, 12, "allreduce")
+    assert agent_side.read_beat(0)[1] == 0  # never beaten
+    assert rank_side.abort_generation == -1 and rank_side.plan_generation == -1
+    agent_side.announce_abort(2)
+    agent_side.announce_abort(1)  # never goes back
+    agent_side.publish_plan(3)
+    agent_side.set_flag(JOB_DONE)
+    agent_side.fence(0)
+    assert rank_side.abort_generation == 2 and rank_side.plan_generation == 3
+    assert rank_side.flag(JOB_DONE) and not rank_side.flag(COORD_LOST)
+    assert rank_side.fenced(0) and not rank_side.fenced(1)
+    with pytest.raises(IndexError):
+        rank_side.read_beat(2)
+
+
+def test_a_file_that_is_not_a_board_is_refused(tmp_path):
+    (tmp_path / "x").write_bytes(b"\0" * 4096)
+    with pytest.raises(ValueError, match="not a DeadPool node board"):
+        NodeBoard.open(tmp_path / "x")
+
+
+def _agent(tmp_path, store, slots=(0, 1), clock=None, killed=None):
+    board = NodeBoard.create(tmp_path / "board", list(slots))
+    return NodeAgent(3, board, store, Seal(SECRET), FT, tmp_path, clock=clock or Clock(),
+                     kill=(killed.append if killed is not None else None)), board
+
+
+def _plan(g, assignments, resume=5):
+    return Plan(g, "train", assignments, resume, {r: Source("live", r) for r in assignments})
+
+
+def test_agent_record_is_one_sealed_line_naming_only_what_is_wrong(tmp_path):
+    master = master_store()
+    store = auth.namespaced(client(master.port), SECRET)
+    clock = Clock()
+    agent, board = _agent(tmp_path, store, clock=clock)
+    seal = Seal(SECRET)
+    key = Keys.plan(0)
+    store.set(key, seal.wrap(key, _plan(0, {0: 0, 1: 1}).to_json()))
+    agent.apply({"kind": "plan", "g": 0})
+    links = [NodeLink(tmp_path, i) for i in range(2)]
+    ps = [Progress() for _ in range(2)]
+    hbs = [BoardHeartbeat(link, 0.05, p) for link, p in zip(links, ps)]
+    for p in ps:
+        p.set(5, "forward")
+    for hb in hbs:
+        hb.beat()
+    agent.tick()
+    text = seal.unwrap(node_key(3), store.get(node_key(3)))
+    assert text == "1 0 5 2 0"  # seq, plan, step, busy, stalled: a healthy node, no JSON
+    clock.t += 0.6  # slot 1 stops beating (half the soft timeout: reported with its age)
+    ps[0].set(5, "backward")
+    hbs[0].beat()
+    agent.tick()
+    seq, plan, step, busy, stalled, detail = seal.unwrap(node_key(3), store.get(node_key(3))).split(" ", 5)
+    assert (plan, busy, stalled) == ("0", "2", "0")
+    assert json.loads(detail)["slow"] == {"1": [0.6, False]}
+    clock.t += 5.5  # slot 0 keeps beating but its progress never moves: hung in backward
+    hbs[0].beat()
+    agent.tick()
+    detail = json.loads(seal.unwrap(node_key(3), store.get(node_key(3))).split(" ", 5)[5])
+    assert detail["own"] == [0, 1]  # (slot 1, silent in forward, has not progressed either)
+    assert detail["slow"] == {"1": [6.1, False]}
+    n0 = int(store.add(NODES_CHANGED, 0))
+    agent.on_exit(1, -9)  # an exit is written at once and wakes the coordinator
+    detail = json.loads(seal.unwrap(node_key(3), store.get(node_key(3))).split(" ", 5)[5])
+    assert detail["exit"] == {"1": -9} and int(store.add(NODES_CHANGED, 0)) == n0 + 1
+
+
+def test_agent_applies_pushed_events_to_its_board_and_processes(tmp_path):
+    master = master_store()
+    store = auth.namespaced(client(master.port), SECRET)
+    killed = []
+    agent, board = _agent(tmp_path, store, slots=(4, 5), killed=killed)
+    link = NodeLink(tmp_path, 1)
+    seal = Seal(SECRET)
+    p = _plan(2, {0: 5, 1: 9})
+    store.set(Keys.plan(2), seal.wrap(Keys.plan(2), p.to_json()))
+    assert link.plan(2) is None
+    agent.apply({"kind": "plan", "g": 2})
+    assert link.plan(2) == p and agent.assigned == {5}
+    assert not link.aborted(2)
+    agent.apply({"kind": "abort", "g": 2})
+    assert link.aborted(2) and not link.aborted(3)
+    agent.apply({"kind": "fence", "slots": [5, 17]})  # 17 is another node's
+    assert killed == [5] and board.fenced(1) and not board.fenced(0)
+    agent.apply({"kind": "fence", "slots": [5]})  # once
+    assert killed == [5]
+    agent.apply({"kind": "done"})
+    assert link.done and not link.stopped
+
+
+def test_agent_declares_the_coordinator_lost_when_its_heartbeat_stops(tmp_path):
+    master = master_store()
+    store = auth.namespaced(client(master.port), SECRET)
+    clock = Clock()
+    agent, board = _agent(tmp_path, store, clock=clock)
+    seal = Seal(SECRET)
+    store.set(Keys.COORD_HB, seal.wrap(Keys.COORD_HB, "1"))
+    agent.check_coordinator()
+    assert board.flag(COORD_SEEN) and not board.flag(COORD_LOST)
+    clock.t += 3.0
+    store.set(Keys.COORD_HB, "99")  # not sealed by the job: no news
+    agent.check_coordinator()
+    assert not board.flag(COORD_LOST)
+    clock.t += 1.5
+    agent.check_coordinator()
+    assert board.flag(COORD_LOST)
+
+
+def test_node_liveness_answers_from_records_only_and_ages_a_silent_node():
+    clock = Clock()
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}.get
+    live = NodeLiveness(soft_s=1.0, hard_s=10.0, node_timeout_s=3.0, node_of=node_of, clock=clock)
+    live.observe_node(0, "1 0 7 2 0")
+    live.observe_node(1, "1 0 7 2 0")
+    assert live.suspects(lambda n: []) == set() and live.max_step == 7
+    assert live.hung() == ([], False)
+    clock.t += 0.5
+    live.observe_node(0, '2 0 8 2 0 {"slow":{"1":[0.6,true]}}')
+    live.observe_node(1, "2 0 8 2 0")
+    live.observe_node(1, "1 0 99 2 0")  # an older record again (a replay): no news
+    assert live.max_step == 8
+    assert live.suspects(lambda n: []) == {1}
+    assert live.beat_age(1) == pytest.approx(0.6) and not live.beat_lost(1, lambda s: False)
+    clock.t += 0.5
+    assert live.beat_lost(1, lambda s: False)  # past the soft timeout and seen stopped
+    live.observe_node(0, '3 0 8 2 0 {"exit":{"0":1}}')
+    assert live.exit_code(0) == 1 and live.exit_code(1) is None and not live.stopped(1)
+    clock.t += 2.0  # node 1 silent 2.5 s: suspect, not yet lost
+    live.observe_node(0, "4 0 8 2 0")
+    assert live.suspects(lambda n: {1: [2, 3]}.get(n, [])) >= {2, 3}
+    assert not live.beat_lost(2, lambda s: False)
+    clock.t += 1.0
+    assert live.beat_lost(2, lambda s: False) and live.beat_lost(3, lambda s: False)
+    assert not live.beat_lost(0, lambda s: False)
+
+
+def test_node_liveness_sums_nodes_into_the_jobs_hung_and_stuck_verdicts():
+    live = NodeLiveness(1.0, 10.0, 3.0, node_of=lambda s: s // 2, clock=Clock())
+    live.observe_node(0, '1 0 7 2 2 {"own":[1]}')
+    live.observe_node(1, "1 0 7 2 0")
+    assert live.hung() == ([1], False)
+    live.observe_node(0, "2 0 7 2 2")
+    live.observe_node(1, "2 0 7 2 2")
+    assert live.hung() == ([], True)  # everybody stalled in peer waits: the generation is stuck
+    live.new_generation(1)  # a new plan: old counts do not count until agents applied it
+    assert live.hung() == ([], False)
+
+
+def test_events_are_followed_in_order_with_blocking_waits_and_forgeries_are_skipped():
+    master = master_store()
+    seal = Seal(SECRET)
+    log = EventLog(auth.namespaced(client(master.port), SECRET), seal)
+    forged = []
+    follower = EventFollower(lambda: auth.namespaced(client(master.port), SECRET), seal,
+                             wait_s=0.3, on_forged=forged.append)
+    got = []
+
+    def follow():
+        for _ in range(3):
+            got.append(follower.next())
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    time.sleep(0.5)  # the follower's first wait times out once: it retries on a fresh client
+    log.push("abort", g=0)
+    auth.namespaced(client(master.port), SECRET).set(event_key(1), "forged")  # no secret
+    time.sleep(0.2)
+    log.push("plan", g=1)  # overwrites the forgery under the same key
+    log.push("done")
+    t.join(10)
+    assert not t.is_alive()
+    assert got == [{"kind": "abort", "g": 0}, {"kind": "plan", "g": 1}, {"kind": "done"}]
+    assert forged and set(forged) == {1}

@@ -1,0 +1,123 @@
+"""Node agents with real processes: a node's agent killed from outside (its processes die with
+it), a rank and its agent dying together, and a node lost during a recovery. Every case must end
+bitwise equal to a failure-free run of the same seed; survivors keep their processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deadpool.job import run_job
+from deadpool.launcher import job_processes
+from deadpool.report import compare_final_states
+from tests.conftest import compose_train
+
+pytestmark = pytest.mark.slow
+
+# dp4 on nodes of 2 slots: node 0 = ranks 0, 1; node 1 = ranks 2, 3; spares on nodes 2 (and 3)
+BASE = ["model=tiny", "parallel=dp4", "parallel.ranks_per_node=2", "num_steps=20",
+        "launcher.agents=true", "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    summary = run_job(compose_train(BASE + ["faults=none", "ft.num_spares=2"], run_dir), log=quiet)
+    assert summary["outcome"] == "completed" and not summary["recoveries"]
+    return run_dir
+
+
+def lost(summary) -> set[int]:
+    return {r for rec in summary["recoveries"] for r in
+            (rec["failed_rank"] if isinstance(rec["failed_rank"], list) else [rec["failed_rank"]])}
+
+
+def slot_pids(run_dir: Path) -> dict[int, int]:
+    """slot -> pid of this job's worker processes now running."""
+    out = {}
+    for pid in job_processes(run_dir):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"deadpool.worker" in argv:
+            out[int(argv[argv.index(b"--slot") + 1])] = pid
+    return out
+
+
+def agent_pid(run_dir: Path, node: int) -> int | None:
+    for pid in job_processes(run_dir):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"deadpool.agent" in argv and argv[argv.index(b"--node") + 1] == str(node).encode():
+            return pid
+    return None
+
+
+def newest_step(run_dir: Path) -> int:
+    steps = [-1]
+    for f in (run_dir / "metrics").glob("slot*.jsonl"):
+        for line in f.read_text().splitlines():
+            try:
+                steps.append(json.loads(line)["step"])
+            except (ValueError, KeyError):
+                pass
+    return max(steps)
+
+
+def test_a_killed_node_agent_loses_its_node_and_spares_take_both_ranks(reference, tmp_path):
+    result, pids = {}, {}
+    job = threading.Thread(target=lambda: result.update(
+        run_job(compose_train(BASE + ["faults=none", "ft.num_spares=2"], tmp_path), log=quiet)))
+    job.start()
+    deadline = time.time() + 240
+    while newest_step(tmp_path) < 6 and time.time() < deadline and job.is_alive():
+        time.sleep(0.1)
+    pids.update(slot_pids(tmp_path))
+    victim = agent_pid(tmp_path, 1)
+    assert victim is not None, "node 1's agent not found"
+    os.kill(victim, signal.SIGKILL)
+    job.join(300)
+    assert not job.is_alive()
+    assert result["outcome"] == "completed", result.get("message")
+    (rec,) = result["recoveries"]
+    assert set(rec["failed_rank"]) == {2, 3} and rec["outcome"] == "hot-swapped"
+    assert {0, 1, 2, 3} <= set(pids)  # every rank was running when the agent was killed
+    equal, why = compare_final_states(tmp_path, reference)
+    assert equal, why
+    assert job_processes(tmp_path) == []
+
+
+def test_a_rank_and_its_agent_dying_together_are_one_node_loss(reference, tmp_path):
+    ev = "faults.events=[{rank:0,step:8,phase:mid_step,kind:kill_node}]"
+    summary = run_job(compose_train(BASE + ["ft.num_spares=2", ev], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    assert lost(summary) == {0, 1}
+    equal, why = compare_final_states(tmp_path, reference)
+    assert equal, why
+
+
+def test_a_node_lost_while_its_spare_receives_a_state_is_recovered_by_the_next_spare(
+        reference, tmp_path):
+    # rank 1 dies; slot 4 (node 2, with slot 5) takes it and dies with its node while receiving
+    # rank 1's shard; slot 6 (node 3) takes rank 1 from the same replica
+    ev = ("faults.events=[{rank:1,step:8,phase:mid_step,kind:kill},"
+          "{slot:4,step:0,phase:transfer,kind:kill_node}]")
+    summary = run_job(compose_train(BASE + ["ft.num_spares=3", ev], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    assert lost(summary) == {1}
+    assert summary["recoveries"][-1]["outcome"] == "hot-swapped"
+    final_slots = {json.loads(line)["slot"] for line in (tmp_path / "metrics.jsonl").read_text()
+                   .splitlines() if json.loads(line)["rank"] == 1}
+    assert final_slots == {1, 6}
+    equal, why = compare_final_states(tmp_path, reference)
+    assert equal, why

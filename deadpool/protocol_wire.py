@@ -252,13 +252,17 @@ def publish_plan(store, seal, plan: Plan, prev: Plan | None,
 
 
 def fetch_plan(store, seal, generation: int, prev: Plan | None,
-               all_group_keys: Iterable[str] | None = None) -> Plan:
-    """Plan ``generation``, which must be written: the delta against ``prev`` when that is the
-    plan it was made against, else the full form. Raises ``auth.AuthError`` for a plan the job
-    did not seal."""
+               all_group_keys: Iterable[str] | None = None, decode=None) -> tuple[Plan, str]:
+    """Plan ``generation``, which must be written, and the text it was decoded from: the delta
+    against ``prev`` when that is the plan it was made against, else the full form. Raises
+    ``auth.AuthError`` for a plan the job did not seal. (``decode``: ``decode_plan`` or a
+    stand-in with its signature.)"""
+    decode = decode or decode_plan
     key = Keys.plan(generation)
+    text = seal.unwrap(key, store.get(key))
     try:
-        return decode_plan(seal.unwrap(key, store.get(key)), prev, all_group_keys)
+        return decode(text, prev, all_group_keys), text
     except BaseMismatch:
         full = Keys.plan_full(generation)
-        return decode_plan(seal.unwrap(full, store.get(full)), None)
+        text = seal.unwrap(full, store.get(full))
+        return decode(text, None), text

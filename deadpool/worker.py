@@ -41,7 +41,7 @@ from deadpool.faults import FaultInjector
 from deadpool.groups import keepable_keys
 from deadpool.heartbeat import Heartbeat
 from deadpool.protocol import Keys, Plan, RankTimings, Seal, now
-from deadpool.protocol_wire import fetch_plan
+from deadpool.protocol_wire import BaseMismatch, decode_plan, fetch_plan
 from deadpool.recovery import restore
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
@@ -128,15 +128,11 @@ class Worker:
             if self.lost.is_set():
                 raise CoordinatorLost("the coordinator stopped answering")
             if self.link is not None:
-                plan = self.link.plan(generation)
-                if plan is not None:
-                    return plan
+                text = self.link.plan_text(generation)
+                if text is not None:
+                    return self._take_plan(generation, text)
             elif self.store.check([key]):
-                if self._group_keys is None:
-                    self._group_keys = keepable_keys(self.dims, self.ft["buddy_policy"])
-                self.plan_held = fetch_plan(self.store, self.seal, generation, self.plan_held,
-                                            self._group_keys)
-                return self.plan_held
+                return self._take_plan(generation)
             if generation == self.first_gen and \
                     time.monotonic() - t0 > float(self.ft["startup_timeout_s"]):
                 raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"
@@ -154,6 +150,20 @@ class Worker:
             # (TCPStore.wait with a timeout would block instead, but a timed-out wait leaves the
             # client's socket expecting a reply it no longer reads)
             time.sleep(0.01)
+
+    def _take_plan(self, generation: int, text: str | None = None) -> Plan:
+        """Decode plan ``generation`` (the wire text the node's agent handed over, or the store's)
+        against the plan held; from the store's full form if that is not its base."""
+        if self._group_keys is None:
+            self._group_keys = keepable_keys(self.dims, self.ft["buddy_policy"])
+        try:
+            if text is None:
+                raise BaseMismatch("read from the store")
+            plan = decode_plan(text, self.plan_held, self._group_keys)
+        except BaseMismatch:
+            plan, _ = fetch_plan(self.store, self.seal, generation, self.plan_held, self._group_keys)
+        self.plan_held = plan
+        return plan
 
     def _job_step(self) -> int | None:
         if self.link is not None:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.agent.node import plan_file
-from deadpool.protocol import Plan
 from deadpool.watchdog import Progress
 
 NODE_DIR_ENV, NODE_INDEX_ENV = "DEADPOOL_NODE_DIR", "DEADPOOL_NODE_INDEX"
@@ -36,11 +35,12 @@ class NodeLink:
         where = environ.get(NODE_DIR_ENV)
         return None if not where else cls(Path(where), int(environ[NODE_INDEX_ENV]))
 
-    def plan(self, generation: int) -> Plan | None:
-        """Plan ``generation`` once the agent holds it (it writes each plan in turn)."""
+    def plan_text(self, generation: int) -> str | None:
+        """Plan ``generation``'s wire text (``protocol_wire``) once the agent holds it (it writes
+        each plan in turn); the caller decodes it against the plan it holds."""
         if self.board.plan_generation < generation:
             return None
-        return Plan.from_json(plan_file(self.node_dir, generation).read_text())
+        return plan_file(self.node_dir, generation).read_text()
 
     def aborted(self, generation: int) -> bool:
         return self.board.abort_generation >= generation

@@ -9,8 +9,8 @@ or by the control-plane benchmark for thousands of simulated nodes::
                     write one sealed record ``node/<n>`` (format: ``watchdog.NodeLiveness``);
                     every second or so, check the coordinator's heartbeat
     apply(event)    a pushed event (agent/events.py): abort -> the board's abort generation;
-                    plan -> fetch the plan once for the node, hand it to the local processes
-                    (a file next to the board) and restart their progress clocks; fence ->
+                    plan -> fetch the plan once for the node (a delta), hand its text to the
+                    local processes (a file next to the board) and restart their progress clocks; fence ->
                     SIGKILL the named local processes; done / stop -> board flags
     on_exit(slot)   a local process exited (seen by the process's waiter thread within
                     milliseconds): written at once, and the coordinator woken
@@ -41,7 +41,7 @@ def node_key(node: int) -> str:
 
 
 def plan_file(node_dir: Path, generation: int) -> Path:
-    return Path(node_dir) / f"plan-{generation}.json"
+    return Path(node_dir) / f"plan-{generation}.wire"
 
 
 def process_stopped(pid: int) -> bool:
@@ -55,7 +55,7 @@ def process_stopped(pid: int) -> bool:
 
 class NodeAgent:
     def __init__(self, node: int, board: NodeBoard, store, seal: Seal, ft: dict, node_dir: Path,
-                 kill=None, group_keys=None, clock=time.monotonic, wall=time.time):
+                 kill=None, group_keys=None, decode=None, clock=time.monotonic, wall=time.time):
         """``kill(slot)``: SIGKILL a local process; ``group_keys``: ``groups.keepable_keys`` of
         the layout (plans on the wire may list kept groups as their complement)."""
         self.node, self.board, self.store, self.seal = node, board, store, seal
@@ -64,6 +64,7 @@ class NodeAgent:
         self.index = {s: i for i, s in enumerate(self.slots)}
         self.kill = kill or (lambda slot: None)
         self.group_keys = group_keys
+        self.decode = decode  # protocol_wire.decode_plan (the benchmark shares one per process)
         self.clock, self.wall = clock, wall
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
@@ -176,10 +177,12 @@ class NodeAgent:
             self.board.set_flag(JOB_STOP)
 
     def _take_plan(self, g: int) -> None:
-        plan = fetch_plan(self.store, self.seal, g, self.plan, self.group_keys)  # once per node
+        # fetched once per node; its processes get the same wire text (a delta of a few hundred
+        # bytes), which each decodes against the plan it holds (NodeLink.plan)
+        plan, text = fetch_plan(self.store, self.seal, g, self.plan, self.group_keys, self.decode)
         path = plan_file(self.node_dir, g)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(plan.to_json())
+        tmp.write_text(text)
         os.replace(tmp, path)  # a reader sees the whole plan or none
         self.plan, self.plan_generation = plan, g
         self.assigned = {s for s in plan.assignments.values() if s in self.index}

@@ -15,6 +15,7 @@ from deadpool.agent.client import BoardHeartbeat, NodeLink
 from deadpool.agent.events import EventFollower, EventLog, event_key
 from deadpool.agent.node import NODES_CHANGED, NodeAgent, node_key
 from deadpool.protocol import Keys, Plan, Seal, Source
+from deadpool.protocol_wire import decode_plan, fetch_plan, publish_plan
 from deadpool.watchdog import NodeLiveness, Progress
 from tests.deadpool.helpers import client, master_store
 
@@ -114,9 +115,9 @@ def test_agent_applies_pushed_events_to_its_board_and_processes(tmp_path):
     seal = Seal(SECRET)
     p = _plan(2, {0: 5, 1: 9})
     store.set(Keys.plan(2), seal.wrap(Keys.plan(2), p.to_json()))
-    assert link.plan(2) is None
+    assert link.plan_text(2) is None
     agent.apply({"kind": "plan", "g": 2})
-    assert link.plan(2) == p and agent.assigned == {5}
+    assert decode_plan(link.plan_text(2), None) == p and agent.assigned == {5}
     assert not link.aborted(2)
     agent.apply({"kind": "abort", "g": 2})
     assert link.aborted(2) and not link.aborted(3)
@@ -211,3 +212,21 @@ def test_events_are_followed_in_order_with_blocking_waits_and_forgeries_are_skip
     assert not t.is_alive()
     assert got == [{"kind": "abort", "g": 0}, {"kind": "plan", "g": 1}, {"kind": "done"}]
     assert forged and set(forged) == {1}
+
+
+def test_plans_go_out_as_deltas_and_a_reader_without_the_base_gets_the_full_form():
+    master = master_store()
+    store = auth.namespaced(client(master.port), SECRET)
+    seal = Seal(SECRET)
+    world = {r: r for r in range(64)}
+    p0 = _plan(0, world)
+    p1 = _plan(1, {**world, 7: 64})
+    p1.sources[7] = Source("replica", 9, shared_from=6)
+    assert publish_plan(store, seal, p0, None) > 1000
+    small = publish_plan(store, seal, p1, p0)
+    assert small < 400
+    assert fetch_plan(store, seal, 1, p0) == (p1, seal.unwrap(Keys.plan(1), store.get(Keys.plan(1))))
+    plan, text = fetch_plan(store, seal, 1, None)  # a process holding no plan: the full form
+    assert plan == p1 and len(text) > 1000
+    plan, _ = fetch_plan(store, seal, 1, _plan(0, {0: 5}))  # another base: the full form too
+    assert plan == p1

@@ -64,11 +64,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deadpool import auth  # noqa: E402
+from deadpool.agent.events import EventLog  # noqa: E402
 from deadpool.coordinator import Coordinator  # noqa: E402
+from deadpool.launcher import AgentLauncher  # noqa: E402
 from deadpool.policies import buddy_table  # noqa: E402
 from deadpool.protocol import Keys, Plan, RankStatus, Seal  # noqa: E402
 from deadpool.topology import ParallelDims  # noqa: E402
 from deadpool.train import compose_config  # noqa: E402
+from deadpool.watchdog import NodeLiveness  # noqa: E402
 
 COLUMNS = ["ranks", "protocol", "store_ops_per_s_per_rank", "exit_detect_s", "node_detect_s",
            "plan_everywhere_s", "coordinator_cpu_frac", "dilation", "survived"]
@@ -220,6 +223,204 @@ def fake_process(host, port, secret, slots, world, rpn, periods, flags, stats, f
         t.join()
 
 
+# -- the new protocol's fake nodes (other processes) -------------------------------------------------
+class FakeNodes:
+    """The fake nodes of one thread under node agents: per node a real ``NodeAgent`` (its real
+    board in shared memory, record, pushed events on its own blocking store connection, plan
+    fetch) whose processes are fake: they beat into the board, write their status to the store
+    after an abort (as ``recovery.restore.report_status`` does) and count when the plan reached
+    them. A process checks the board every ``periods["plan"]`` (a local read, no store
+    request): reactions are scheduled that much after the event."""
+
+    def __init__(self, host, port, secret, nodes: dict, world, rpn, periods, ft, flags, stats,
+                 base, window, exit_req, root: Path, decode):
+        from deadpool.agent.board import NodeBoard
+        from deadpool.agent.node import NodeAgent
+        from deadpool.groups import keepable_keys
+
+        self.host, self.port, self.secret = host, port, secret
+        self.seal, self.flags, self.stats, self.base = Seal(secret), flags, stats, base
+        self.periods, self.window, self.exit_req = periods, window, exit_req
+        self.store = CountedOps(auth.open_store(host, port, secret, timeout_s=300))
+        dims = ParallelDims(dp=world, ranks_per_node=rpn)
+        self.ward = {b: r for r, b in enumerate(buddy_table(dims, "ring_over_nodes"))}
+        keys = keepable_keys(dims, "ring_over_nodes")
+        self.lock = threading.Lock()
+        self.agents, self.slots = {}, {}
+        self.heap = []
+        now = time.monotonic()
+        for i, (node, slots) in enumerate(sorted(nodes.items())):
+            where = root / f"node{node}"
+            where.mkdir(parents=True)
+            board = NodeBoard.create(where / "board", slots)
+            agent = NodeAgent(node, board, self.store, self.seal, ft, where, group_keys=keys,
+                              decode=decode, kill=self._fence)
+            self.agents[node], self.slots[node] = agent, slots
+            agent.beats = {s: 0 for s in slots}
+            agent.ranks_gen = {s: None for s in slots}  # generation a slot trains in (None: waits)
+            agent.publish()
+            for s in slots:
+                key = Keys.spare_ready(s)
+                self.store.set(key, self.seal.wrap(key, repr(time.time())))
+            self.heap.append((now + periods["agent"] * i / max(1, len(nodes)), node))
+        heapq.heapify(self.heap)
+        self.reacts: list[tuple[float, int, str, int]] = []  # (due, node, what, generation)
+        self.win, self.lag = 0, 0.0
+
+    def _fence(self, slot):
+        self.flags[slot] = DEAD
+
+    def _alive(self, node):
+        return [s for s in self.slots[node] if self.flags[s] == ALIVE]
+
+    def tick(self, node):
+        agent = self.agents[node]
+        alive = self._alive(node)
+        if not alive and all(self.flags[s] == SILENT for s in self.slots[node]):
+            return False  # the node went silent: its agent is gone with it
+        for s in alive:  # the processes' heartbeat threads (fake: beat once per agent tick)
+            agent.beats[s] += 1
+            i = agent.index[s]
+            phase = "forward" if agent.ranks_gen[s] is not None else "wait_plan"
+            agent.board.write_beat(i, 1, agent.beats[s], agent.beats[s], STEP, phase)
+        agent.tick()
+        return True
+
+    def follow(self, node, stop):
+        from deadpool.agent.events import EventFollower
+
+        agent = self.agents[node]
+        follower = EventFollower(lambda: CountedOps(auth.open_store(
+            self.host, self.port, self.secret, timeout_s=300), self.store), self.seal, wait_s=60.0)
+        while not stop.is_set():
+            try:
+                ev = follower.next(stop)
+            except Exception:
+                return
+            if ev is None or all(self.flags[s] == SILENT for s in self.slots[node]):
+                continue
+            with self.lock:
+                agent.apply(ev)
+                if ev["kind"] in ("abort", "plan"):
+                    heapq.heappush(self.reacts, (time.monotonic() + self.periods["plan"], node,
+                                                 ev["kind"], int(ev["g"])))
+
+    def react(self, node, what, g):
+        """The node's processes saw the board change."""
+        agent = self.agents[node]
+        by_slot = _by_slot(agent.plan)
+        if what == "abort":
+            for s in self._alive(node):
+                r = by_slot.get(s)
+                if r is not None and agent.ranks_gen[s] == g:
+                    keys = Keys(g)
+                    status = RankStatus(r, s, STEP, [STEP], {self.ward.get(r, r): [STEP]})
+                    self.store.set(keys.status(r), self.seal.wrap(keys.status(r), status.to_json()))
+                    agent.ranks_gen[s] = None
+            return
+        n = 0  # (the processes decode the same text the agent decoded: its plan is theirs)
+        for s in self._alive(node):
+            agent.ranks_gen[s] = g if s in by_slot else None
+            n += 1
+        if g < MAX_GEN:
+            i = self.base + 3 + 2 * g
+            self.stats[i] = max(self.stats[i], time.time())
+            self.stats[i + 1] += n
+
+    def run(self, stop):
+        followers = [threading.Thread(target=self.follow, args=(node, stop), daemon=True)
+                     for node in self.agents]
+        for t in followers:
+            t.start()
+        while self.heap and not stop.is_set():
+            now = time.monotonic()
+            if self.window.value != self.win:
+                self.win, self.lag = self.window.value, 0.0
+            with self.lock:
+                ex = self.exit_req.value
+                if ex >= 0:
+                    for node, slots in self.slots.items():
+                        if ex in slots and self.flags[ex] == ALIVE:
+                            self.flags[ex] = DEAD
+                            self.agents[node].on_exit(ex, -9)  # its agent's waitpid returns
+                while self.reacts and self.reacts[0][0] <= now:
+                    _, node, what, g = heapq.heappop(self.reacts)
+                    self.react(node, what, g)
+                due, node = self.heap[0]
+                if due <= now:
+                    heapq.heappop(self.heap)
+                    self.lag = max(self.lag, now - due)
+                    try:
+                        if self.tick(node):
+                            nxt = self.periods["agent"]
+                            heapq.heappush(self.heap, (due + nxt if now - due < nxt else now + nxt,
+                                                       node))
+                    except Exception:  # the store went away (the size is over)
+                        return
+            self.stats[self.base] = self.store.ops
+            self.stats[self.base + 1] = self.lag
+            self.stats[self.base + 2] = self.win
+            time.sleep(min(0.002, max(0.0, self.heap[0][0] - time.monotonic())) if self.heap else 0)
+
+
+_BY_SLOT: dict[int, tuple[object, dict]] = {}
+
+
+def _by_slot(plan) -> dict:
+    """slot -> rank of a plan, once per plan object (``Plan.rank_of_slot`` scans every rank)."""
+    if plan is None:
+        return {}
+    got = _BY_SLOT.get(id(plan))
+    if got is None or got[0] is not plan:
+        got = (plan, {v: k for k, v in plan.assignments.items()})
+        _BY_SLOT[id(plan)] = got
+    return got[1]
+
+
+class CountedOps:
+    """A store client counting its requests into ``into.ops`` (itself by default)."""
+
+    def __init__(self, store, into=None):
+        self._store, self._into, self.ops = store, into or self, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self._store, name)
+
+        def call(*a, **k):
+            self._into.ops += 1
+            return fn(*a, **k)
+        return call
+
+
+def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags, stats, first,
+                       threads, window, exit_req, stop):
+    from deadpool.protocol_wire import decode_plan
+
+    cache = {}
+
+    def decode(text, prev, keys=None):  # one decode per process and text (a real node decodes
+        key = (text, None if prev is None else prev.generation)  # its own, on its own CPU)
+        if key not in cache:
+            cache[key] = decode_plan(text, prev, keys)
+        return cache[key]
+
+    root = Path(tempfile.mkdtemp(prefix="bench_cp_nodes_", dir="/dev/shm"
+                                 if Path("/dev/shm").is_dir() else None))
+    items = sorted(nodes.items())
+    parts = [dict(items[i::threads]) for i in range(threads)]
+    runners = []
+    for i, part in enumerate(parts):
+        fn = FakeNodes(host, port, secret, part, world, rpn, periods, ft, flags, stats,
+                       (first + i) * FIELDS, window, exit_req, root / f"t{i}", decode)
+        runners.append(threading.Thread(target=fn.run, args=(stop,), daemon=True))
+    for t in runners:
+        t.start()
+    for t in runners:
+        t.join()
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
+
+
 # -- the coordinator's side ------------------------------------------------------------------------
 class Counted:
     """The coordinator's store, counting requests (a multi_get or a multi-key check is one)."""
@@ -261,6 +462,26 @@ class Launcher:
         return ""
 
 
+class BenchAgents(AgentLauncher):
+    """The real agent launcher's coordinator side, with agents started by the benchmark (as
+    under a remote launcher: an agent's death is seen only by its silent record)."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.stopped = False
+
+    def start(self, slots):
+        pass
+
+    def node_gone(self, slot):
+        return False
+
+    def poll(self, slot):
+        if self.stopped:
+            raise Stop()
+        return super().poll(slot)
+
+
 class BenchCoordinator(Coordinator):
     """The real coordinator, noting when it detected each failure and wrote each plan."""
 
@@ -287,7 +508,8 @@ def config(n: int, rpn: int, dilation: float, run_dir: Path) -> dict:
     cfg["parallel"] = dict(cfg["parallel"], dp=n, tp=1, pp=1, ranks_per_node=rpn)
     ft = dict(cfg["ft"], num_spares=rpn + 1, startup_timeout_s=600.0)
     for k in ("heartbeat_interval_s", "heartbeat_timeout_s", "heartbeat_hard_timeout_s",
-              "coordinator_timeout_s", "status_timeout_s", "collective_poll_s", "progress_timeout_s"):
+              "coordinator_timeout_s", "status_timeout_s", "collective_poll_s", "progress_timeout_s",
+              "agent_interval_s", "node_timeout_s"):
         ft[k] = float(ft[k]) * dilation
     cfg["ft"] = ft
     cfg["faults"] = dict(cfg["faults"], events=[])
@@ -303,7 +525,7 @@ def wait_for(cond, timeout_s: float) -> bool:
     return True
 
 
-def run_size(n: int, args, log=print) -> dict:
+def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
     D, rpn = args.dilation_of[n], args.ranks_per_node
     if n < 2 * rpn or n % rpn:
         raise SystemExit(f"--ranks {n}: needs at least two nodes of --ranks-per-node {rpn}")
@@ -319,16 +541,33 @@ def run_size(n: int, args, log=print) -> dict:
     nthreads = args.procs * args.threads
     stats = ctx.Array("d", nthreads * FIELDS, lock=False)
     window = ctx.Value("i", 0, lock=False)
+    exit_req = ctx.Value("i", -1, lock=False)
     stop = ctx.Event()
     periods = {"hb": float(ft["heartbeat_interval_s"]), "poll": float(ft["collective_poll_s"]),
-               "plan": 0.01 * D, "spare": 0.05 * D}
-    procs = [ctx.Process(target=fake_process, daemon=True, args=(
-        "127.0.0.1", master.port, secret, slots[i::args.procs], n, rpn, periods, flags, stats,
-        i * args.threads, args.threads, window, stop)) for i in range(args.procs)]
+               "plan": 0.01 * D, "spare": 0.05 * D, "agent": float(ft["agent_interval_s"])}
+    live = events = None
+    if protocol == "new":
+        cfg["launcher"] = dict(cfg["launcher"], agents=True)
+        nodes = {node: slots[node * rpn:(node + 1) * rpn] for node in range(-(-len(slots) // rpn))}
+        names = sorted(nodes)
+        procs = [ctx.Process(target=fake_nodes_process, daemon=True, args=(
+            "127.0.0.1", master.port, secret, {k: nodes[k] for k in names[i::args.procs]}, n, rpn,
+            periods, ft, flags, stats, i * args.threads, args.threads, window, exit_req, stop))
+            for i in range(args.procs)]
+        events = EventLog(store, Seal(secret))
+        launcher = BenchAgents(run_dir, run_dir / "job.json", secret, cfg, None, events)
+        live = launcher.live = NodeLiveness(
+            float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
+            float(ft["node_timeout_s"]), launcher.node_of_slot.get)
+    else:
+        procs = [ctx.Process(target=fake_process, daemon=True, args=(
+            "127.0.0.1", master.port, secret, slots[i::args.procs], n, rpn, periods, flags, stats,
+            i * args.threads, args.threads, window, stop)) for i in range(args.procs)]
+        launcher = Launcher(flags)
     for p in procs:
         p.start()
-    launcher = Launcher(flags)
-    coord = BenchCoordinator(cfg, store, launcher, log=lambda line: None, secret=secret)
+    coord = BenchCoordinator(cfg, store, launcher, log=lambda line: None, secret=secret,
+                             live=live, events=events)
     def run_coordinator():
         try:
             coord.run()
@@ -336,7 +575,7 @@ def run_size(n: int, args, log=print) -> dict:
             pass
     ct = threading.Thread(target=run_coordinator, daemon=True, name="coordinator")
     ct.start()
-    out = {"ranks": n, "protocol": "old", "dilation": D, "survived": False}
+    out = {"ranks": n, "protocol": protocol, "dilation": D, "survived": False}
 
     def reads(g):
         return sum(stats[t * FIELDS + 4 + 2 * g] for t in range(nthreads))
@@ -380,15 +619,19 @@ def run_size(n: int, args, log=print) -> dict:
         if coord.detected:
             out["failed"] = f"healthy ranks declared failed in steady state: {coord.detected[0][0]}"
             return out
-        if out["steady_lag_s"] > float(ft["heartbeat_interval_s"]) / D:
+        period = float(ft["agent_interval_s" if protocol == "new" else "heartbeat_interval_s"])
+        if out["steady_lag_s"] > period / D:
             out["failed"] = f"fake ranks lag their schedule by {out['steady_lag_s']:.3f} s"
         if "exit" not in args.phases:
             out["survived"] = "failed" not in out
             return out
         # exit: rank 1's process exits
         t_exit = time.time()
-        launcher.exited[coord.members.ranks[1]] = -9
-        flags[coord.members.ranks[1]] = DEAD
+        if protocol == "new":
+            exit_req.value = coord.members.ranks[1]  # its agent's waitpid returns
+        else:
+            launcher.exited[coord.members.ranks[1]] = -9
+            flags[coord.members.ranks[1]] = DEAD
         if not wait_for(lambda: 1 in coord.plans and reads(1) >= alive(), 120 * D):
             out["failed"] = f"exit: plan 1 read by {int(reads(1))} of {alive()}"
             return out
@@ -453,6 +696,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--dilation", default="1", help="1 | auto (N / 256) | one per size: 2,8,...")
     ap.add_argument("--phases", default="steady,exit,node")
+    ap.add_argument("--protocol", default="new,old",
+                    help="old (every process polls the store) | new (node agents) | both")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.ranks.split(",")]
     if args.dilation == "auto":
@@ -466,9 +711,15 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    for protocol in args.protocol.split(","):
+        run_protocol(protocol, sizes, args, out, rows)
+
+
+def run_protocol(protocol: str, sizes: list[int], args, out: Path, rows: list[dict]) -> None:
     for n in sizes:
-        print(f"[bench] {n} ranks, protocol old, dilation {args.dilation_of[n]:g}", flush=True)
-        row = run_size(n, args)
+        print(f"[bench] {n} ranks, protocol {protocol}, dilation {args.dilation_of[n]:g}",
+              flush=True)
+        row = run_size(n, args, protocol)
         rows.append(row)
         print("[bench] " + json.dumps(row), flush=True)
         write_table(rows, out)

@@ -134,9 +134,9 @@ class NodeAgent:
         """The coordinator's heartbeat advanced lately; else its processes save and exit."""
         beat = None
         if not error:
-            try:
+            try:  # once seen, the key always exists: one request, not two
                 text = self.seal.open(Keys.COORD_HB, self.store.get(Keys.COORD_HB)) \
-                    if self.store.check([Keys.COORD_HB]) else None
+                    if self._coord[0] >= 0 or self.store.check([Keys.COORD_HB]) else None
                 beat = None if text is None else int(text)
             except Exception:
                 beat = None

@@ -295,8 +295,9 @@ class FakeNodes:
         while not stop.is_set():
             try:
                 ev = follower.next(stop)
-            except Exception:
-                return
+            except Exception:  # a connection refused under load: retry, as the real agent does
+                time.sleep(0.5)
+                continue
             if ev is None or all(self.flags[s] == SILENT for s in self.slots[node]):
                 continue
             with self.lock:

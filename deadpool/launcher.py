@@ -85,13 +85,7 @@ class LocalLauncher:
     def is_stopped(self, slot: int) -> bool:
         """True if the process is stopped (SIGSTOP, traced) or gone, from /proc (Linux)."""
         p = self.procs.get(slot)
-        if p is None or p.poll() is not None:
-            return True
-        try:
-            stat = Path(f"/proc/{p.pid}/stat").read_text()
-        except OSError:
-            return True
-        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+        return p is None or p.poll() is not None or process_stopped(p.pid)
 
     def kill(self, slot: int) -> None:
         """Fence: a declared-dead process must never come back (a SIGSTOPped one would)."""
@@ -159,6 +153,15 @@ def job_processes(run_dir) -> list[int]:
     return pids
 
 
+def process_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, traced) or gone, from /proc (Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+
+
 class AgentLauncher:
     """One node agent per node (``deadpool.agent``), each the parent of its node's processes.
 
@@ -205,6 +208,10 @@ class AgentLauncher:
         return self.live.stopped(slot) or self.node_gone(slot)
 
     def kill(self, slot: int) -> None:
+        node = self.node_of_slot.get(slot)
+        p = self.agents.get(node)
+        if p is not None and p.poll() is None and process_stopped(p.pid):
+            self.kill_node(node)  # a stopped agent cannot carry out a fence: the node goes
         if slot not in self.fenced:
             self.fenced.add(slot)
             try:

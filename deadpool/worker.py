@@ -69,7 +69,8 @@ class Worker:
         self.plan_held: Plan | None = None  # the last plan read (the next comes as a delta on it)
         self._group_keys: list[str] | None = None
         if self.link is not None:
-            self.heartbeat = BoardHeartbeat(self.link, self.ft["heartbeat_interval_s"], self.progress)
+            self.heartbeat = BoardHeartbeat(self.link, self.ft["heartbeat_interval_s"], self.progress,
+                                            float(self.ft["node_timeout_s"]))
         else:
             self.heartbeat = Heartbeat(lambda: self.open_store(timeout_s=2.0), slot,
                                        self.ft["heartbeat_interval_s"],

@@ -7,7 +7,8 @@ value did)::
 
     header (agent writes)      magic, abort generation (the newest generation aborted),
                                plan generation (the newest plan the agent holds for its ranks),
-                               flags (coordinator seen / lost, job done / stop), job step
+                               flags (coordinator seen / lost, job done / stop), job step, the
+                               agent's own beat
     one record per local slot  (the rank writes) pid, beat, progress count, step, phase;
                                (the agent writes) fence
 
@@ -26,7 +27,7 @@ HEADER_WORDS = 16
 SLOT_WORDS = 16
 PHASE_BYTES = 64  # the last 8 words of a slot record
 # header words
-_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS = range(6)
+_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT = range(7)
 # slot words
 _SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE = range(6)
 _PHASE_WORD = 8
@@ -100,6 +101,13 @@ class NodeBoard:
 
     def set_flag(self, bit: int) -> None:
         self.words[_FLAGS] = self.words[_FLAGS] | bit
+
+    @property
+    def agent_beat(self) -> int:
+        return int(self.words[_AGENT_BEAT])
+
+    def beat_agent(self) -> None:
+        self.words[_AGENT_BEAT] = self.words[_AGENT_BEAT] + 1
 
     @property
     def job_step(self) -> int:

@@ -60,11 +60,17 @@ class NodeLink:
 
 
 class BoardHeartbeat(threading.Thread):
-    """``heartbeat.Heartbeat`` through the node's board: no store round trip per beat."""
+    """``heartbeat.Heartbeat`` through the node's board: no store round trip per beat.
 
-    def __init__(self, link: NodeLink, interval_s: float, progress: Progress):
+    It also watches the agent's own beat: an agent silent for ``node_timeout_s`` (stopped, or cut
+    off) is a node the coordinator declares lost at that same timeout, and whose fences cannot
+    arrive, so the process fences itself."""
+
+    def __init__(self, link: NodeLink, interval_s: float, progress: Progress,
+                 node_timeout_s: float = float("inf")):
         super().__init__(name="heartbeat", daemon=True)
         self.link, self.interval_s, self.progress = link, interval_s, progress
+        self.node_timeout_s = node_timeout_s
         self.coordinator_lost = threading.Event()
         self.seen_coordinator = False
         self.n = 0
@@ -77,9 +83,16 @@ class BoardHeartbeat(threading.Thread):
 
     def run(self):
         board = self.link.board
+        agent, t_agent = board.agent_beat, time.monotonic()
         while True:
             self.beat()
             if board.fenced(self.link.index):  # declared dead: never come back (after SIGCONT)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if board.agent_beat != agent:
+                agent, t_agent = board.agent_beat, time.monotonic()
+            elif time.monotonic() - t_agent > self.node_timeout_s:
+                print(f"[deadpool] slot {self.link.slot}: the node agent has been silent for "
+                      f"{self.node_timeout_s} s; this node is lost, leaving", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if board.flag(COORD_SEEN):
                 self.seen_coordinator = True

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
+from deadpool.launcher import process_stopped
 from deadpool.protocol import Keys, Plan, Seal
 from deadpool.protocol_wire import fetch_plan
 from deadpool.watchdog import IDLE, PEER_WAIT, Liveness
@@ -42,15 +43,6 @@ def node_key(node: int) -> str:
 
 def plan_file(node_dir: Path, generation: int) -> Path:
     return Path(node_dir) / f"plan-{generation}.wire"
-
-
-def process_stopped(pid: int) -> bool:
-    """The process is stopped (SIGSTOP, traced) or gone, from /proc (Linux)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
 
 
 class NodeAgent:
@@ -121,6 +113,7 @@ class NodeAgent:
             self.store.add(NODES_CHANGED, 1)
 
     def tick(self) -> None:
+        self.board.beat_agent()  # its processes leave if this stops (client.BoardHeartbeat)
         self.observe()
         self.publish()
         now = self.clock()

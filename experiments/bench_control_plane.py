@@ -1,8 +1,18 @@
 """Control-plane benchmark: the store protocol with N fake ranks and the real coordinator.
 
     python experiments/bench_control_plane.py --ranks 512,2048,8192,16384 --out DIR
-        [--duration-s 10] [--ranks-per-node 8] [--procs 2] [--threads 8]
+        [--protocol new,old] [--duration-s 10] [--ranks-per-node 8] [--procs 2] [--threads 8]
         [--dilation 1|auto|D1,D2,...] [--phases steady,exit,node]
+
+``--protocol new`` (node agents, deadpool/agent): per fake node a real ``NodeAgent`` on a real
+shared-memory board, following the coordinator's pushed events on its own blocking store
+connection, fetching each plan (a delta) once, writing its sealed record every
+``ft.agent_interval_s``; the node's processes are fake (they beat into the board at each of the
+agent's ticks, write their status to the store after an abort, and see a plan one local poll
+after their agent has it). The coordinator is the real one with ``watchdog.NodeLiveness`` and
+the real ``launcher.AgentLauncher`` minus process start-up (as under a remote launcher, a dead
+agent shows only as a silent record). An exit is the agent's ``waitpid`` returning; a silent
+node is an agent that stops. ``--protocol old`` is what follows:
 
 One process holds the real ``TCPStore`` (``auth.serve_store``) and the real ``Coordinator`` (its
 loop: detection, abort, status collection, planning, plan writing) with a launcher stand-in.
@@ -44,8 +54,8 @@ first one that does not survive are not run.
 
 Writes ``DIR/table.csv`` (``ranks, protocol, store_ops_per_s_per_rank, exit_detect_s,
 node_detect_s, plan_everywhere_s, coordinator_cpu_frac, dilation, survived``) and
-``DIR/runs.json``. Only ``protocol=old`` (today's protocol) is measured here; rows for the new
-protocol (per-node agents, pushed plans) are to be appended by the benchmark that builds it.
+``DIR/runs.json``. Not modelled in either protocol: the ranks' per-step store requests (the
+progress line, snapshot interval votes, replication counters), group rendezvous and transfers.
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ from deadpool.coordinator import Coordinator  # noqa: E402
 from deadpool.launcher import AgentLauncher  # noqa: E402
 from deadpool.policies import buddy_table  # noqa: E402
 from deadpool.protocol import Keys, Plan, RankStatus, Seal  # noqa: E402
+from deadpool.protocol_wire import decode_plan  # noqa: E402
 from deadpool.topology import ParallelDims  # noqa: E402
 from deadpool.train import compose_config  # noqa: E402
 from deadpool.watchdog import NodeLiveness  # noqa: E402
@@ -146,7 +157,7 @@ class FakeRanks:
                 st["wait"] = st["gen"] + 1
                 return self.periods["plan"]
             return self.periods["poll"]
-        key = Keys.plan(st["wait"])
+        key = Keys.plan_full(st["wait"])  # today's protocol: every process reads the whole plan
         st["polls"] += 1
         self._op()
         if self.store.check([key]):
@@ -155,7 +166,7 @@ class FakeRanks:
             g = st["wait"]
             cached = self.plans.get(g)
             if cached is None or cached[0] != raw:
-                cached = (raw, Plan.from_json(self.seal.unwrap(key, raw)))
+                cached = (raw, decode_plan(self.seal.unwrap(key, raw), None))
                 self.plans[g] = cached
             self._read_plan(g)
             rank = cached[1].rank_of_slot(slot)
@@ -618,7 +629,9 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         out["coordinator_cpu_frac"] = (cpu1 - cpu0) / (t_b - t_a)
         out["coordinator_requests_per_s"] = (req1 - req0) / (t_b - t_a)
         if coord.detected:
-            out["failed"] = f"healthy ranks declared failed in steady state: {coord.detected[0][0]}"
+            bad = coord.detected[0][0]
+            out["failed"] = (f"{len(bad)} healthy rank(s) declared failed in steady state, e.g. "
+                             f"{dict(list(bad.items())[:4])}")
             return out
         period = float(ft["agent_interval_s" if protocol == "new" else "heartbeat_interval_s"])
         if out["steady_lag_s"] > period / D:
@@ -640,7 +653,7 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         out["exit_detect_s"] = coord.detected[0][1] - t_exit
         out["exit_detected_by"] = coord.detected[0][0]
         out["plan_everywhere_s"] = (last_read(1) - coord.plans[1]) / D
-        out["plan_bytes"] = len(store.get(Keys.plan(1)))
+        out["plan_bytes"] = len(store.get(Keys.plan(1) if protocol == "new" else Keys.plan_full(1)))
         time.sleep(1.0 * D)
         # a node goes silent (no exit seen)
         node = [coord.members.ranks[r] for r in range(n - rpn, n)]  # the last node

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, Source
+from deadpool.protocol import Keys, RankStatus, RankTimings, Source
+from deadpool.protocol_wire import fetch_plan
 from deadpool.recovery import detect, fallbacks, plan, timeline
 from tests.deadpool.recovery.helpers import coordinator
 
@@ -129,7 +130,7 @@ def test_too_many_recoveries_without_progress_write_and_stop(tmp_path):
     assert not fallbacks.stalled(coord, d, rec, 1.0)
     assert fallbacks.stalled(coord, d, rec, 1.0)  # the second in a row: a disk source -> stop
     assert coord.outcome == "unrecoverable" and "without a completed step" in coord.message
-    p = Plan.from_json(coord.seal.unwrap(Keys.plan(1), coord.store.get(Keys.plan(1))))
+    p, _ = fetch_plan(coord.store, coord.seal, 1, None)
     assert p.action == "stop"
 
 
@@ -198,6 +199,7 @@ def test_keys_of_finished_generations_are_deleted_and_the_key_count_stays_flat(t
             store.add(old.repl_done(step), 4)
         store.add(old.num_errors, 1)
         store.set(Keys.plan(g), "plan")
+        store.set(Keys.plan_full(g), "plan")
         d = plan.RecoveryDecision(6, {}, 1)  # the recovery into g completes
         rec = timeline.open_record(coord, {1: "exit"}, {}, d, 10.0, [])
         rec.update(t_plan=10.5, spare_slot=4)
@@ -213,5 +215,6 @@ def test_keys_of_finished_generations_are_deleted_and_the_key_count_stays_flat(t
         left = set(store.list_keys())
         assert not any(k.startswith(f"g{g - 1}/") for k in left)
         assert Keys.plan(g) in left and Keys.plan(g - 1) in left and Keys.plan(g - 2) not in left
+        assert Keys.plan_full(g) in left and Keys.plan_full(g - 2) not in left
         assert Keys(g).timing(0) in left  # the running generation's keys stay
     assert counts[1:] == [counts[1]] * (len(counts) - 1), counts

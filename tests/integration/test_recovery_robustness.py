@@ -169,7 +169,8 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
     """Two strangers: a worker started with a wrong secret claims the spare's slot, and a client
     that reaches the store and finds the job's namespace (``list_keys``) forges every control
     key it can: job/stop and job/done, a finished count, an error count, a final state, a
-    bad-source report, the dead rank's status and, once it is killed, its heartbeat. The job
+    bad-source report, the dead rank's status and, once it is killed, its heartbeat; under node
+    agents also a node's record and the next pushed events (fences, a stop). The job
     must hot-swap exactly once and end bitwise equal to the failure-free run."""
     import threading
     from datetime import timedelta
@@ -219,6 +220,13 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
                 raw.set(f"{ns}/{key}", auth.seal(other, value, context=key))
             raw.add(f"{ns}/g0/num_finished", 4)
             raw.add(f"{ns}/g0/num_errors", 1)
+            # node agents: a record claiming slot 0 exited, and the next pushed events (fence
+            # every rank, stop) written ahead of the coordinator, which overwrites them
+            raw.set(f"{ns}/node/0", auth.seal(other, '99 0 12 0 0 {"exit":{"0":-9}}',
+                                              context="node/0"))
+            for i in range(1, 5):
+                raw.set(f"{ns}/ev/{i}", auth.seal(other, '{"kind":"fence","slots":[0,1,2,3]}'
+                                                  if i % 2 else '{"kind":"stop"}', context=f"ev/{i}"))
             intruder["forged"] = True
             n = 10 ** 6
             while not done.is_set():  # once rank 1 is killed, beat for it

@@ -236,6 +236,7 @@ def test_forged_job_stop_does_not_end_a_spare_waiting_for_its_plan():
     store = dist.HashStore()
     w = Worker.__new__(Worker)  # only what wait_plan uses
     w.store, w.seal, w.first_gen = store, JOB, 0
+    w.link, w.plan_held, w._group_keys = None, None, []  # no node agent: the store is polled
     w.lost = threading.Event()
     w.ft = {"startup_timeout_s": 30}
     w.trainer = type("T", (), {"rank": 0})()

@@ -171,13 +171,16 @@ class ZeroOptimizer:
     ``decays(p) -> bool``: which parameters get weight decay (None: all of them, as one torch
     AdamW group). ``grad_reduce_dtype``: the dtype gradients are accumulated over micro-batches
     and reduced over dp in when the parameters are bf16 (fp32 by default, see Mixed precision).
+    ``overlap_param_gather``: ``step`` posts the parameter all-gather and returns; the next
+    forward waits for each bucket (see Overlapped parameter all-gather).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, dp_size: int, dp_rank: int, lr: float,
                  weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8, shard: bool = True,
                  adamw: str = "fused", bucket_bytes: int = 25 << 20,
                  first_bucket_bytes: int = 1 << 20, decays=None,
-                 grad_reduce_dtype: torch.dtype = torch.float32):
+                 grad_reduce_dtype: torch.dtype = torch.float32,
+                 overlap_param_gather: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.params = list({id(p): p for p in params}.values())  # tied weights once
@@ -270,6 +273,13 @@ class ZeroOptimizer:
         self.buckets = GradBuckets(self.params, self.offsets, self.padded_numel,
                                    bucket_edges(self.padded_numel, self._reduce_buf.element_size(),
                                                 bucket_bytes, first_bucket_bytes, cuts))
+        # overlapped parameter all-gather (module docstring): the same buckets in buffer order,
+        # which is the forward's; posted by step, each waited by the first forward that reads it
+        self.overlap_param_gather = bool(overlap_param_gather) and shard and dp_size > 1
+        self._gather_edges = sorted(self.buckets.edges)
+        self._gathers: list[tuple[int, object]] = []  # (lo, work) posted, not yet waited
+        self._gather_comm = None
+        self._unsynced = False  # stream-ordered: gathers waited since the last confirming sync
 
     def _folder(self, off: int, n: int):
         def fold(p: torch.Tensor) -> None:
@@ -377,7 +387,11 @@ class ZeroOptimizer:
         sharded). Under bf16 the updated master shard is rounded into this rank's slice of the
         bf16 parameters first, so every rank gathers the same rounding of every shard.
         ``on_updated()`` runs between the update and the gather (in every layout: a
-        fault-injection point inside the step)."""
+        fault-injection point inside the step). With ``overlap_param_gather`` the gather is only
+        posted, one broadcast per bucket, and ``step`` returns: the buckets are waited by the
+        forward pre-hooks (``hook_forward``) or ``wait_param_gather``, which must run before
+        anything else reads the parameters; ``step`` itself first waits for any still pending."""
+        self.wait_param_gather()  # the last step's buckets read and write flat_params
         group = self._adam.param_groups[0]
         if lr is not None:
             group["lr"] = lr
@@ -391,8 +405,80 @@ class ZeroOptimizer:
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
             t0 = time.perf_counter()  # host time: on NCCL only the post (it runs on the stream)
-            comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
-            self.last_gather_s = time.perf_counter() - t0
+            if self.overlap_param_gather:
+                self._post_gathers(comm, pg)
+            else:
+                comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
+            self._add_gather_time(t0)
+
+    # -- the overlapped parameter all-gather ---------------------------------------------------
+    def _add_gather_time(self, t0: float) -> None:
+        self.last_gather_s = (self.last_gather_s or 0.0) + time.perf_counter() - t0
+
+    def _post_gathers(self, comm, pg) -> None:
+        """Post one broadcast per bucket from the rank owning it, in buffer (forward) order."""
+        if self._gathers:
+            raise RuntimeError("the previous step's parameter all-gather was never finished")
+        self._gather_comm = comm
+        for lo, hi in self._gather_edges:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = lo // self.shard_numel
+            self._gathers.append((lo, pg.broadcast([self.flat_params[lo:hi]], opts)))
+
+    @property
+    def param_gather_pending(self) -> bool:
+        """Some parameters are not yet known to hold the last step's values: a posted bucket
+        not waited for, or (stream-ordered) waited but not yet confirmed by ``synced``."""
+        return bool(self._gathers) or self._unsynced
+
+    def wait_param_gather(self, upto: int | None = None) -> None:
+        """Wait, in posting order, for the pending buckets starting below flat offset ``upto``
+        (None: all of them), through ``comm.wait`` (abortable: raises ``Aborted`` and leaves the
+        rest pending). A no-op when nothing is pending."""
+        if not self._gathers:
+            return
+        t0 = time.perf_counter()
+        comm = self._gather_comm
+        while self._gathers and (upto is None or self._gathers[0][0] < upto):
+            comm.wait(self._gathers[0][1])
+            self._gathers.pop(0)
+            self._unsynced = comm.stream_ordered
+        if not self._gathers:
+            self._gather_comm = None
+        self._add_gather_time(t0)
+
+    def synced(self) -> None:
+        """Stream-ordered: the caller's ``comm.sync()`` just confirmed every wait queued so far
+        (an op cut by an abort also completes on the device, with junk: only a sync that saw the
+        device finish before the abort makes its output count)."""
+        self._unsynced = False
+
+    def abandon_param_gather(self) -> None:
+        """Forget the pending buckets (the generation was aborted and the live state replaced:
+        their works belong to a parked communicator). See the module docstring on abandoned ops."""
+        self._gathers, self._gather_comm, self._unsynced = [], None, False
+
+    def hook_forward(self, module: torch.nn.Module) -> None:
+        """With ``overlap_param_gather``: register a forward pre-hook on every submodule of
+        ``module`` that holds some of these parameters itself; it waits for the pending buckets
+        up to the last of them (``wait_param_gather``), so the first micro-batch's forward
+        waits for each bucket just before its first use and every later forward (micro-batches,
+        activation recomputation, evaluation) finds nothing pending. Every parameter must be
+        read only inside the forward of the module that holds it (a parent reading a child's
+        weight would see the previous step's values: the bitwise tests catch that)."""
+        if not self.overlap_param_gather:
+            return
+        where = {id(p): off + p.numel() for p, off in zip(self.params, self.offsets)}
+        for m in module.modules():
+            ends = [where[id(p)] for p in m.parameters(recurse=False) if id(p) in where]
+            if ends:
+                m.register_forward_pre_hook(self._pre_hook(max(ends)))
+
+    def _pre_hook(self, end: int):
+        def wait(module, args):
+            if self._gathers:
+                self.wait_param_gather(end)
+        return wait
 
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:

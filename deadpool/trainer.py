@@ -13,6 +13,10 @@ bottom::
                        + all-gather params (a non-finite norm skips this) -> host sync
                        (NCCL: collectives were queued on the stream) -> snapshot (async)
                        -> maybe persist -> metrics
+
+With ``parallel.overlap_param_gather`` the all-gather is only posted; the next forward's
+pre-hooks wait for each bucket before its first use, and ``settle_params`` waits for the rest
+before a snapshot, a checkpoint, an evaluation or the end of training (zero.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ A step:
      elements are grouped into tensors (``test_zero.py`` checks it bitwise); the fused CPU
      kernel rounds its vector body and scalar tail differently, so it matches a per-tensor
      reference to rounding, and itself bitwise run to run (what recovery needs); then all-gather the updated shards in place
-     into ``flat_params``, so every rank again holds identical full parameters.
+     into ``flat_params``, so every rank again holds identical full parameters (or only post
+     the gather: see Overlapped parameter all-gather).
 Mixed precision (``precision=bf16``). The parameters (hence ``flat_params``, autograd's
 gradients and the activations) are bf16; AdamW updates an fp32 copy of the owned shard (the
 *master* weights; the whole buffer when not sharded) and keeps fp32 moments, and the updated
@@ -60,27 +61,40 @@ done or its peers are known to be gone.
 The communicator is an argument of every call: recovery replaces it, and nothing here keeps a
 process group.
 
-Not built: the all-gather overlapped with the next forward. Megatron's distributed optimizer
-posts each bucket's parameter all-gather at the end of step s and, from forward pre-hooks, waits
-for the bucket holding a module's parameters before its first use in step s + 1; here ``step``
-gathers everything and waits. Measured (``experiments/bench_overhead.py`` records the gather's
-host time, ``param_gather_s``; gloo on 2 CPU cores, default workload, steps 40-79): 3.6 ms of a
-77 ms step at dp=2 (4.7 %), 9.5 ms of 154 ms at dp=4 (6.0 %), in bf16 4.6 % and 7.1 %: about
-the whole gap to torch DDP with snapshots off (1.03-1.11), so it is worth building. Alone,
-after a barrier, the same gather takes 2.8 ms (dp=2) and 6.8 ms (dp=4): the rest is the ranks'
-skew, which overlap only moves to the next collective; and gloo moves the bytes on CPU threads
-that would compete with the forward for the same 2 cores, so the saving is at most those
-figures. Doing it exactly takes, beyond the hooks:
-  - a layout to gather by: buckets here lie inside one owner's shard, so the parameters the
-    forward needs first (the embedding) all come from dp rank 0; the natural pieces are one
-    broadcast per owner (forward order is shard order), or Megatron's buckets cut across every
-    shard (which turns the per-bucket ``reduce`` into a reduce-scatter, unpollable on gloo);
-  - ``Trainer.dirty`` true until the last gather of step s completed (not at the end of
-    ``step``), and the snapshot of step s copying ``params`` only after it;
-  - recovery from an abort inside step s + 1's forward: only other ranks' parameter shards are
-    in flight (the owned shard, master weights and moments are clean), so rather than rolling
-    survivors back to their snapshots (more rollbacks than today), ``report_status`` would report
-    the clean regions and ``restore`` re-gather the parameters from each owner's shard.
+Overlapped parameter all-gather (``overlap_param_gather``, off by default). As in Megatron's
+distributed optimizer, ``step`` of step s posts the gather and returns, and the forward of step
+s + 1 waits for each piece just before its first use (forward pre-hooks, ``hook_forward``), so
+the gather overlaps the tail of step s and the head of the next forward:
+  - pieces: the gradient buckets, in buffer order (the forward's: the embedding first). Buckets
+    lie inside one owner's shard, so each piece is one ``broadcast`` from its owner, in place
+    (a gloo broadcast's wait polls like the all-gather's; ``test_zero.py``). Cutting pieces
+    across every shard as Megatron does would change the shard layout the snapshots and
+    ``reshard_state`` rely on, and turn the per-bucket ``reduce`` into a reduce-scatter,
+    unpollable on gloo. The values are copies either way: bitwise the non-overlapped result.
+  - waits: a module holding parameters waits, in posting order, for every pending bucket that
+    starts below the end of its own parameters. Once a step's buckets are waited (the first
+    micro-batch of a pipeline stage) the hooks find nothing pending: later micro-batches,
+    activation recomputation and evaluation do not wait. Every wait is ``comm.wait``, so a
+    dead peer aborts the forward (``Aborted`` out of the hook) instead of hanging it.
+  - readers other than the forward (snapshot, checkpoint, evaluation, the end of training, the
+    next ``step``) must first call ``wait_param_gather`` (the trainer's ``settle_params``).
+    A snapshot step therefore waits at its end as without overlap: on snapshot steps only the
+    post is overlapped, which ``experiments/bench_overhead.py`` measures (arms ``off_ov``,
+    ``on_ov``).
+  - fault tolerance: step s is done once the master shards are updated, but the live state is
+    torn (other owners' buckets in flight) until the last bucket has arrived, so
+    ``param_gather_pending`` keeps ``Trainer.dirty`` true until then (stream-ordered, until a
+    host sync has seen the waits complete: an op cut by an abort completes with junk). An abort
+    in that window rolls the rank back to a snapshot or a peer instead of resuming from its
+    live state; the state is never resumed torn. The ``param_gather`` fault phase still fires
+    between the update and the posts. Left to build: report the clean regions (own shard,
+    master, moments) after such an abort and re-gather the parameters from their owners
+    instead of rolling back; on NCCL the window lasts until the next step's host sync.
+Measured before it was built (``param_gather_s``, gloo on 2 CPU cores, default workload, steps
+40-79): the gather took 3.6 ms of a 77 ms step at dp=2 (4.7 %), 9.5 ms of 154 ms at dp=4, and
+2.8 / 6.8 ms alone after a barrier: the rest is the ranks' skew, which overlap only moves to the
+next wait, and gloo moves the bytes on CPU threads that compete with the forward for the same
+cores. With overlap on, ``param_gather_s`` is the host time a step spends posting and waiting.
 """
 
 from __future__ import annotations

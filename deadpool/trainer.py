@@ -13,6 +13,10 @@ bottom::
                        + all-gather params (a non-finite norm skips this) -> host sync
                        (NCCL: collectives were queued on the stream) -> snapshot (async)
                        -> maybe persist -> metrics
+
+With ``parallel.overlap_param_gather`` the all-gather is only posted; the next forward's
+pre-hooks wait for each bucket before its first use, and ``settle_params`` waits for the rest
+before a snapshot, a checkpoint, an evaluation or the end of training (zero.py).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ class Trainer:
         self.stage = self.opt = self.engine = None
         self.params: list[torch.nn.Parameter] = []
         self.step = 0
-        self.dirty = False  # the live state is mid-update (see train)
+        self._updating = False  # inside the optimizer step (see train and dirty)
         self.generation = 0
         self.rank: int | None = None
         self.dtype = precision.param_dtype(cfg)
@@ -139,7 +143,9 @@ class Trainer:
                                  bucket_bytes=int(float(par.get("bucket_mb", 25)) * 2**20),
                                  first_bucket_bytes=int(float(par.get("first_bucket_mb", 1)) * 2**20),
                                  decays=lambda p: p.ndim >= 2,
-                                 grad_reduce_dtype=precision.grad_reduce_dtype(cfg))
+                                 grad_reduce_dtype=precision.grad_reduce_dtype(cfg),
+                                 overlap_param_gather=bool(par.get("overlap_param_gather", False)))
+        self.opt.hook_forward(self.stage)  # waits for each parameter bucket before first use
         # the global gradient norm counts a tensor-parallel-replicated parameter on tp rank 0 only
         once = {id(p) for n, p in self.stage.named_parameters()
                 if coords["tp"] > 0 and tp_replicated(n)}
@@ -171,6 +177,24 @@ class Trainer:
         return time.perf_counter() - t0
 
     # -- state ------------------------------------------------------------------------------------
+    @property
+    def dirty(self) -> bool:
+        """The live state is torn and must not be resumed from: inside the optimizer step (the
+        shard updated, the parameter all-gather maybe cut by an abort), or, with
+        ``parallel.overlap_param_gather``, until the step's last parameter bucket has arrived
+        (in the next forward) and, stream-ordered, a host sync has seen it complete."""
+        return self._updating or (self.opt is not None and self.opt.param_gather_pending)
+
+    def settle_params(self, comm) -> None:
+        """Must be called before anything but the forward reads the parameters (snapshot,
+        checkpoint, evaluation, the end of training): waits for the overlapped parameter
+        all-gather (abortable) and, stream-ordered, confirms it with a host sync. A no-op when
+        nothing is pending."""
+        if self.opt.param_gather_pending:
+            self.opt.wait_param_gather()
+            comm.sync()
+            self.opt.synced()
+
     def header(self) -> dict:
         """JSON-serialisable metadata stored with every snapshot and checkpoint."""
         return {"step": self.step, "data_position": self.step, "generation": self.generation,
@@ -181,7 +205,9 @@ class Trainer:
         """Called whenever the live state was just loaded (rollback, transfer, disk)."""
         self.step = int(header["step"])
         self.skipped_steps = int(header.get("skipped_steps", 0))
-        self.dirty = False
+        self._updating = False
+        if self.opt is not None:  # the buckets in flight belong to the replaced state
+            self.opt.abandon_param_gather()
         if header.get("rng_cpu") is not None:
             torch.set_rng_state(checkpoint.decode_rng_state(header["rng_cpu"]))
 
@@ -256,6 +282,8 @@ class Trainer:
                             self.microbatches * len(batches), hook=phase,
                             loss_div=self.microbatches if len(batches) > 1 else None,
                             act_dtype=self.dtype)
+            # parameters the forward did not read: their buckets must land before the step
+            self.opt.wait_param_gather()
             fire(s, "mid_step")
             at(s, "allreduce")
             self.opt.reduce_grads(comm, on_posted=lambda: fire(s, "allreduce"))
@@ -268,8 +296,9 @@ class Trainer:
                 clip_(self.opt.grad_shard, self.grad_clip, norm)
             self.engine.wait_copy()
             # from here until the step ends the live state is torn (the shard is updated, the
-            # parameter all-gather may be cut by an abort): it must not be resumed from
-            self.dirty = True
+            # parameter all-gather may be cut by an abort): it must not be resumed from; with
+            # overlap_param_gather until the next forward has received every bucket (dirty)
+            self._updating = True
             if skip:
                 self.skipped_steps += 1
             else:
@@ -278,8 +307,9 @@ class Trainer:
             # Aborted if the generation was aborted before the step was seen complete, so a
             # gather cut by an abort never counts as clean. gloo: nothing to wait for.
             comm.sync()
+            self.opt.synced()
             self.step += 1
-            self.dirty = False
+            self._updating = False
             loss = None if loss is None else host_scalar(loss)
             # every rank snapshots the same steps: the agreed interval, and the persist steps
             took = self.snapshots_on and (
@@ -287,6 +317,7 @@ class Trainer:
                  and (not self.ab_block or (self.step // self.ab_block) % 2 == 0))
                 or bool(self.engine.persist_every and self.step % self.engine.persist_every == 0))
             if took:
+                self.settle_params(comm)  # the snapshot copies the parameters
                 self.engine.snapshot(self.step, self.header(), abort_check=comm.raise_if_aborted,
                                      on_block=lambda: at(self.step, "snapshot_backpressure"))
                 if self.strategy.sync_snapshot:  # on the critical path: copied and replicated now
@@ -296,6 +327,7 @@ class Trainer:
             if persist and self.persist_due(self.step):
                 t_ckpt = time.perf_counter()
                 at(self.step, "checkpoint")
+                self.settle_params(comm)
                 self.persist(self.step, wait=self.persist_auto and not self.persist_every)
                 ckpt_s = time.perf_counter() - t_ckpt
                 if self.persist_auto and not self.persist_every:
@@ -304,6 +336,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             if self.eval_every and self.step % self.eval_every == 0:  # not in the step's time
                 at(self.step, "eval")
+                self.settle_params(comm)
                 self._val_loss = evaluate(self, comm)  # validation loss (deadpool/evaluate.py)
             cycle = None
             if self.engine.done_step != self._cycle_seen:
@@ -314,6 +347,7 @@ class Trainer:
             if first and on_first_step is not None:
                 on_first_step()
             first = False
+        self.settle_params(comm)  # the final state is read once training returns
 
     def record_metrics(self, comm, loss: float | None, step_time_s: float, blocked_s: float,
                        snapshot: bool, checkpoint_s: float | None = None, lr: float | None = None,

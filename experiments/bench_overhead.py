@@ -15,6 +15,8 @@ as a whole job:
         widened while they cost more than ``ft.snapshot_overhead_target`` or outlast the steps
         between them (``deadpool/snapshot/schedule.py``; nothing set for the benchmark)
   on1   (optional) a snapshot every step, never widened: the raw per-step cost
+  off_ov, on_ov  (optional) off and on with ``parallel.overlap_param_gather=true``: ZeRO-1's
+        parameter all-gather posted per bucket and waited by the next forward (zero.py)
 in each setting, ``2`` (2 ranks) and ``4+1`` (4 data-parallel ranks and 1 warm spare, which DDP
 does not have), and each precision (``fp32``, ``bf16``: bf16 parameters, fp32 master weights and
 moments sharded by ZeRO-1). Every repeat runs every (setting, precision) and, inside it, every
@@ -56,10 +58,14 @@ from experiments.common import keep, metrics, run  # noqa: E402
 SETTINGS = {"2": ("dp2", 2, 0), "4+1": ("dp4", 4, 1)}  # name -> (parallel, ranks, spares)
 # off: with no snapshots a spare-less failure can only stop (ft.on_no_spare's other choices write
 # the state from memory); a failure-free run never reaches it
+OVERLAP = ["parallel.overlap_param_gather=true"]
 ARM_OVERRIDES = {"off": ["ft.snapshot=false", "ft.on_no_spare=checkpoint_and_stop"], "on": [],
                  "on1": ["ft.snapshot_adaptive=false"]}
+ARM_OVERRIDES |= {"off_ov": ARM_OVERRIDES["off"] + OVERLAP, "on_ov": OVERLAP}
 RATIOS = {"on/ddp": ("on", "ddp"), "off/ddp": ("off", "ddp"), "on/off": ("on", "off"),
-          "on1/ddp": ("on1", "ddp"), "on1/off": ("on1", "off")}
+          "on1/ddp": ("on1", "ddp"), "on1/off": ("on1", "off"),
+          "off_ov/off": ("off_ov", "off"), "on_ov/on": ("on_ov", "on"),
+          "off_ov/ddp": ("off_ov", "ddp"), "on_ov/ddp": ("on_ov", "ddp")}
 
 
 def free_port() -> int:
@@ -136,7 +142,7 @@ def main() -> None:
     ap.add_argument("--steady", default="40-79", help="steady-state window, steps lo-hi inclusive")
     ap.add_argument("--settings", default="2,4+1")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--arms", default="ddp,off,on", help="of ddp, off, on, on1")
+    ap.add_argument("--arms", default="ddp,off,on", help="of ddp, off, on, on1, off_ov, on_ov")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -210,12 +216,12 @@ def report(entry: dict, windows: dict, repeats: int) -> None:
         print(f"  {w:6s} steps {lo}-{hi}: {cells}\n    median step ms: {ms}")
     for arm, ds in entry["runs"].items():
         g = [d["param_gather_s"] for d in ds if d["param_gather_s"] is not None]
-        line = f"  {arm:3s} steady:"
+        line = f"  {arm:6s} steady:"
         if g:
             line += f" parameter all-gather {statistics.median(g) * 1e3:.2f} ms"
         if arm == "off" and "param_gather_share_of_off_step" in entry:
             line += f" ({spread(entry['param_gather_share_of_off_step'])} of the step)"
-        if arm != "off":
+        if not arm.startswith("off"):
             per_step = statistics.median(d["bytes_replicated_per_rank_per_step"] for d in ds)
             line += (f", interval settled {[d['interval_final'] for d in ds]}, "
                      f"{statistics.median(d['snapshots_per_step'] for d in ds):.3f} snapshots "

@@ -132,3 +132,150 @@ def test_a_bf16_run_resumed_from_disk_ends_with_the_same_bits(tmp_path):
     fresh.train(comm2)
     for k, v in fresh.state_dict().items():
         assert torch.equal(final[k], v), k
+
+
+# -- ZeRO-1's parameter all-gather overlapped with the next forward (parallel.overlap_param_gather)
+
+def run_ranks(tmp_path, overlap: bool, layout=("parallel=dp2",), extra=(), injector=None,
+              before=None):
+    """Train ``STEPS`` steps with every rank of ``layout`` in a thread; returns each rank's
+    ``(trainer, state)`` (state: its state tensors' clones) or the exception it raised."""
+    from tests.deadpool.helpers import client, master_store
+
+    master = master_store()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = compose_train(["model=tiny", *layout, f"num_steps={STEPS}", "log_every_steps=0",
+                         "ft.persist_interval_steps=0", "ft.snapshot=false",
+                         f"parallel.overlap_param_gather={str(overlap).lower()}", *extra],
+                        tmp_path)
+    dims = ParallelDims.from_config(cfg["parallel"])
+
+    def rank_fn(r):
+        tr = Trainer(cfg, r, injector(r) if injector else FaultInjector([], r),
+                     tmp_path / f"{'on' if overlap else 'off'}{r}.jsonl")
+        tr.build(dims, r)
+        tr.rank = r
+        comm = Communicator.build(Topology(dims, r, 0), client(master.port), poll_s=0.01)
+        if before is not None:
+            before(r, tr)
+        try:
+            tr.train(comm)
+        except Aborted as e:
+            return tr, e, comm  # comm kept referenced: an op is still in flight on it
+        return tr, {n: t.clone() for n, t, _ in tr.opt.state_tensors()}
+
+    from tests.deadpool.helpers import run_threads
+    return run_threads(rank_fn, dims.world_size, timeout_s=120)
+
+
+@pytest.mark.parametrize("layout,extra", [
+    (("parallel=dp2",), ()),
+    (("parallel=dp2",), ("precision=bf16", "grad_clip=1.0", "parallel.bucket_mb=0.05")),
+    (("parallel=dp2", "parallel.pp=2", "parallel.ranks_per_node=4"), ("parallel.microbatches=2",)),
+])
+def test_overlapped_param_gather_trains_to_the_same_bits(tmp_path, layout, extra):
+    """Every parameter and optimizer shard after training with the gather overlapped equals the
+    run that waits for it inside the step (torch.equal), and the forward did wait: each
+    module's pre-hook found its bucket pending on some step (rank 1 posts 0.2 s late, so a
+    forward reading a bucket without waiting would read last step's values)."""
+    import time
+
+    waited = []
+
+    def late(r, tr):  # rank 1 posts its buckets late: a forward that does not wait reads stale
+        real = tr.opt._post_gathers
+
+        def post(comm, pg):
+            if r % 2:  # dp rank 1 (dp is the fastest axis)
+                time.sleep(0.2)
+            real(comm, pg)
+        tr.opt._post_gathers = post
+        real_wait = tr.opt.wait_param_gather
+
+        def wait(upto=None):
+            waited.append(bool(tr.opt._gathers))
+            real_wait(upto)
+        tr.opt.wait_param_gather = wait
+
+    off = run_ranks(tmp_path / "off", False, layout, extra)
+    on = run_ranks(tmp_path / "on", True, layout, extra, before=late)
+    for (_, a), (tr, b) in zip(off, on):
+        assert tr.opt.overlap_param_gather and not tr.dirty and tr.step == STEPS
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    assert any(waited)
+
+
+def test_a_forward_reading_a_bucket_in_flight_is_caught(tmp_path):
+    """Without the forward pre-hooks (``hook_forward``) the first layers read the previous
+    step's parameters while rank 1's buckets are late: the states then differ from the
+    non-overlapped run. This is what the bitwise test above would see if a hook were missing."""
+    import time
+
+    def no_hooks(r, tr):
+        for m in tr.stage.modules():
+            m._forward_pre_hooks.clear()
+        real = tr.opt._post_gathers
+
+        def post(comm, pg):
+            if r == 1:
+                time.sleep(0.2)
+            real(comm, pg)
+        tr.opt._post_gathers = post
+
+    off = run_ranks(tmp_path / "off", False)
+    on = run_ranks(tmp_path / "on", True, before=no_hooks)
+    assert any(not torch.equal(a["params"], b["params"]) for (_, a), (_, b) in zip(off, on))
+
+
+def test_an_abort_during_a_pending_gather_raises_at_the_wait_and_leaves_the_trainer_dirty(
+        tmp_path):
+    """Rank 1 fails inside its optimizer step of step 2 (phase ``param_gather``: its shard is
+    updated, its broadcasts never posted). Rank 0 ends step 2 (its gather only posted) and,
+    once the generation is aborted, raises ``Aborted`` from the forward pre-hook's wait in step
+    3: its live state (step 3, parameters partly of step 2) is dirty, so recovery restores it
+    from a snapshot or a peer rather than resuming from it."""
+    import threading
+    import traceback
+
+    entered, comms = threading.Event(), {}
+
+    class Fail:
+        def __init__(self, r):
+            self.r = r
+
+        def fire(self, step, phase):
+            if self.r == 1 and (step, phase) == (2, "param_gather"):
+                entered.wait(30)  # rank 0 is waiting for this rank's buckets
+                comms[1].store.set(Keys(0).abort, "rank 1 failed")
+                raise Aborted("rank 1 failed")
+
+    def before(r, tr):
+        if r == 0:
+            real = tr.opt.wait_param_gather
+
+            def wait(upto=None):
+                if tr.opt._gathers and tr.step == 3:
+                    entered.set()
+                real(upto)
+            tr.opt.wait_param_gather = wait
+
+    real_build = Communicator.build
+
+    def build(topo, store, **kw):  # keep each rank's communicator (rank 1 aborts through it)
+        comms[topo.rank] = real_build(topo, store, **kw)
+        return comms[topo.rank]
+
+    Communicator.build = build
+    try:
+        (tr0, err0, _), (tr1, err1, _) = run_ranks(tmp_path, True, injector=Fail, before=before)
+    finally:
+        Communicator.build = real_build
+    assert isinstance(err0, Aborted) and "rank 1 failed" in str(err0)
+    tb = "".join(traceback.format_tb(err0.__traceback__))
+    assert "in wait_param_gather" in tb and "_call_impl" in tb  # from a forward pre-hook
+    assert tr0.step == 3 and tr0.dirty and tr0.opt.param_gather_pending
+    assert tr1.step == 2 and tr1.dirty  # cut inside its optimizer step
+    tr0.opt.abandon_param_gather()  # what loading a snapshot or a peer's state does
+    assert not tr0.opt.param_gather_pending

@@ -73,6 +73,28 @@ def test_bf16_state_after_a_kill_equals_the_failure_free_run(reference, tmp_path
     assert equal, why
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("rank,step,phase", [
+    (3, 4, "param_gather"),  # its buckets never posted: the survivors' next forward waits for
+                             # them in a pre-hook, raises Aborted there, dirty: they roll back
+    (6, 5, "forward"),       # last stage, replica 0: step 4's buckets were still in flight
+])
+def test_bf16_overlapped_param_gather_after_a_kill_equals_the_failure_free_run(
+        reference, tmp_path, rank, step, phase):
+    """``parallel.overlap_param_gather=true`` with a snapshot every other step (odd steps' buckets
+    are waited by the next forward, not by a snapshot): the final state equals the failure-free
+    run without overlap bit for bit."""
+    ev = f"faults.events=[{{rank: {rank}, step: {step}, phase: {phase}, kind: kill}}]"
+    summary = run_job(compose_train(BASE + [ev, "parallel.overlap_param_gather=true",
+                                            "ft.snapshot_interval_steps=2",
+                                            "ft.snapshot_adaptive=false"], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    (rec,) = summary["recoveries"]
+    assert rec["failed_rank"] == rank and rec["outcome"] == "hot-swapped"
+    equal, why = compare_final_states(tmp_path, reference)
+    assert equal, why
+
+
 def _loss(model, x, y):
     """``GPT.forward`` with the cross-entropy over fp32 logits, as the stages compute it."""
     t = x.shape[1]

@@ -22,7 +22,8 @@ A step:
      elements are grouped into tensors (``test_zero.py`` checks it bitwise); the fused CPU
      kernel rounds its vector body and scalar tail differently, so it matches a per-tensor
      reference to rounding, and itself bitwise run to run (what recovery needs); then all-gather the updated shards in place
-     into ``flat_params``, so every rank again holds identical full parameters.
+     into ``flat_params``, so every rank again holds identical full parameters (or only post
+     the gather: see Overlapped parameter all-gather).
 Mixed precision (``precision=bf16``). The parameters (hence ``flat_params``, autograd's
 gradients and the activations) are bf16; AdamW updates an fp32 copy of the owned shard (the
 *master* weights; the whole buffer when not sharded) and keeps fp32 moments, and the updated
@@ -60,27 +61,40 @@ done or its peers are known to be gone.
 The communicator is an argument of every call: recovery replaces it, and nothing here keeps a
 process group.
 
-Not built: the all-gather overlapped with the next forward. Megatron's distributed optimizer
-posts each bucket's parameter all-gather at the end of step s and, from forward pre-hooks, waits
-for the bucket holding a module's parameters before its first use in step s + 1; here ``step``
-gathers everything and waits. Measured (``experiments/bench_overhead.py`` records the gather's
-host time, ``param_gather_s``; gloo on 2 CPU cores, default workload, steps 40-79): 3.6 ms of a
-77 ms step at dp=2 (4.7 %), 9.5 ms of 154 ms at dp=4 (6.0 %), in bf16 4.6 % and 7.1 %: about
-the whole gap to torch DDP with snapshots off (1.03-1.11), so it is worth building. Alone,
-after a barrier, the same gather takes 2.8 ms (dp=2) and 6.8 ms (dp=4): the rest is the ranks'
-skew, which overlap only moves to the next collective; and gloo moves the bytes on CPU threads
-that would compete with the forward for the same 2 cores, so the saving is at most those
-figures. Doing it exactly takes, beyond the hooks:
-  - a layout to gather by: buckets here lie inside one owner's shard, so the parameters the
-    forward needs first (the embedding) all come from dp rank 0; the natural pieces are one
-    broadcast per owner (forward order is shard order), or Megatron's buckets cut across every
-    shard (which turns the per-bucket ``reduce`` into a reduce-scatter, unpollable on gloo);
-  - ``Trainer.dirty`` true until the last gather of step s completed (not at the end of
-    ``step``), and the snapshot of step s copying ``params`` only after it;
-  - recovery from an abort inside step s + 1's forward: only other ranks' parameter shards are
-    in flight (the owned shard, master weights and moments are clean), so rather than rolling
-    survivors back to their snapshots (more rollbacks than today), ``report_status`` would report
-    the clean regions and ``restore`` re-gather the parameters from each owner's shard.
+Overlapped parameter all-gather (``overlap_param_gather``, off by default). As in Megatron's
+distributed optimizer, ``step`` of step s posts the gather and returns, and the forward of step
+s + 1 waits for each piece just before its first use (forward pre-hooks, ``hook_forward``), so
+the gather overlaps the tail of step s and the head of the next forward:
+  - pieces: the gradient buckets, in buffer order (the forward's: the embedding first). Buckets
+    lie inside one owner's shard, so each piece is one ``broadcast`` from its owner, in place
+    (a gloo broadcast's wait polls like the all-gather's; ``test_zero.py``). Cutting pieces
+    across every shard as Megatron does would change the shard layout the snapshots and
+    ``reshard_state`` rely on, and turn the per-bucket ``reduce`` into a reduce-scatter,
+    unpollable on gloo. The values are copies either way: bitwise the non-overlapped result.
+  - waits: a module holding parameters waits, in posting order, for every pending bucket that
+    starts below the end of its own parameters. Once a step's buckets are waited (the first
+    micro-batch of a pipeline stage) the hooks find nothing pending: later micro-batches,
+    activation recomputation and evaluation do not wait. Every wait is ``comm.wait``, so a
+    dead peer aborts the forward (``Aborted`` out of the hook) instead of hanging it.
+  - readers other than the forward (snapshot, checkpoint, evaluation, the end of training, the
+    next ``step``) must first call ``wait_param_gather`` (the trainer's ``settle_params``).
+    A snapshot step therefore waits at its end as without overlap: on snapshot steps only the
+    post is overlapped, which ``experiments/bench_overhead.py`` measures (arms ``off_ov``,
+    ``on_ov``).
+  - fault tolerance: step s is done once the master shards are updated, but the live state is
+    torn (other owners' buckets in flight) until the last bucket has arrived, so
+    ``param_gather_pending`` keeps ``Trainer.dirty`` true until then (stream-ordered, until a
+    host sync has seen the waits complete: an op cut by an abort completes with junk). An abort
+    in that window rolls the rank back to a snapshot or a peer instead of resuming from its
+    live state; the state is never resumed torn. The ``param_gather`` fault phase still fires
+    between the update and the posts. Left to build: report the clean regions (own shard,
+    master, moments) after such an abort and re-gather the parameters from their owners
+    instead of rolling back; on NCCL the window lasts until the next step's host sync.
+Measured before it was built (``param_gather_s``, gloo on 2 CPU cores, default workload, steps
+40-79): the gather took 3.6 ms of a 77 ms step at dp=2 (4.7 %), 9.5 ms of 154 ms at dp=4, and
+2.8 / 6.8 ms alone after a barrier: the rest is the ranks' skew, which overlap only moves to the
+next wait, and gloo moves the bytes on CPU threads that compete with the forward for the same
+cores. With overlap on, ``param_gather_s`` is the host time a step spends posting and waiting.
 """
 
 from __future__ import annotations
@@ -171,13 +185,16 @@ class ZeroOptimizer:
     ``decays(p) -> bool``: which parameters get weight decay (None: all of them, as one torch
     AdamW group). ``grad_reduce_dtype``: the dtype gradients are accumulated over micro-batches
     and reduced over dp in when the parameters are bf16 (fp32 by default, see Mixed precision).
+    ``overlap_param_gather``: ``step`` posts the parameter all-gather and returns; the next
+    forward waits for each bucket (see Overlapped parameter all-gather).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, dp_size: int, dp_rank: int, lr: float,
                  weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8, shard: bool = True,
                  adamw: str = "fused", bucket_bytes: int = 25 << 20,
                  first_bucket_bytes: int = 1 << 20, decays=None,
-                 grad_reduce_dtype: torch.dtype = torch.float32):
+                 grad_reduce_dtype: torch.dtype = torch.float32,
+                 overlap_param_gather: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.params = list({id(p): p for p in params}.values())  # tied weights once
@@ -270,6 +287,13 @@ class ZeroOptimizer:
         self.buckets = GradBuckets(self.params, self.offsets, self.padded_numel,
                                    bucket_edges(self.padded_numel, self._reduce_buf.element_size(),
                                                 bucket_bytes, first_bucket_bytes, cuts))
+        # overlapped parameter all-gather (module docstring): the same buckets in buffer order,
+        # which is the forward's; posted by step, each waited by the first forward that reads it
+        self.overlap_param_gather = bool(overlap_param_gather) and shard and dp_size > 1
+        self._gather_edges = sorted(self.buckets.edges)
+        self._gathers: list[tuple[int, object]] = []  # (lo, work) posted, not yet waited
+        self._gather_comm = None
+        self._unsynced = False  # stream-ordered: gathers waited since the last confirming sync
 
     def _folder(self, off: int, n: int):
         def fold(p: torch.Tensor) -> None:
@@ -377,7 +401,11 @@ class ZeroOptimizer:
         sharded). Under bf16 the updated master shard is rounded into this rank's slice of the
         bf16 parameters first, so every rank gathers the same rounding of every shard.
         ``on_updated()`` runs between the update and the gather (in every layout: a
-        fault-injection point inside the step)."""
+        fault-injection point inside the step). With ``overlap_param_gather`` the gather is only
+        posted, one broadcast per bucket, and ``step`` returns: the buckets are waited by the
+        forward pre-hooks (``hook_forward``) or ``wait_param_gather``, which must run before
+        anything else reads the parameters; ``step`` itself first waits for any still pending."""
+        self.wait_param_gather()  # the last step's buckets read and write flat_params
         group = self._adam.param_groups[0]
         if lr is not None:
             group["lr"] = lr
@@ -391,8 +419,80 @@ class ZeroOptimizer:
         pg = self._dp_group(comm)
         if self.shard and pg is not None:
             t0 = time.perf_counter()  # host time: on NCCL only the post (it runs on the stream)
-            comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
-            self.last_gather_s = time.perf_counter() - t0
+            if self.overlap_param_gather:
+                self._post_gathers(comm, pg)
+            else:
+                comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
+            self._add_gather_time(t0)
+
+    # -- the overlapped parameter all-gather ---------------------------------------------------
+    def _add_gather_time(self, t0: float) -> None:
+        self.last_gather_s = (self.last_gather_s or 0.0) + time.perf_counter() - t0
+
+    def _post_gathers(self, comm, pg) -> None:
+        """Post one broadcast per bucket from the rank owning it, in buffer (forward) order."""
+        if self._gathers:
+            raise RuntimeError("the previous step's parameter all-gather was never finished")
+        self._gather_comm = comm
+        for lo, hi in self._gather_edges:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = lo // self.shard_numel
+            self._gathers.append((lo, pg.broadcast([self.flat_params[lo:hi]], opts)))
+
+    @property
+    def param_gather_pending(self) -> bool:
+        """Some parameters are not yet known to hold the last step's values: a posted bucket
+        not waited for, or (stream-ordered) waited but not yet confirmed by ``synced``."""
+        return bool(self._gathers) or self._unsynced
+
+    def wait_param_gather(self, upto: int | None = None) -> None:
+        """Wait, in posting order, for the pending buckets starting below flat offset ``upto``
+        (None: all of them), through ``comm.wait`` (abortable: raises ``Aborted`` and leaves the
+        rest pending). A no-op when nothing is pending."""
+        if not self._gathers:
+            return
+        t0 = time.perf_counter()
+        comm = self._gather_comm
+        while self._gathers and (upto is None or self._gathers[0][0] < upto):
+            comm.wait(self._gathers[0][1])
+            self._gathers.pop(0)
+            self._unsynced = comm.stream_ordered
+        if not self._gathers:
+            self._gather_comm = None
+        self._add_gather_time(t0)
+
+    def synced(self) -> None:
+        """Stream-ordered: the caller's ``comm.sync()`` just confirmed every wait queued so far
+        (an op cut by an abort also completes on the device, with junk: only a sync that saw the
+        device finish before the abort makes its output count)."""
+        self._unsynced = False
+
+    def abandon_param_gather(self) -> None:
+        """Forget the pending buckets (the generation was aborted and the live state replaced:
+        their works belong to a parked communicator). See the module docstring on abandoned ops."""
+        self._gathers, self._gather_comm, self._unsynced = [], None, False
+
+    def hook_forward(self, module: torch.nn.Module) -> None:
+        """With ``overlap_param_gather``: register a forward pre-hook on every submodule of
+        ``module`` that holds some of these parameters itself; it waits for the pending buckets
+        up to the last of them (``wait_param_gather``), so the first micro-batch's forward
+        waits for each bucket just before its first use and every later forward (micro-batches,
+        activation recomputation, evaluation) finds nothing pending. Every parameter must be
+        read only inside the forward of the module that holds it (a parent reading a child's
+        weight would see the previous step's values: the bitwise tests catch that)."""
+        if not self.overlap_param_gather:
+            return
+        where = {id(p): off + p.numel() for p, off in zip(self.params, self.offsets)}
+        for m in module.modules():
+            ends = [where[id(p)] for p in m.parameters(recurse=False) if id(p) in where]
+            if ends:
+                m.register_forward_pre_hook(self._pre_hook(max(ends)))
+
+    def _pre_hook(self, end: int):
+        def wait(module, args):
+            if self._gathers:
+                self.wait_param_gather(end)
+        return wait
 
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:

@@ -206,7 +206,7 @@ def test_grads_accumulate_into_the_flat_buffer_and_dp1_matches_adamw():
 def test_gloo_reduce_scatter_ignores_the_wait_timeout():
     """Why gradients are reduced to their owner with ``reduce`` (zero.py): a polled wait on gloo's
     reduce-scatter blocks until the op ends (here: until the silent peer's group is gone), while
-    a reduce's or an all-gather's polled wait returns after the slice. If this starts failing,
+    a reduce's, an all-gather's or a broadcast's polled wait returns after the slice. If this starts failing,
     torch made gloo's reduce-scatter pollable. Ordered by events, not by elapsed time: the peer
     stays silent until the first two waits have returned (or 60 s), then leaves."""
     master = master_store()
@@ -223,8 +223,11 @@ def test_gloo_reduce_scatter_ignores_the_wait_timeout():
         ended = {}
         opts = dist.ReduceOptions()
         opts.rootRank = 1
+        bopts = dist.BroadcastOptions()
+        bopts.rootRank = 1
         for name, post in [("all_gather", lambda: pg._allgather_base(torch.ones(8), torch.ones(4))),
                            ("reduce", lambda: pg.reduce([torch.ones(8)], opts)),
+                           ("broadcast", lambda: pg.broadcast([torch.ones(8)], bopts)),
                            ("reduce_scatter",
                             lambda: pg._reduce_scatter_base(torch.ones(4), torch.ones(8)))]:
             if name == "reduce_scatter":
@@ -237,6 +240,7 @@ def test_gloo_reduce_scatter_ignores_the_wait_timeout():
 
     ended = run_threads(rank_fn, 2)[0]
     assert ended["all_gather"] < left["t"] and ended["reduce"] < left["t"]
+    assert ended["broadcast"] < left["t"]  # the overlapped parameter gather's op
     assert ended["reduce_scatter"] >= left["t"]
 
 

@@ -25,7 +25,7 @@ from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
-from deadpool.policies import check_placement
+from deadpool.policies import buddies_table, check_placement
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
@@ -76,6 +76,10 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.coordinator_timeout_s must exceed 2 x ft.heartbeat_interval_s")
     if ft.get("replicate", "unique") not in ("unique", "full"):
         raise ValueError(f"ft.replicate must be 'unique' or 'full', got {ft['replicate']!r}")
+    replicas = ft.get("replicas", 1)
+    if not isinstance(replicas, int) or isinstance(replicas, bool):
+        raise ValueError(f"ft.replicas must be an integer >= 1, got {replicas!r}")
+    buddies_table(ParallelDims.from_config(p), ft["buddy_policy"], replicas)  # k other nodes exist
     if ft.get("rebuild", "affected") not in ("affected", "all"):
         raise ValueError(f"ft.rebuild must be 'affected' or 'all', got {ft['rebuild']!r}")
     bad = [k for k in ft["state_sources"] if k not in SOURCE_KINDS]
@@ -165,7 +169,8 @@ def run_job(cfg: dict, log=print) -> dict:
     validate(cfg)
     p = cfg["parallel"]
     dims = ParallelDims.from_config(p)
-    for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique")):
+    for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique"),
+                                   int(cfg["ft"].get("replicas", 1))):
         log(f"[deadpool] placement warning: {warning}")
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)

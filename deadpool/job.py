@@ -25,7 +25,7 @@ from deadpool.faults import FaultEvent
 from deadpool.launcher import ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
-from deadpool.policies import buddies_table, check_placement
+from deadpool.policies import buddies_table, check_placement, max_replicas
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
@@ -269,7 +269,14 @@ def _relaunch_cfg(cfg: dict, store, first_generation: int, rec, log) -> dict:
         regrow = ft.get("elastic_regrow_after_s")
         extra["_grow_at"] = (time.time() + float(regrow)
                              if rec.fallback == "shrink" and regrow is not None else None)
-    world = ParallelDims.from_config(par).world_size
+    dims = ParallelDims.from_config(par)
+    world = dims.world_size
+    want = int(cfg.get("_full_replicas") or ft.get("replicas", 1))
+    extra["_full_replicas"] = want
+    if want > max_replicas(dims):  # a shrink left too few nodes (ranks) for k
+        log(f"[deadpool] ft.replicas={want} needs more nodes than dp {dims.dp} has: "
+            f"{max_replicas(dims)} replica(s) per rank until the job regrows")
+    ft = dict(ft, replicas=min(want, max_replicas(dims)))
     events = []
     for ev in cfg["faults"]["events"]:
         if store.check([FaultEvent.from_cfg(ev).key]):

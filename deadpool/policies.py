@@ -221,6 +221,11 @@ def make_policy(table: dict, name: str):
     return table[name]()
 
 
+def max_replicas(dims) -> int:
+    """The most replicas per rank the layout can place (other nodes; on one node, other ranks)."""
+    return max(1, (dims.world_size if dims.num_nodes == 1 else dims.num_nodes) - 1)
+
+
 def check_replicas(dims, k: int) -> None:
     """Raise ``ValueError`` unless ``k`` replicas per rank can go to ``k`` distinct other nodes
     (on a single node: ``k`` other ranks)."""

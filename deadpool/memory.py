@@ -281,7 +281,7 @@ def check_fits(cfg: dict) -> None:
             f"{_gb(h['local_ring'])} + replicas {_gb(h['replicas'])} + persist "
             f"{_gb(h['persist'])}), but a node has {float(host_gb):.1f} GB: "
             f"{_gb(est['host_per_node'] - float(host_gb) * GiB)} GB over. Hint: lower "
-            f"ft.num_local_slots, use ft.replicate=unique with parallel.zero, or "
+            f"ft.num_local_slots or ft.replicas, use ft.replicate=unique with parallel.zero, or "
             f"{_hint(cfg, micro_tokens)}")
 
     if cpu and not mem:

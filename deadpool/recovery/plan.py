@@ -143,8 +143,9 @@ class _Holders:
 
     A ``peer`` serves its own state (a corrupt copy is recorded as ``(q, q, S)``): the holders of
     ``r``'s state at ``S`` are its data-parallel peers with their own state at ``S``. A
-    ``replica`` holder serves ``r``'s replica (recorded as ``(holder, r, S)``); the buddy is
-    preferred. Among several, the least loaded serves (then, for peers, one already at ``S``, so
+    ``replica`` holder serves ``r``'s replica (recorded as ``(holder, r, S)``); its buddies are
+    preferred, in order (``ft.replicas``: a dead or stale first buddy passes to the second). Among
+    several, the least loaded serves (then, for peers, one already at ``S``, so
     that no rollback is needed to serve; then the lowest rank). Loads only grow during a plan,
     so the least loaded peer is kept in a heap per data-parallel group and step whose stale
     entries are refreshed when they surface.

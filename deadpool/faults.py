@@ -130,13 +130,14 @@ class FaultInjector:
             self._act(ev, step)
 
     def _act(self, ev: FaultEvent, step: int) -> None:
+        t = time.time()
         if self.store is not None:
-            rec = {"t": time.time(), "rank": self.rank, "step": step, "phase": ev.phase,
+            rec = {"t": t, "rank": self.rank, "step": step, "phase": ev.phase,
                    "kind": ev.kind.value, "slot": self.slot}
             key = Keys.fault(self.slot)
             self.store.set(key, self.seal.wrap(key, json.dumps(rec)))
         print(f"[fault] {ev.kind.value} at {ev.phase} of step {step} (rank {self.rank}, slot "
-              f"{self.slot})", flush=True)
+              f"{self.slot}, t={t:.6f})", flush=True)  # t: how far apart two faults fired
         if ev.kind is Fault.KILL_NODE and os.environ.get("DEADPOOL_NODE_DIR"):
             os.kill(os.getppid(), signal.SIGKILL)  # the agent: its children die with it
             os.kill(os.getpid(), signal.SIGKILL)

@@ -8,7 +8,7 @@ at 16k ranks an O(N^2) step takes minutes).
 
 from __future__ import annotations
 
-from deadpool.policies import buddy_table
+from deadpool.policies import buddies_table
 from deadpool.topology import ParallelDims, Topology
 
 
@@ -36,14 +36,20 @@ def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
         if c["pp"] > 0:
             (kf, rf), (kb, rb) = pair(c["pp"] - 1)
             out += [("pp_recv_fwd", kf, rf, False), ("pp_send_bwd", kb, rb, False)]
-    buddy, ward = topo.buddy(), topo.ward()
-    if buddy != rank:
-        out.append(("repl_out", f"repl/{rank}-{buddy}", [rank, buddy], True))
-        out.append(("repl_in", f"repl/{ward}-{rank}", [ward, rank], True))
+    for j, (buddy, ward) in enumerate(zip(topo.buddies(), topo.wards())):
+        if buddy != rank:  # one 2-rank group per holder (ft.replicas) and per ward
+            out.append((repl_name("out", j), f"repl/{rank}-{buddy}", [rank, buddy], True))
+            out.append((repl_name("in", j), f"repl/{ward}-{rank}", [ward, rank], True))
     return sorted(out, key=lambda g: g[1])
 
 
-def all_groups(dims: ParallelDims, buddy_policy: str) -> dict[str, list[int]]:
+def repl_name(direction: str, j: int) -> str:
+    """The name of the replication group to the j-th buddy (``out``) or from the j-th ward
+    (``in``): ``repl_out``, ``repl_out1``, ... (the first keeps the name it had with one buddy)."""
+    return f"repl_{direction}" + (str(j) if j else "")
+
+
+def all_groups(dims: ParallelDims, buddy_policy: str, replicas: int = 1) -> dict[str, list[int]]:
     """Every group of the layout, key -> ranks: the union of every rank's ``rank_groups``,
     enumerated once per group (O(world size)) rather than once per member."""
     out: dict[str, list[int]] = {}
@@ -58,9 +64,10 @@ def all_groups(dims: ParallelDims, buddy_policy: str) -> dict[str, list[int]]:
             for tp in range(dims.tp):
                 a, b = dims.rank_of(s, dp, tp), dims.rank_of(s + 1, dp, tp)
                 out[f"ppf/{a}-{b}"], out[f"ppb/{b}-{a}"] = [a, b], [b, a]
-    for r, b in enumerate(buddy_table(dims, buddy_policy)):
-        if b != r:
-            out[f"repl/{r}-{b}"] = [r, b]
+    for r, bs in enumerate(buddies_table(dims, buddy_policy, replicas)):
+        for b in bs:
+            if b != r:
+                out[f"repl/{r}-{b}"] = [r, b]
     return out
 
 

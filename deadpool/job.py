@@ -26,7 +26,7 @@ from deadpool.agent.events import EventLog
 from deadpool.launcher import AgentLauncher, ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
-from deadpool.policies import check_placement
+from deadpool.policies import buddies_table, check_placement, max_replicas
 from deadpool.protocol import Seal
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
@@ -85,6 +85,10 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.coordinator_timeout_s must exceed 2 x ft.heartbeat_interval_s")
     if ft.get("replicate", "unique") not in ("unique", "full"):
         raise ValueError(f"ft.replicate must be 'unique' or 'full', got {ft['replicate']!r}")
+    replicas = ft.get("replicas", 1)
+    if not isinstance(replicas, int) or isinstance(replicas, bool):
+        raise ValueError(f"ft.replicas must be an integer >= 1, got {replicas!r}")
+    buddies_table(ParallelDims.from_config(p), ft["buddy_policy"], replicas)  # k other nodes exist
     if ft.get("rebuild", "affected") not in ("affected", "all"):
         raise ValueError(f"ft.rebuild must be 'affected' or 'all', got {ft['rebuild']!r}")
     bad = [k for k in ft["state_sources"] if k not in SOURCE_KINDS]
@@ -174,7 +178,8 @@ def run_job(cfg: dict, log=print) -> dict:
     validate(cfg)
     p = cfg["parallel"]
     dims = ParallelDims.from_config(p)
-    for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique")):
+    for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique"),
+                                   int(cfg["ft"].get("replicas", 1))):
         log(f"[deadpool] placement warning: {warning}")
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -285,7 +290,14 @@ def _relaunch_cfg(cfg: dict, store, first_generation: int, rec, log) -> dict:
         regrow = ft.get("elastic_regrow_after_s")
         extra["_grow_at"] = (time.time() + float(regrow)
                              if rec.fallback == "shrink" and regrow is not None else None)
-    world = ParallelDims.from_config(par).world_size
+    dims = ParallelDims.from_config(par)
+    world = dims.world_size
+    want = int(cfg.get("_full_replicas") or ft.get("replicas", 1))
+    extra["_full_replicas"] = want
+    if want > max_replicas(dims):  # a shrink left too few nodes (ranks) for k
+        log(f"[deadpool] ft.replicas={want} needs more nodes than dp {dims.dp} has: "
+            f"{max_replicas(dims)} replica(s) per rank until the job regrows")
+    ft = dict(ft, replicas=min(want, max_replicas(dims)))
     events = []
     for ev in cfg["faults"]["events"]:
         if store.check([FaultEvent.from_cfg(ev).key]):

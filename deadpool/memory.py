@@ -35,8 +35,9 @@ What is counted, and why (all sizes in GiB = 2**30 bytes; ``gpu_gb`` means GiB t
 
 Host memory per rank (pinned on CUDA), from ``deadpool.snapshot``: a local ring of
 ``num_local_slots`` (3 by default; 2 is a double buffer) snapshots of the rank's full state (parameters + its
-optimizer shard), the ward's ``replica_buffers`` (2: the newest protected replica and the one
-arriving) receive buffers of what is replicated (the optimizer shard only with
+optimizer shard), for each of its ``replicas`` wards (``ft.replicas``, 1 by default)
+``replica_buffers`` (2: the newest protected replica and the one arriving) receive buffers of
+what is replicated (the optimizer shard only with
 ``replicate="unique"`` and a sharded optimizer, because the parameters come back from a
 data-parallel peer; nothing with an unsharded optimizer and dp > 1; everything with ``"full"``
 or dp == 1), and, when disk checkpoints are on, one persist buffer of the full state (they are
@@ -168,15 +169,20 @@ def state_bytes(numel: int, dp: int, sharded: bool, precision: str = "fp32",
 def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbatches: int,
              precision: str = "fp32", activation_checkpointing: str = "none",
              grad_reduce_dtype: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
-             replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0) -> dict:
+             replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0,
+             replicas: int = 1) -> dict:
     """Memory of the worst rank of a layout, in bytes.
 
     ``batch_size`` is sequences per data-parallel rank per step, split into ``microbatches``.
     Returns ``{"precision", "model_params", "params_per_rank", "stage", "gpu": {params, grads,
     optimizer, activations, overhead, total}, "host_per_rank": {local_ring, replicas, persist,
     total}, "host_per_node", "ranks_per_node", "replicated_per_step"}``; ``stage`` is the worst
-    rank's pipeline stage.
+    rank's pipeline stage. ``replicas`` (``ft.replicas``): each rank holds that many wards'
+    replicas and sends its own that many times (``replicated_per_step``: bytes sent per
+    snapshot, all buddies together).
     """
+    if int(replicas) < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     if replicate not in ("unique", "full"):
@@ -202,6 +208,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     stage, gpu, n = best
     state = gpu["params"] + gpu["optimizer"]  # what a snapshot holds
     replicated = {"all": state, "unique": gpu["optimizer"], "none": 0}[dims.replica_region(replicate)]
+    replicated *= int(replicas)  # once per buddy; each rank holds as many wards' replicas
     host = {"local_ring": num_local_slots * state, "replicas": replica_buffers * replicated,
             "persist": state if persist else 0}
     host["total"] = sum(host.values())
@@ -245,7 +252,7 @@ def check_fits(cfg: dict) -> None:
                    microbatches=mb, precision=cfg.get("precision", "fp32"),
                    activation_checkpointing=cfg.get("activation_checkpointing", "none"),
                    grad_reduce_dtype=cfg.get("grad_reduce_dtype", "fp32"), num_local_slots=int(ft.get("num_local_slots", 3)),
-                   replicate=ft.get("replicate", "unique"),
+                   replicate=ft.get("replicate", "unique"), replicas=int(ft.get("replicas", 1)),
                    persist=bool(ft.get("persist_interval_steps")),
                    overhead_gb=0.25 if cpu and not mem else 1.0)
     g, h = est["gpu"], est["host_per_rank"]
@@ -274,7 +281,7 @@ def check_fits(cfg: dict) -> None:
             f"{_gb(h['local_ring'])} + replicas {_gb(h['replicas'])} + persist "
             f"{_gb(h['persist'])}), but a node has {float(host_gb):.1f} GB: "
             f"{_gb(est['host_per_node'] - float(host_gb) * GiB)} GB over. Hint: lower "
-            f"ft.num_local_slots, use ft.replicate=unique with parallel.zero, or "
+            f"ft.num_local_slots or ft.replicas, use ft.replicate=unique with parallel.zero, or "
             f"{_hint(cfg, micro_tokens)}")
 
     if cpu and not mem:

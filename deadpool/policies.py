@@ -4,13 +4,20 @@ Each policy is a small callable with its before -> after picture, so a reader ca
 without running it. Add a policy by adding a class and a name in ``BUDDY_POLICIES`` /
 ``SPARE_POLICIES``; ``conf/ft`` selects one by name.
 
-Buddy policies map a rank to the rank holding its replica, given the layout (``ParallelDims``:
-``coords(rank) -> {pp, dp, tp}``, ``rank_of``, ``node_of``, ``num_nodes``). Two rules hold for
-every one of them: the map is a permutation (each rank holds exactly one ward's replica, so
-replication memory and traffic are the same on every rank), and with more than one node a rank's
-buddy is on another node, so losing a node never takes a rank's state and its only replica.
-``buddy_table`` computes and checks the whole map once per layout; ``check_placement`` lists
-what a layout and policy leave exposed.
+Buddy policies map a rank to the ranks holding its replicas, given the layout (``ParallelDims``:
+``coords(rank) -> {pp, dp, tp}``, ``rank_of``, ``node_of``, ``num_nodes``). ``ft.replicas=k``
+asks for ``k`` holders per rank (``buddies(rank, dims, k)``, the first being ``buddy``). Three
+rules hold for every policy and every ``k``:
+
+* each layer (the j-th buddy of every rank) is a permutation, so every rank holds exactly ``k``
+  replicas, one per layer (k-regular: replication memory and traffic are the same on every rank);
+* a rank's ``k`` buddies are ``k`` distinct ranks other than itself;
+* with more than one node they sit on ``k`` distinct nodes other than the rank's own, so losing
+  any ``k`` nodes never takes a rank's state and all its replicas (on one node: ``k`` other ranks).
+
+``buddies_table`` computes and checks the whole map once per layout and ``k`` (a ``ValueError``
+says why a ``k`` is impossible: fewer than ``k + 1`` nodes, or ranks on one node);
+``check_placement`` lists what a layout and policy leave exposed.
 
 Rank order is pp-major, then dp, then tp (``deadpool.topology``); the pictures write a rank as
 ``rank(pp,dp,tp)`` and a node as ``[...]``.
@@ -22,13 +29,23 @@ from functools import lru_cache
 
 
 class BuddyPolicy:
-    """``policy(rank, dims) -> buddy`` (``dims``: a ``topology.ParallelDims``)."""
+    """``policy(rank, dims) -> buddy`` (``dims``: a ``topology.ParallelDims``);
+    ``buddies(rank, dims, k)``: the ``k`` holders of its replicas, the buddy first."""
 
     def __call__(self, rank: int, dims) -> int:
         return self.buddy(rank, dims)
 
     def buddy(self, rank: int, dims) -> int:
         raise NotImplementedError
+
+    def buddies(self, rank: int, dims, k: int) -> tuple[int, ...]:
+        """By default the policy applied 1, 2, ..., k times: each application is a permutation,
+        so every layer is one (``buddies_table`` checks that the k are distinct and off-node)."""
+        out, r = [], rank
+        for _ in range(k):
+            r = self.buddy(r, dims)
+            out.append(r)
+        return tuple(out)
 
 
 class RingOverNodes(BuddyPolicy):
@@ -48,42 +65,77 @@ class RingOverNodes(BuddyPolicy):
     Losing a whole node (or rack) loses no replica of its ranks (their buddies are elsewhere);
     losing it and the next one within one replication window loses the first one's state. With
     a single rack the ring runs over nodes; with a single node, over ranks.
+
+    ``ft.replicas=k``: the j-th buddy is j racks over (whole racks first, then the nodes between
+    them: node offsets ``stride, 2 stride, ..., then the rest``), each offset one permutation.
+    ranks_per_node=2, 4 nodes, k=2 (every rank now holds 2 replicas, one per layer)::
+
+        node0: [0 1]   node1: [2 3]   node2: [4 5]   node3: [6 7]
+        before (k=1): 0 -> 2        1 -> 3        ... 6 -> 0        7 -> 1
+        after  (k=2): 0 -> (2, 4)   1 -> (3, 5)   ... 6 -> (0, 2)   7 -> (1, 3)
+
+    Losing node0 and node1 together (rank 0 and its first buddy, 2) leaves rank 0's replica on
+    node2. One node (dp4 on a 4-rank node), k=2: ``0 -> (1, 2)  1 -> (2, 3)  2 -> (3, 0)  3 -> (0, 1)``.
     """
 
     def buddy(self, rank: int, dims) -> int:
+        return self.buddies(rank, dims, 1)[0]
+
+    def buddies(self, rank: int, dims, k: int) -> tuple[int, ...]:
         if dims.num_nodes == 1:
-            return (rank + 1) % dims.world_size
-        stride = dims.nodes_per_rack if dims.num_nodes > dims.nodes_per_rack else 1
+            return tuple((rank + j) % dims.world_size for j in range(1, k + 1))
         node, local = divmod(rank, dims.ranks_per_node)
-        return ((node + stride) % dims.num_nodes) * dims.ranks_per_node + local
+        return tuple(((node + o) % dims.num_nodes) * dims.ranks_per_node + local
+                     for o in _node_offsets(dims)[:k])
+
+
+@lru_cache(maxsize=64)
+def _node_offsets(dims) -> tuple[int, ...]:
+    """Node offsets of the 1st, 2nd, ... buddy: whole racks over first, then the nodes between."""
+    stride = dims.nodes_per_rack if dims.num_nodes > dims.nodes_per_rack else 1
+    return tuple(sorted(range(1, dims.num_nodes), key=lambda o: (o % stride != 0, o)))
 
 
 class _ShiftAlong(BuddyPolicy):
-    """Buddy = the rank ``k`` steps further along one mesh axis, other coordinates equal, with the
-    smallest ``k`` that puts *every* rank's buddy on another node (one ``k`` for all ranks keeps
-    the map a permutation). On a single node ``k = 1``. When no ``k`` works (the axis has size 1,
-    or all of it sits on one node) it falls back to ``RingOverNodes``."""
+    """Buddy = the rank ``s`` steps further along one mesh axis, other coordinates equal, with the
+    smallest ``s`` that puts *every* rank's buddy on another node (one ``s`` for all ranks keeps
+    the map a permutation). On a single node ``s = 1``. With ``ft.replicas=k`` the j-th buddy
+    takes the j-th smallest shift that puts every rank's j-th buddy on a node none of its
+    earlier holders (nor itself) is on. When no such ``k`` shifts exist (the axis has size 1, or
+    all of it sits on fewer than ``k + 1`` nodes) it falls back to ``RingOverNodes``."""
 
     axis = ""
 
     def buddy(self, rank: int, dims) -> int:
-        k = _shift(dims, self.axis)
-        return RingOverNodes().buddy(rank, dims) if k is None else _moved(dims, rank, self.axis, k)
+        return self.buddies(rank, dims, 1)[0]
+
+    def buddies(self, rank: int, dims, k: int) -> tuple[int, ...]:
+        shifts = _shifts(dims, self.axis, k)
+        if shifts is None:
+            return RingOverNodes().buddies(rank, dims, k)
+        return tuple(_moved(dims, rank, self.axis, s) for s in shifts)
 
 
-def _moved(dims, rank: int, axis: str, k: int) -> int:
+def _moved(dims, rank: int, axis: str, s: int) -> int:
     c = dims.coords(rank)
-    c[axis] = (c[axis] + k) % getattr(dims, axis)
+    c[axis] = (c[axis] + s) % getattr(dims, axis)
     return dims.rank_of(**c)
 
 
 @lru_cache(maxsize=64)
-def _shift(dims, axis: str) -> int | None:
-    for k in range(1, getattr(dims, axis)):
-        if dims.num_nodes == 1 or all(dims.node_of(_moved(dims, r, axis, k)) != dims.node_of(r)
-                                      for r in range(dims.world_size)):
-            return k
-    return None
+def _shifts(dims, axis: str, k: int) -> tuple[int, ...] | None:
+    """The ``k`` smallest shifts along ``axis``, taken greedily, that put every rank's holders on
+    distinct nodes other than its own (on one node: distinct ranks); None if there are fewer."""
+    chosen: list[int] = []
+    for s in range(1, getattr(dims, axis)):
+        if len(chosen) == k:
+            break
+        if dims.num_nodes == 1 or all(
+                dims.node_of(_moved(dims, r, axis, s)) not in
+                {dims.node_of(r)} | {dims.node_of(_moved(dims, r, axis, c)) for c in chosen}
+                for r in range(dims.world_size)):
+            chosen.append(s)
+    return tuple(chosen) if len(chosen) == k else None
 
 
 class NextDpReplica(_ShiftAlong):
@@ -104,6 +156,12 @@ class NextDpReplica(_ShiftAlong):
 
     When every data-parallel peer of a shard is on one node (dp2 x tp2 x pp2 on 4-rank nodes:
     a node per stage) no peer is off-node: it falls back to ``ring_over_nodes``.
+
+    dp=6, tp=1, pp=1, ranks_per_node=2, k=2 (shifts 2 and 4: both other nodes, and distinct)::
+
+        node0: [0 1]   node1: [2 3]   node2: [4 5]
+        before (k=1): 0 -> 2        1 -> 3        2 -> 4        ... 5 -> 1
+        after  (k=2): 0 -> (2, 4)   1 -> (3, 5)   2 -> (4, 0)   ... 5 -> (1, 3)
     """
 
     axis = "dp"
@@ -163,32 +221,93 @@ def make_policy(table: dict, name: str):
     return table[name]()
 
 
+def max_replicas(dims) -> int:
+    """The most replicas per rank the layout can place (other nodes; on one node, other ranks)."""
+    return max(1, (dims.world_size if dims.num_nodes == 1 else dims.num_nodes) - 1)
+
+
+def check_replicas(dims, k: int) -> None:
+    """Raise ``ValueError`` unless ``k`` replicas per rank can go to ``k`` distinct other nodes
+    (on a single node: ``k`` other ranks)."""
+    if k < 1:
+        raise ValueError(f"ft.replicas must be >= 1, got {k}")
+    if k == 1:
+        return  # a single rank replicates to itself, as it always has
+    shape = (f"dp{dims.dp} x tp{dims.tp} x pp{dims.pp}, {dims.ranks_per_node} rank(s) per node: "
+             f"{dims.num_nodes} node(s)")
+    if dims.num_nodes == 1 and k >= dims.world_size:
+        raise ValueError(f"ft.replicas={k} needs {k + 1} ranks (each rank's replicas on {k} "
+                         f"other ranks), but the layout has {dims.world_size} ({shape})")
+    if dims.num_nodes > 1 and k >= dims.num_nodes:
+        raise ValueError(f"ft.replicas={k} puts each rank's replicas on {k} distinct other nodes: "
+                         f"it needs at least {k + 1} nodes, but the layout has {shape}; lower "
+                         f"ft.replicas or raise the number of nodes")
+
+
+def _violations(dims, table) -> list[str]:
+    """What breaks the rules of the module docstring in a ``rank -> (k buddies)`` table."""
+    out = []
+    world, k = dims.world_size, len(table[0]) if table else 0
+    for j in range(k):
+        if sorted(t[j] for t in table) != list(range(world)):
+            out.append(f"its buddy number {j + 1} is not a permutation: some ranks hold two "
+                       f"replicas, some none")
+    bad = [r for r, t in enumerate(table) if len(set(t)) < k or r in t]
+    if world > 1 and bad:
+        out.append(f"rank {bad[0]}'s holders {table[bad[0]]} repeat or include itself")
+    if dims.num_nodes > 1 and k > 1:
+        bad = [r for r, t in enumerate(table)
+               if len({dims.node_of(b) for b in t} | {dims.node_of(r)}) < k + 1]
+        if bad:
+            out.append(f"rank {bad[0]}'s holders {table[bad[0]]} share a node (with each other "
+                       f"or with rank {bad[0]})")
+    return out
+
+
 @lru_cache(maxsize=64)
-def buddy_table(dims, name: str) -> tuple[int, ...]:
-    """Every rank's buddy under policy ``name``; raises unless it is a permutation."""
+def buddies_table(dims, name: str, k: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Every rank's ``k`` buddies under policy ``name`` (the first is ``buddy_table``'s); raises
+    ``ValueError`` when ``k`` is impossible for the layout or the table breaks the rules."""
+    check_replicas(dims, k)
     policy = make_policy(BUDDY_POLICIES, name)
-    table = tuple(policy.buddy(r, dims) for r in range(dims.world_size))
-    if sorted(table) != list(range(dims.world_size)):
-        raise ValueError(f"buddy policy {name!r} is not a permutation on {dims}")
+    table = tuple(tuple(policy.buddies(r, dims, k)) for r in range(dims.world_size))
+    bad = _violations(dims, table) if dims.world_size > 1 else []
+    if bad:
+        raise ValueError(f"buddy policy {name!r} with ft.replicas={k} on {dims}: {bad[0]}")
     return table
 
 
 @lru_cache(maxsize=64)
+def wards_table(dims, name: str, k: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The inverse of ``buddies_table``, layer by layer: rank ``b``'s j-th ward is the rank whose
+    j-th buddy is ``b`` (every rank holds the replicas of its ``k`` wards)."""
+    ward = [[0] * k for _ in range(dims.world_size)]
+    for r, bs in enumerate(buddies_table(dims, name, k)):
+        for j, b in enumerate(bs):
+            ward[b][j] = r
+    return tuple(tuple(w) for w in ward)
+
+
+def buddy_table(dims, name: str) -> tuple[int, ...]:
+    """Every rank's (first) buddy under policy ``name``; raises unless it is a permutation."""
+    return tuple(t[0] for t in buddies_table(dims, name, 1))
+
+
 def ward_table(dims, name: str) -> tuple[int, ...]:
     """The inverse of ``buddy_table``: whose replica each rank holds."""
-    ward = [0] * dims.world_size
-    for r, b in enumerate(buddy_table(dims, name)):
-        ward[b] = r
-    return tuple(ward)
+    return tuple(w[0] for w in wards_table(dims, name, 1))
 
 
-def check_placement(dims, policy="ring_over_nodes", replicate: str = "unique") -> list[str]:
+def check_placement(dims, policy="ring_over_nodes", replicate: str = "unique",
+                    replicas: int = 1) -> list[str]:
     """What one node's loss would cost under this layout and buddy ``policy`` (a name or a
-    ``BuddyPolicy``), as warnings (empty:
+    ``BuddyPolicy``) with ``replicas`` holders per rank, as warnings (empty:
     every rank survives any single node's loss from memory). On a single node there is no other
     failure domain and nothing is reported.
 
     * a rank whose buddy is on its own node: that node's loss takes the rank and its replica;
+    * with ``replicas > 1``, holders that repeat or share a node (fewer than ``replicas`` node
+      losses then take every copy);
     * with ``replicate="unique"`` (the buddy holds only the optimizer shard), a model shard whose
       data-parallel peers all sit on one node: that node's loss takes every in-memory copy of the
       shard's parameters, and recovery falls back to the disk checkpoint.
@@ -197,10 +316,14 @@ def check_placement(dims, policy="ring_over_nodes", replicate: str = "unique") -
         return []
     out = []
     fn = policy if isinstance(policy, BuddyPolicy) else make_policy(BUDDY_POLICIES, policy)
-    table = [fn.buddy(r, dims) for r in range(dims.world_size)]
+    layers = [fn.buddies(r, dims, replicas) for r in range(dims.world_size)]
+    table = [t[0] for t in layers]
     if sorted(table) != list(range(dims.world_size)):
         out.append(f"buddy policy {policy!r} is not a permutation: some ranks hold two replicas, "
                    f"some none")
+    if replicas > 1:
+        out += [f"buddy policy {policy!r} with ft.replicas={replicas}: {v}"
+                for v in _violations(dims, layers)]
     if dims.num_nodes > dims.nodes_per_rack > 1:
         racked = [r for r, b in enumerate(table) if dims.rack_of(r) == dims.rack_of(b)]
         if racked:

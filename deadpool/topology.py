@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deadpool.policies import buddy_table, ward_table
+from deadpool.policies import buddies_table, wards_table
 
 
 @dataclass(frozen=True)
@@ -130,16 +130,26 @@ class Topology:
     rank: int
     generation: int
     buddy_policy: str = "ring_over_nodes"
+    replicas: int = 1  # ft.replicas: how many buddies hold each rank's replica
 
     @property
     def coords(self) -> dict[str, int]:
         return self.dims.coords(self.rank)
 
+    def buddies(self, rank: int | None = None) -> tuple[int, ...]:
+        """The ``replicas`` ranks that hold ``rank``'s replica, the preferred one first
+        (``deadpool.policies``; a policy sees the layout's coordinates and nodes)."""
+        table = buddies_table(self.dims, self.buddy_policy, self.replicas)
+        return table[self.rank if rank is None else rank]
+
     def buddy(self, rank: int | None = None) -> int:
-        """The rank that holds ``rank``'s replica (``deadpool.policies``; a policy sees the
-        layout's coordinates and nodes)."""
-        return buddy_table(self.dims, self.buddy_policy)[self.rank if rank is None else rank]
+        """The first of ``buddies``."""
+        return self.buddies(rank)[0]
+
+    def wards(self) -> tuple[int, ...]:
+        """The ranks whose replicas this rank holds (``wards()[j]``: whose j-th buddy it is)."""
+        return wards_table(self.dims, self.buddy_policy, self.replicas)[self.rank]
 
     def ward(self) -> int:
-        """The rank whose replica this rank holds (inverse of ``buddy``: a permutation)."""
-        return ward_table(self.dims, self.buddy_policy)[self.rank]
+        """The first of ``wards`` (the inverse of ``buddy``: a permutation)."""
+        return self.wards()[0]

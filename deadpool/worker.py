@@ -227,7 +227,8 @@ class Worker:
             self.has_state = plan.generation == self.first_gen and not self.ft["resume_from"]
         tr.rank, tr.generation = rank, plan.generation
         self.injector.set_rank(rank)
-        topo = Topology(self.dims, rank, plan.generation, self.ft["buddy_policy"])
+        topo = Topology(self.dims, rank, plan.generation, self.ft["buddy_policy"],
+                        int(self.ft.get("replicas", 1)))
         comm = None
         try:
             self.progress.set(plan.resume_step, "build")
@@ -302,9 +303,8 @@ class Worker:
         self._set_sealed(Keys.final(rank), json.dumps({
             "digest": tr.digest(), "step": tr.step, "slot": self.slot,
             "state_bytes": tr.engine.layout.nbytes,
-            # what this rank sends its buddy per snapshot (snapshot.py's regions)
-            "replicated_bytes": 0 if tr.engine.repl_region == "none" else
-            tr.engine.bounds[tr.engine.repl_region][1] - tr.engine.bounds[tr.engine.repl_region][0],
+            # what this rank sends its buddies per snapshot (snapshot.py's regions, x ft.replicas)
+            "replicated_bytes": tr.engine.replicated_bytes,
             "model_params": sum(p.numel() for p in tr.params)}))
 
 

@@ -3,6 +3,7 @@
     python experiments/bench_overhead.py [--repeats 3] [--steps 80] [--settings 2,4+1]
         [--precisions fp32,bf16] [--arms ddp,off,on] [--out experiments/results/runtime/overhead]
     python experiments/bench_overhead.py --quick    # smoke test: 1 repeat, 2 ranks, fp32, 24 steps
+    python experiments/bench_overhead.py --settings 4+1 --arms off,on,on2,on1,on1r2  # ft.replicas 1 vs 2
 
 Arms, on the same model, data, layout, AdamW kernel, decay groups and learning rates, each run
 as a whole job:
@@ -17,6 +18,8 @@ as a whole job:
   on1   (optional) a snapshot every step, never widened: the raw per-step cost
   off_ov, on_ov  (optional) off and on with ``parallel.overlap_param_gather=true``: ZeRO-1's
         parameter all-gather posted per bucket and waited by the next forward (zero.py)
+  on2, on1r2  (optional) ``on`` and ``on1`` with ``ft.replicas=2``: every snapshot goes to two
+        buddies (needs 3 ranks: run in the ``4+1`` setting only, skipped in ``2``)
 in each setting, ``2`` (2 ranks) and ``4+1`` (4 data-parallel ranks and 1 warm spare, which DDP
 does not have), and each precision (``fp32``, ``bf16``: bf16 parameters, fp32 master weights and
 moments sharded by ZeRO-1). Every repeat runs every (setting, precision) and, inside it, every
@@ -60,12 +63,15 @@ SETTINGS = {"2": ("dp2", 2, 0), "4+1": ("dp4", 4, 1)}  # name -> (parallel, rank
 # the state from memory); a failure-free run never reaches it
 OVERLAP = ["parallel.overlap_param_gather=true"]
 ARM_OVERRIDES = {"off": ["ft.snapshot=false", "ft.on_no_spare=checkpoint_and_stop"], "on": [],
-                 "on1": ["ft.snapshot_adaptive=false"]}
+                 "on1": ["ft.snapshot_adaptive=false"], "on2": ["ft.replicas=2"],
+                 "on1r2": ["ft.snapshot_adaptive=false", "ft.replicas=2"]}
 ARM_OVERRIDES |= {"off_ov": ARM_OVERRIDES["off"] + OVERLAP, "on_ov": OVERLAP}
+MIN_RANKS = {"on2": 3, "on1r2": 3}  # ft.replicas=2 needs two other ranks
 RATIOS = {"on/ddp": ("on", "ddp"), "off/ddp": ("off", "ddp"), "on/off": ("on", "off"),
           "on1/ddp": ("on1", "ddp"), "on1/off": ("on1", "off"),
           "off_ov/off": ("off_ov", "off"), "on_ov/on": ("on_ov", "on"),
-          "off_ov/ddp": ("off_ov", "ddp"), "on_ov/ddp": ("on_ov", "ddp")}
+          "off_ov/ddp": ("off_ov", "ddp"), "on_ov/ddp": ("on_ov", "ddp"), "on2/off": ("on2", "off"),
+          "on2/on": ("on2", "on"), "on1r2/off": ("on1r2", "off"), "on1r2/on1": ("on1r2", "on1")}
 
 
 def free_port() -> int:
@@ -142,7 +148,8 @@ def main() -> None:
     ap.add_argument("--steady", default="40-79", help="steady-state window, steps lo-hi inclusive")
     ap.add_argument("--settings", default="2,4+1")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--arms", default="ddp,off,on", help="of ddp, off, on, on1, off_ov, on_ov")
+    ap.add_argument("--arms", default="ddp,off,on",
+                    help="of ddp, off, on, on1, off_ov, on_ov, on2, on1r2")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -172,6 +179,8 @@ def main() -> None:
                     f"seq_len={args.seq_len}", f"precision={prec}", f"ft.num_spares={spares}",
                     "faults=none", "log_every_steps=0", "ft.persist_interval_steps=0"]
             for arm in arms[rep % len(arms):] + arms[:rep % len(arms)]:
+                if ranks < MIN_RANKS.get(arm, 0):
+                    continue
                 d = tmp / f"{setting}-{prec}-{arm}-{rep}"
                 t0 = time.time()
                 if arm == "ddp":
@@ -189,7 +198,7 @@ def main() -> None:
     for (setting, prec), by_window in times.items():
         _, ranks, spares = SETTINGS[setting]
         ratios = {w: {k: [a / b for a, b in zip(t[x], t[y])] for k, (x, y) in RATIOS.items()
-                      if x in t and y in t} for w, t in by_window.items()}
+                      if t.get(x) and t.get(y)} for w, t in by_window.items()}
         entry = {"ranks": ranks, "spares": spares, "precision": prec,
                  "step_time_s": by_window["steady"], "ratios": ratios["steady"],
                  "windows": {w: {"steps": windows[w], "step_time_s": by_window[w],
@@ -212,9 +221,11 @@ def report(entry: dict, windows: dict, repeats: int) -> None:
         ew = entry["windows"][w]
         cells = "  ".join(f"{k} {spread(v)}" for k, v in ew["ratios"].items())
         ms = "  ".join(f"{a} {statistics.median(v) * 1e3:.1f}"
-                       for a, v in ew["step_time_s"].items())
+                       for a, v in ew["step_time_s"].items() if v)
         print(f"  {w:6s} steps {lo}-{hi}: {cells}\n    median step ms: {ms}")
     for arm, ds in entry["runs"].items():
+        if not ds:
+            continue
         g = [d["param_gather_s"] for d in ds if d["param_gather_s"] is not None]
         line = f"  {arm:6s} steady:"
         if g:

@@ -12,7 +12,9 @@ from, in this order of preference::
     live     the rank's own process is already at the resume step
     local    its own process rolls back to its own snapshot of the resume step
     peer     a live process holding the same state (a data-parallel peer) sends its copy
-    replica  the process holding the rank's replica (its buddy, or any other holder) sends it
+    replica  a process holding the rank's replica sends it: with ``ft.replicas=k`` any of its k
+             buddies that is alive and holds the step (the first in buddy order), or any other
+             holder; so with two ranks dead, one the other's first buddy, the second buddy serves
 
 At step 0 a rank may also be drawn afresh (``init``: the initial state is a function of the
 seed and its coordinates), which covers a ZeRO shard lost before its first replica; this is only
@@ -63,7 +65,9 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
                 bad: set[tuple[int, int, int]] = frozenset(), sharded: bool = False,
                 replica_has_shared: bool = True) -> RecoveryDecision:
     """``equivalents(r)``: the data-parallel peers of ``r`` (same model shard; an equivalence
-    class containing ``r``); ``buddy_of(r)``: the preferred holder of ``r``'s replica;
+    class containing ``r``); ``buddy_of(r)``: the preferred holder of ``r``'s replica, or its
+    holders in order of preference (``ft.replicas``: its buddies; any surviving holder of the
+    step serves, the earliest in this order first);
     ``sharded``: each rank also holds state no peer has (a ZeRO-1 optimizer shard);
     ``replica_has_shared``: replicas include the shared region.
 
@@ -139,8 +143,9 @@ class _Holders:
 
     A ``peer`` serves its own state (a corrupt copy is recorded as ``(q, q, S)``): the holders of
     ``r``'s state at ``S`` are its data-parallel peers with their own state at ``S``. A
-    ``replica`` holder serves ``r``'s replica (recorded as ``(holder, r, S)``); the buddy is
-    preferred. Among several, the least loaded serves (then, for peers, one already at ``S``, so
+    ``replica`` holder serves ``r``'s replica (recorded as ``(holder, r, S)``); its buddies are
+    preferred, in order (``ft.replicas``: a dead or stale first buddy passes to the second). Among
+    several, the least loaded serves (then, for peers, one already at ``S``, so
     that no rollback is needed to serve; then the lowest rank). Loads only grow during a plan,
     so the least loaded peer is kept in a heap per data-parallel group and step whose stale
     entries are refreshed when they surface.
@@ -196,7 +201,10 @@ class _Holders:
                 if not found:
                     return None
                 pref = self.buddy_of(r)
-                q = min(found, key=lambda q: (q != pref, load.get(q, 0), q))
+                pref = (pref,) if isinstance(pref, int) else tuple(pref)
+                # its buddies in order (the first alive with the step serves), then any holder
+                q = min(found, key=lambda q: (pref.index(q) if q in pref else len(pref),
+                                              load.get(q, 0), q))
             else:
                 q = self._least_loaded_peer(r, S, load, heaps)
                 if q is None:
@@ -234,8 +242,8 @@ def decide(coord, statuses: dict[int, RankStatus]) -> RecoveryDecision:
     """``plan_resume`` with the job's facts: its ranks, data-parallel peers, buddies, the
     configured source order, the copies known corrupt and what ranks and replicas hold."""
     dims = coord.dims
-    topo = Topology(dims, 0, coord.gen, coord.ft["buddy_policy"])
-    return plan_resume(statuses, list(range(dims.world_size)), dims.state_peers, topo.buddy,
+    topo = Topology(dims, 0, coord.gen, coord.ft["buddy_policy"], int(coord.ft.get("replicas", 1)))
+    return plan_resume(statuses, list(range(dims.world_size)), dims.state_peers, topo.buddies,
                        tuple(coord.ft["state_sources"]), coord.bad,
                        sharded=dims.optimizer_sharded, replica_has_shared=coord.replica_region == "all")
 
@@ -274,6 +282,7 @@ def groups_to_keep(coord, statuses: dict[int, RankStatus], replaced: list[int],
     backend = resolve_backend(coord.cfg["device"], coord.cfg.get("backend", "auto"))
     if coord.ft.get("rebuild", "affected") != "affected" or backend != "gloo":
         return []
-    members = all_groups(coord.dims, coord.ft["buddy_policy"])  # the layout's, every generation
+    members = all_groups(coord.dims, coord.ft["buddy_policy"],  # the layout's, every generation
+                         int(coord.ft.get("replicas", 1)))
     counts = {r: st.groups for r, st in statuses.items()}
     return reusable_groups(counts, members, set(replaced))

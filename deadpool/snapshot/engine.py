@@ -7,10 +7,12 @@ issued on a side stream into pinned memory. Parameters only change again in the 
 step, so the trainer must call ``wait_copy()`` after backward and before ``optimizer.step()``:
 that wait is the only time snapshots can block training, and it is measured (``blocked_s``).
 
-The copier hands each finished snapshot to this generation's ``Replicator`` (replication.py).
+The copier hands each finished snapshot to this generation's ``Replicator`` (replication.py),
+which sends it to the rank's ``ft.replicas`` buddies and receives its wards' (a rank holds the
+replicas of as many wards as it has buddies).
 The invariant that makes recovery always possible: a rank never drops its local snapshot, nor a
 replica, of the newest protected step it knows of, nor anything newer. So the newest protected
-step is always in every survivor's local ring and in the dead rank's buddy's replicas. If
+step is always in every survivor's local ring and in each of the dead rank's buddies' replicas. If
 replication falls behind, ``snapshot()`` waits for a slot it may overwrite (backpressure, counted
 in ``blocked_s``) rather than skipping steps.
 """
@@ -33,7 +35,7 @@ from deadpool.topology import replica_region
 
 
 class SnapshotEngine:
-    """Owns the local snapshot ring, the ward's replicas, and the copier / replication threads."""
+    """Owns the local snapshot ring, the wards' replicas, and the copier / replication threads."""
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]], *,
                  num_local_slots: int = 3, chunk_bytes: int = 4 << 20, device: str = "cpu",
@@ -73,6 +75,7 @@ class SnapshotEngine:
         self._copier = threading.Thread(target=self._copy_loop, name="snapshot-copier", daemon=True)
         self._copier.start()
         self._repl: Replicator | None = None
+        self.num_buddies = 1  # ft.replicas: holders of this rank's replica (from the topology)
         self._protected = -1          # newest step known protected in the current generation
         self._protect_store = None    # main thread's store client, keys and world size
         # timings of the latest snapshot / replication (seconds), read by the trainer's metrics
@@ -268,6 +271,14 @@ class SnapshotEngine:
         except Exception as e:  # a failed earlier write must not stop snapshots
             print(f"[deadpool] periodic checkpoint of step {slot.step} not written: {e}", flush=True)
 
+    @property
+    def replicated_bytes(self) -> int:
+        """Bytes this rank sends per snapshot: its replicated region, once per buddy."""
+        if self.repl_region == "none":
+            return 0
+        a, b = self.bounds[self.repl_region]
+        return (b - a) * self.num_buddies
+
     # -- what this rank can resume from ------------------------------------------------------------
     def local_steps(self) -> list[int]:
         self.drain()
@@ -361,7 +372,8 @@ class SnapshotEngine:
         topo = comm.topo
         self._protected = -1
         self._protect_store = (store_factory(), comm.keys, topo.dims.world_size)
-        self._repl = Replicator(self, comm, topo.buddy(), topo.ward(), store_factory)
+        self.num_buddies = len(topo.buddies())
+        self._repl = Replicator(self, comm, topo.buddies(), topo.wards(), store_factory)
         self._repl.start()
         if first_step is not None:
             slot = self.local_slot(first_step)

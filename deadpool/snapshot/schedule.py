@@ -1,12 +1,12 @@
 """Which steps are snapshotted: every ``interval`` steps, widened when snapshots cost too much.
 
-A snapshot's background work (copy, checksum, replication to the buddy) must finish before the
-next one may reuse its buffers, and it competes with training for cores, memory bandwidth and
+A snapshot's background work (copy, checksum, replication to the ``ft.replicas`` buddies) must
+finish before the next one may reuse its buffers, and it competes with training for cores, memory bandwidth and
 the network. Two measured limits widen the interval ``k`` over ``base, 2 base, 4 base, ...`` (at
 most ``ft.max_snapshot_lag_steps``):
 
 - **cycle** (back-pressure): ``k x step time >= margin x cycle``, the cycle being the time from a
-  snapshot call until its copy and replication are done. Otherwise the next snapshot would block
+  snapshot call until its copy and replication (to every buddy) are done. Otherwise the next snapshot would block
   the training thread waiting for a buffer.
 - **cost** (``ft.snapshot_overhead_target``, e.g. 0.02): the slowdown of steps during which
   snapshot work runs ("active") against steps during which none does ("quiet"), scaled to ``k``,

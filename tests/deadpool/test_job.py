@@ -28,3 +28,28 @@ def test_a_resume_directory_without_a_complete_checkpoint_is_refused(tmp_path):
     (tmp_path / "ckpt" / "step_4" / "rank_0").mkdir(parents=True)  # meta.json never written
     with pytest.raises(ValueError, match="no complete DeadPool checkpoint"):
         validate(compose_train([f"ft.resume_from={tmp_path / 'ckpt'}", "parallel=dp2"], tmp_path))
+
+
+@pytest.mark.parametrize("override,msg", [
+    ("ft.replicas=2", "ft.replicas=2 needs 3 ranks"),          # dp2 on one node
+    ("ft.replicas=0", "ft.replicas must be >= 1, got 0"),
+    ("ft.replicas=two", "ft.replicas must be an integer >= 1, got 'two'"),
+])
+def test_an_impossible_number_of_replicas_is_refused(override, msg, tmp_path):
+    with pytest.raises(ValueError, match=msg):
+        validate(compose_train([override, "parallel=dp2"], tmp_path))
+
+
+def test_a_shrink_below_k_plus_one_ranks_keeps_what_replicas_fit_and_a_regrow_restores_k(tmp_path):
+    from types import SimpleNamespace
+
+    from deadpool.job import _relaunch_cfg
+    from deadpool.protocol import RecoveryRecord
+
+    cfg = compose_train(["parallel=dp4", "parallel.ranks_per_node=1", "ft.replicas=3"], tmp_path)
+    validate(cfg)
+    store = SimpleNamespace(check=lambda keys: False)
+    shrunk = _relaunch_cfg(cfg, store, 3, RecoveryRecord(3, fallback="shrink", dp=3), print)
+    assert shrunk["parallel"]["dp"] == 3 and shrunk["ft"]["replicas"] == 2  # 3 nodes: 2 others
+    grown = _relaunch_cfg(shrunk, store, 5, RecoveryRecord(5, fallback="grow", dp=4), print)
+    assert grown["parallel"]["dp"] == 4 and grown["ft"]["replicas"] == 3

@@ -87,6 +87,27 @@ def test_what_is_replicated_and_kept_on_the_host():
     assert estimate(m, dict(p, dp=1), **kw)["replicated_per_step"] == (
         estimate(m, dict(p, dp=1), **kw)["gpu"]["params"] + estimate(m, dict(p, dp=1), **kw)["gpu"]["optimizer"])
     assert estimate(m, dict(p, zero=False), **kw)["replicated_per_step"] == 0  # peers hold it all
+    # ft.replicas=2: sent to two buddies, and two wards' replicas held (3 buffers each here)
+    e2 = estimate(m, p, replicas=2, **kw)
+    assert e2["replicated_per_step"] == 2 * g["optimizer"]
+    assert e2["host_per_rank"]["replicas"] == 2 * 3 * g["optimizer"]
+    assert e2["host_per_rank"]["local_ring"] == h["local_ring"] and e2["gpu"] == g
+
+
+def test_the_job_check_counts_ft_replicas():
+    from deadpool.memory import check_fits
+    from tests.conftest import compose_train
+
+    big = ["model=llama_7b", "parallel=dp4", "memory.host_gb_per_node=0.001"]
+    cfg = compose_train(big + ["ft.replicas=3"], "unused")
+    with pytest.raises(ValueError, match="replicas") as e:
+        check_fits(cfg)
+    one = compose_train(big, "unused")
+    with pytest.raises(ValueError) as e1:
+        check_fits(one)
+    replicas = lambda msg: float(msg.split("+ replicas ")[1].split()[0])  # noqa: E731
+    assert replicas(str(e1.value)) > 1
+    assert replicas(str(e.value)) == pytest.approx(3 * replicas(str(e1.value)), abs=0.1)
 
 
 def test_first_stage_holds_the_most_activations_under_1f1b():

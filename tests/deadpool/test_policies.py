@@ -3,7 +3,7 @@
 import pytest
 
 from deadpool.policies import (BUDDY_POLICIES, BuddyPolicy, NextDpReplica, NextStage, RingOverNodes,
-                               buddy_table, check_placement)
+                               buddies_table, buddy_table, check_placement, wards_table)
 from deadpool.topology import ParallelDims, Topology
 
 # (dp, tp, pp, ranks_per_node): 1-D, 3-D, the CPU test layouts, the A100 layouts (scaled down
@@ -146,3 +146,80 @@ def test_ring_over_nodes_goes_one_rack_over_when_nodes_share_a_rack():
 def test_a_buddy_in_the_same_rack_is_reported():
     dims = ParallelDims(dp=4, ranks_per_node=1, nodes_per_rack=2)
     assert any("own rack" in w for w in check_placement(dims, "next_dp_replica"))
+
+
+# -- ft.replicas=k ---------------------------------------------------------------------------------
+# (dp, tp, pp, ranks_per_node, nodes_per_rack), k: layouts with at least k + 1 nodes (or one node
+# with at least k + 1 ranks)
+K_LAYOUTS = [((4, 1, 1, 4, 1), 2), ((4, 1, 1, 4, 1), 3), ((4, 1, 1, 1, 1), 3), ((6, 1, 1, 2, 1), 2),
+             ((2, 2, 2, 2, 1), 2), ((2, 2, 2, 2, 1), 3), ((8, 1, 3, 4, 1), 2), ((8, 2, 1, 4, 1), 3),
+             ((4, 4, 8, 4, 1), 2), ((16, 4, 8, 4, 2), 3), ((4, 1, 1, 1, 2), 2), ((6, 1, 1, 1, 3), 4)]
+
+
+@pytest.mark.parametrize("name", sorted(BUDDY_POLICIES))
+@pytest.mark.parametrize("layout,k", K_LAYOUTS, ids=str)
+def test_k_buddies_are_distinct_ranks_on_distinct_other_nodes_and_k_regular(name, layout, k):
+    dims = ParallelDims(*layout)
+    table = buddies_table(dims, name, k)
+    held = [0] * dims.world_size
+    for r, bs in enumerate(table):
+        assert len(bs) == k and len(set(bs)) == k and r not in bs
+        if dims.num_nodes > 1:
+            assert len({dims.node_of(b) for b in bs} | {dims.node_of(r)}) == k + 1, (r, bs)
+        for b in bs:
+            held[b] += 1
+    assert held == [k] * dims.world_size  # every rank holds exactly k replicas
+    for j in range(k):  # and each layer is a permutation
+        assert sorted(bs[j] for bs in table) == list(range(dims.world_size))
+    wards = wards_table(dims, name, k)
+    for r in range(dims.world_size):
+        topo = Topology(dims, r, 0, name, replicas=k)
+        assert topo.buddies() == table[r] and topo.buddy() == table[r][0]
+        for j, w in enumerate(topo.wards()):
+            assert table[w][j] == r and wards[r][j] == w
+    assert not any("ft.replicas" in w or "own node" in w for w in check_placement(dims, name, replicas=k))
+
+
+def test_k_buddies_match_the_docstring_pictures():
+    # ring over 4 two-rank nodes, k=2: one node over, then two
+    dims = ParallelDims(dp=8, ranks_per_node=2)
+    t = buddies_table(dims, "ring_over_nodes", 2)
+    assert [t[r] for r in (0, 1, 6, 7)] == [(2, 4), (3, 5), (0, 2), (1, 3)]
+    # one 4-rank node (conf/parallel/dp4), k=2: the next two ranks
+    assert buddies_table(ParallelDims(dp=4, ranks_per_node=4), "ring_over_nodes", 2) == \
+        ((1, 2), (2, 3), (3, 0), (0, 1))
+    # next_dp_replica, dp6 on 2-rank nodes: shifts 2 and 4
+    t = buddies_table(ParallelDims(dp=6, ranks_per_node=2), "next_dp_replica", 2)
+    assert [t[r] for r in (0, 1, 2, 5)] == [(2, 4), (3, 5), (4, 0), (1, 3)]
+    # racks: the first buddy is a rack over (as with k=1), the second a node within reach
+    dims = ParallelDims(dp=4, ranks_per_node=1, nodes_per_rack=2)
+    assert buddies_table(dims, "ring_over_nodes", 2) == ((2, 1), (3, 2), (0, 3), (1, 0))
+    # the first buddy does not change with k (a k=1 job's replica stays where it was)
+    for layout in [(8, 1, 1, 2), (2, 2, 2, 2), (16, 4, 8, 4, True, 2)]:
+        d = ParallelDims(*layout)
+        assert [t[0] for t in buddies_table(d, "ring_over_nodes", 2)] == list(buddy_table(d, "ring_over_nodes"))
+
+
+@pytest.mark.parametrize("layout,k,msg", [
+    ((4, 1, 1, 2), 2, "ft.replicas=2 puts each rank's replicas on 2 distinct other nodes: it "
+                      "needs at least 3 nodes, but the layout has dp4 x tp1 x pp1, 2 rank(s) per "
+                      "node: 2 node(s)"),
+    ((2, 2, 2, 4), 2, "needs at least 3 nodes"),
+    ((4, 1, 1, 4), 4, "ft.replicas=4 needs 5 ranks"),
+    ((1, 1, 1, 1), 2, "ft.replicas=2 needs 3 ranks"),
+    ((4, 1, 1, 4), 0, "ft.replicas must be >= 1, got 0"),
+])
+def test_an_impossible_number_of_replicas_is_refused_with_the_reason(layout, k, msg):
+    with pytest.raises(ValueError, match="ft.replicas") as e:
+        buddies_table(ParallelDims(*layout), "ring_over_nodes", k)
+    assert msg in str(e.value)
+
+
+def test_a_custom_policy_whose_iterates_share_a_node_is_reported():
+    class Swap(BuddyPolicy):  # a permutation of period 2: its 2nd application is the rank itself
+        def buddy(self, rank, dims):
+            return rank ^ 2
+
+    dims = ParallelDims(dp=8, ranks_per_node=2)  # 4 nodes
+    warnings = check_placement(dims, Swap(), replicas=2)
+    assert any("repeat or include itself" in w for w in warnings), warnings

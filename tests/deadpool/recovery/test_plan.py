@@ -196,3 +196,92 @@ def test_a_bf16_master_shard_is_never_rebuilt_from_a_peers_bf16_parameters():
     # before any step: the master shard is the seed's, drawn afresh
     d = decide(coord, {r: st(r, 0, [0]) for r in WORLD if r != 0})
     assert d.resume_step == 0 and d.sources[0] == Source("init", 0)
+
+
+# -- ft.replicas=2: any surviving holder serves ----------------------------------------------------
+def k2_coord(*overrides):
+    """The planner's job facts for dp4 on one node with ``ft.replicas=2`` (ZeRO-1: unique
+    replicas): rank r's replicas live on r+1 and r+2."""
+    from types import SimpleNamespace
+
+    from tests.conftest import compose_train
+
+    cfg = compose_train(["parallel=dp4", "ft.replicas=2", *overrides], "unused")
+    dims = ParallelDims.from_config(cfg["parallel"])
+    return SimpleNamespace(dims=dims, gen=0, ft=cfg["ft"], bad=set(),
+                           replica_region=dims.replica_region(cfg["ft"]["replicate"]))
+
+
+def test_a_rank_and_its_first_buddy_dead_the_second_buddy_serves():
+    from deadpool.recovery.plan import decide
+
+    coord = k2_coord()
+    assert Topology(coord.dims, 1, 0, "ring_over_nodes", 2).buddies() == (2, 3)
+    # ranks 1 and 2 died at step 12 (2 was 1's first buddy); 3 holds 1's and 2's replicas
+    # (wards 2 and 1), 0 holds 3's and 2's
+    statuses = {0: st(0, 12, [11, 12], {3: [11, 12], 2: [11, 12]}),
+                3: st(3, 12, [11, 12], {2: [11, 12], 1: [11, 12]})}
+    d = decide(coord, statuses)
+    assert d.resume_step == 12 and d.steps_recomputed == 0
+    assert d.sources[1].kind == "replica" and d.sources[1].holder == 3  # the only holder alive
+    assert d.sources[2].kind == "replica" and d.sources[2].holder == 3  # its first buddy
+    for r in (1, 2):  # the optimizer shard from the replica, the parameters from a live peer
+        assert d.sources[r].shared_from in (0, 3)
+    # with one replica per rank the same two deaths lose rank 1 from memory
+    one = k2_coord("ft.replicas=1")
+    d1 = decide(one, {0: st(0, 12, [11, 12], {3: [11, 12]}), 3: st(3, 12, [11, 12], {2: [11, 12]})})
+    assert d1.resume_step is None and d1.lost == [1]
+
+
+def test_the_first_buddy_is_preferred_and_a_holder_without_the_step_is_skipped():
+    from deadpool.recovery.plan import decide
+
+    coord = k2_coord()
+    # rank 1 died; both its buddies live: the first (2) serves
+    statuses = {0: st(0, 9, [8, 9], {3: [8, 9], 2: [8, 9]}), 2: st(2, 9, [8, 9], {1: [8, 9], 0: [8, 9]}),
+                3: st(3, 9, [8, 9], {2: [8, 9], 1: [8, 9]})}
+    assert decide(coord, statuses).sources[1].holder == 2
+    # the first buddy's replica of 9 is known corrupt: the second buddy serves step 9
+    coord.bad = {(2, 1, 9)}
+    d = decide(coord, statuses)
+    assert d.resume_step == 9 and d.sources[1].holder == 3
+    # the first buddy was cut mid-replication (holds only 8), the second has 9: no rollback
+    coord.bad = set()
+    statuses[2] = st(2, 9, [8, 9], {1: [8], 0: [8, 9]})
+    d = decide(coord, statuses)
+    assert d.resume_step == 9 and d.sources[1].holder == 3
+
+
+def test_a_holder_killed_while_serving_fails_over_to_the_other_holder():
+    """Rank 1 died and the plan named its first buddy 2; 2 died during that transfer. The next
+    plan sees the spare that took rank 1 with nothing (its transfer was cut) and uses rank 1's
+    second buddy, 3; rank 2's shard comes from 3 as well (its first buddy)."""
+    from deadpool.recovery.plan import decide
+
+    coord = k2_coord()
+    first = decide(coord, {0: st(0, 12, [12], {3: [12], 2: [12]}),
+                           2: st(2, 12, [12], {1: [12], 0: [12]}),
+                           3: st(3, 12, [12], {2: [12], 1: [12]})})
+    assert first.sources[1].holder == 2
+    spare = RankStatus(1, 4, None, [], {})  # the spare in slot 4: transfer interrupted
+    d = decide(coord, {0: st(0, 12, [12], {3: [12], 2: [12]}), 1: spare,
+                       3: st(3, 12, [12], {2: [12], 1: [12]})})
+    assert d.resume_step == 12
+    assert (d.sources[1].kind, d.sources[1].holder) == ("replica", 3)
+    assert (d.sources[2].kind, d.sources[2].holder) == ("replica", 3)
+
+
+def test_bf16_with_two_replicas_never_takes_a_master_shard_from_a_peer():
+    from deadpool.recovery.plan import decide
+
+    coord = k2_coord("precision=bf16")
+    # ranks 0 and 1 (0's first buddy) died; 0's second buddy (2) reached step 6 only, peers are at 7
+    statuses = {2: st(2, 7, [6, 7], {1: [6, 7], 0: [6]}), 3: st(3, 7, [6, 7], {2: [6, 7], 1: [6, 7]})}
+    d = decide(coord, statuses)
+    assert d.resume_step == 6
+    assert (d.sources[0].kind, d.sources[0].holder) == ("replica", 2)
+    assert d.sources[0].shared_from in (2, 3)
+    # no holder of 0's shard left: lost, never rebuilt from a peer's bf16 parameters
+    statuses[2] = st(2, 7, [6, 7], {1: [6, 7]})
+    d = decide(coord, statuses)
+    assert d.resume_step is None and 0 in d.lost

@@ -240,3 +240,46 @@ def test_a_step_snapshotted_again_reuses_its_slot():
     eng.snapshot(12, {"step": 12})
     eng.snapshot(12, {"step": 12})
     assert eng.local_steps() == [11, 12]
+
+
+def test_two_replicas_reach_both_buddies_and_every_rank_holds_two_wards():
+    """``ft.replicas=2`` on one 4-rank node: rank r's snapshot lands on r+1 and r+2, and rank r
+    holds the replicas of r-1 and r-2, each byte-equal to its owner's (states differ per rank,
+    so a replica routed to the wrong holder or filed under the wrong owner would show)."""
+    n, k = 4, 2
+    master = master_store()
+    engines = {}
+
+    def rank_fn(r):
+        comm = Communicator.build(Topology(ParallelDims(dp=n, ranks_per_node=n), r, 0,
+                                           replicas=k), client(master.port))
+        model, opt = make_state(seed=r)
+        eng = SnapshotEngine(state_tensors(model, opt), chunk_bytes=1 << 16)
+        engines[r] = eng
+        eng.snapshot(0, {"step": 0, "who": r})
+        eng.drain()
+        eng.start_replication(comm, lambda: client(master.port), first_step=0)
+        for step in (1, 2):
+            train_one_step(model, opt, 10 * step + r)
+            eng.wait_copy()
+            eng.snapshot(step, {"step": step, "who": r})
+        deadline = time.time() + 60
+        while eng.done_step < 2 or any(2 not in eng.replica_steps().get(w, [])
+                                       for w in comm.topo.wards()):
+            assert time.time() < deadline, eng.replica_steps()
+            time.sleep(0.01)
+        return comm
+
+    comms = run_threads(rank_fn, n)
+    for r in range(n):
+        assert sorted(engines[r].replica_steps()) == sorted({(r - 1) % n, (r - 2) % n})
+        for ward in ((r - 1) % n, (r - 2) % n):
+            assert torch.equal(engines[r].replica(ward, 2).flat, engines[ward].local_slot(2).flat)
+        assert engines[r].replicated_bytes == 2 * engines[r].layout.nbytes
+        # the receive buffers of two wards are never shared
+        held = [rep.flat for reps in engines[r].replicas.values() for rep in reps]
+        assert len({b.data_ptr() for b in held}) == len(held)
+    for c in comms:
+        c.park()
+    for e in engines.values():
+        e.stop_replication()

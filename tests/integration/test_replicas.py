@@ -1,0 +1,105 @@
+"""``ft.replicas=2`` with real processes: two overlapping failures recovered from memory.
+
+With one replica per rank (the default) a rank and its buddy lost together leave no copy of the
+rank's ZeRO-1 optimizer shard (``test_hotswap.py`` expects ``unrecoverable``). With two, the
+second buddy serves. Every rank's optimizer shard is its own, so the final state equals the
+failure-free run only if each shard came from a holder of the right rank's replica.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from deadpool.job import run_job
+from deadpool.report import compare_final_states
+from tests.conftest import compose_train
+from tests.integration.test_hotswap import ranks_lost
+
+# dp4 on one node: rank r's replicas on r+1 and r+2 (ring_over_nodes over ranks)
+BASE = ["model=tiny", "parallel=dp4", "num_steps=20", "ft.num_spares=2", "ft.replicas=2",
+        "ft.persist_interval_steps=0", "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
+quiet = lambda *a, **k: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference_replicas")
+    summary = run_job(compose_train(BASE + ["faults=none"], run_dir), log=quiet)
+    assert summary["outcome"] == "completed" and not summary["recoveries"]
+    return run_dir, summary
+
+
+def fault_times(run_dir) -> dict[int, float]:
+    """rank -> when its injected fault fired (the ``[fault]`` line of its process's log)."""
+    out = {}
+    for log in (run_dir / "logs").glob("slot*.log"):
+        for m in re.finditer(r"\[fault\] kill at \w+ of step \d+ \(rank (\d+), slot \d+, "
+                             r"t=([\d.]+)\)", log.read_text()):
+            out[int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def sources_of(summary: dict, rank: int) -> list[str]:
+    return [rec["sources"][str(rank)] for rec in summary["recoveries"]
+            if str(rank) in rec.get("sources", {})]
+
+
+@pytest.mark.slow
+def test_a_rank_and_its_first_buddy_killed_together_end_bitwise_equal(reference, tmp_path):
+    # ranks 1 and 2 (1's first buddy) SIGKILLed at the same moment of step 12: as they leave
+    # the gradient reduction together (measured 2-9 ms apart; at mid_step, after backward, up
+    # to 44 ms). Rank 1's shard survives only on its second buddy, rank 3
+    ev = ("faults.events=[{rank:1,step:12,phase:optimizer,kind:kill},"
+          "{rank:2,step:12,phase:optimizer,kind:kill}]")
+    summary = run_job(compose_train(BASE + [ev], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    assert ranks_lost(summary) == {1, 2}
+    t = fault_times(tmp_path)
+    assert abs(t[1] - t[2]) < 0.05, t  # "together": within 50 ms
+    assert sources_of(summary, 1)[-1].startswith("replica from rank 3"), summary["recoveries"]
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+    assert summary["final_digest"] == reference[1]["final_digest"]
+
+
+@pytest.mark.slow
+def test_a_buddy_killed_while_serving_its_ward_fails_over_to_the_second_buddy(reference, tmp_path):
+    # test_hotswap's unrecoverable case, with two replicas: rank 1 dies mid-step, rank 2 (its
+    # first buddy) dies while the recovery moves rank 1's shard off it; the next plan takes the
+    # shard from rank 3, the second buddy
+    ev = ("faults.events=[{rank:1,step:12,phase:mid_step,kind:kill},"
+          "{rank:2,step:0,phase:transfer,kind:kill}]")
+    summary = run_job(compose_train(BASE + [ev], tmp_path), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    first = summary["recoveries"][0]
+    assert first["failed_rank"] == 1 and first["sources"]["1"].startswith("replica from rank 2")
+    assert 2 in ranks_lost(summary)
+    assert sources_of(summary, 1)[-1].startswith("replica from rank 3"), summary["recoveries"]
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+    assert summary["final_digest"] == reference[1]["final_digest"]
+
+
+@pytest.mark.slow
+def test_3d_a_rank_and_its_buddy_on_another_node_killed_together_end_bitwise_equal(tmp_path):
+    # dp2 x tp2 x pp2 on four 2-rank nodes: rank 2 (stage 0, node 1) has its replicas on rank 4
+    # (stage 1, node 2) and rank 6 (node 3); ranks 2 and 4 die together, rank 2's shard comes
+    # from rank 6 and its parameters from its data-parallel peer 0. (Not rank 0 with its first
+    # buddy 2: they are the two data-parallel copies of one model shard, whose parameters
+    # ft.replicate=unique does not replicate; ft.replicate=full would cover that.)
+    base = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=10", "ft.num_spares=2",
+            "ft.replicas=2", "ft.persist_interval_steps=0", "ft.replication_chunk_mb=0.5",
+            "log_every_steps=0"]
+    ref = run_job(compose_train(base + ["faults=none"], tmp_path / "ref"), log=quiet)
+    assert ref["outcome"] == "completed" and not ref["recoveries"]
+    ev = ("faults.events=[{rank:2,step:5,phase:optimizer,kind:kill},"
+          "{rank:4,step:5,phase:optimizer,kind:kill}]")
+    summary = run_job(compose_train(base + [ev], tmp_path / "run"), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    assert ranks_lost(summary) == {2, 4}
+    assert sources_of(summary, 2)[-1] == "replica from rank 6 + parameters from rank 0", \
+        summary["recoveries"]
+    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    assert equal, why

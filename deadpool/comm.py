@@ -15,8 +15,10 @@ path grows with the job):
   pp_recv_fwd  2-rank group (previous stage, this stage): activations it receives
   pp_send_bwd  2-rank group (this stage, previous stage): input gradients it sends back
   pp_recv_bwd  2-rank group (next stage, this stage): output gradients it receives
-  repl_out     2-rank group (this rank, its buddy), gloo: snapshot replication sends
-  repl_in      2-rank group (its ward, this rank), gloo: replicas received
+  repl_out     2-rank group (this rank, its buddy), gloo: snapshot replication sends; with
+               ft.replicas=k also repl_out1 .. repl_out{k-1}, one per further buddy
+  repl_in      2-rank group (its ward, this rank), gloo: replicas received (repl_in1 ...: one
+               per further ward)
 A group that would hold only this rank is not made. Pipeline traffic goes over 2-rank groups with
 ``broadcast`` rather than ``send``/``recv`` because a point-to-point wait cannot be polled (a
 timed-out gloo recv breaks the pair), while a collective can; one group per direction keeps each
@@ -26,8 +28,9 @@ transfer to a rank being restored uses a 2-rank group per (holder, receiver) pai
 made at transfer time (``pair_group``).
 
 Survivors must never sit in a collective until its timeout. One watcher thread per generation
-(``start_watcher``) reads the generation's abort key from the store every ``poll_s`` and, once it
-is set, marks the generation aborted (a local flag: the training thread never asks the store
+(``start_watcher``) reads the generation's abort key every ``poll_s`` (under a node agent the
+node's shared-memory board, ``abort_probe``: no store request until the agent has seen the
+pushed abort; else the store) and, once it is set, marks the generation aborted (a local flag: the training thread never asks the store
 inside a step) and, on NCCL, aborts every device group of the generation in parallel, a thread
 per group. What cannot be polled (a group's rendezvous, point-to-point state transfer) runs in a
 helper thread through ``run_abortable``; the calling thread polls the flag and abandons the helper

@@ -88,7 +88,9 @@ class NodeAgent:
         busy = [s for s in ranks if live.phase.get(s, "start") not in IDLE]
         stalled = [s for s in ranks if live.stalled(s)]
         own = [s for s in stalled if live.phase.get(s) not in PEER_WAIT]
-        steps = [live.step.get(s, -1) for s in ranks]
+        # the newest step includes the last beat of a process that just exited (the step it
+        # died in: a restart's failed_at_step)
+        steps = [live.step.get(s, -1) for s in self.slots if s in self.assigned]
         slow = {}
         for s in self.slots:
             age = live.beat_age(s)
@@ -150,6 +152,7 @@ class NodeAgent:
     # -- the pushed part ------------------------------------------------------------------------------
     def on_exit(self, slot: int, code: int) -> None:
         self.exits[slot] = code
+        self.observe()  # the last beats, the dead process's included
         self.publish(urgent=True)
 
     def apply(self, event: dict) -> None:

@@ -141,7 +141,7 @@ def projection(calib: dict, base: dict, gpus=GPUS):
     for n in gpus:
         lay = Layout.from_cfg({**base, "num_gpus": n, "step_time_s": step, "num_spares": 0})
         rc = costs.reconfig(lay, calib)
-        det = costs.detection(calib).crash_s
+        det = costs.detection(calib, lay).crash_s
         rows.append(dict(gpus=n, detect=det, plan=rc.plan_s, rebuild=rc.rebuild_s, transfer=rc.transfer_s,
                          warmup=rc.warmup_s, total=det + rc.swap_s, restart=det + costs.restart_s(lay, calib),
                          gb_per_node=lay.state_bytes_per_node / 1e9))

@@ -3,9 +3,14 @@
 One place for every cost that more than one strategy pays, so that the same event costs the
 same for everyone (``conf/sim/calibration/<name>.yaml`` holds the values and their sources):
 
-- detection, by failure cause (``Detection``): crash, hang, silent data corruption;
+- detection, by failure cause (``Detection``): crash, hang, silent data corruption. A crash
+  is a process exit (``detect_crash_s + detect_crash_per_rank_s * N``) or, for the causes in
+  ``node_causes``, the loss of the whole node (``detect_node_s + detect_node_per_rank_s * N``,
+  default: the crash time), N = ``num_gpus`` (one rank per GPU);
 - reconfiguration without a restart (``Reconfig``): ``plan_s + rebuild_s + transfer_s + warmup``
-  with ``rebuild_s = rebuild_base_s + rebuild_per_log2_gpus_s * log2(num_gpus)`` and
+  with ``plan_s = plan_base_s + plan_per_rank_s * N`` (a file that gives only ``plan_s`` gives the
+  base; the per-rank terms come from ``sim.calibrate_control_plane``),
+  ``rebuild_s = rebuild_base_s + rebuild_per_log2_gpus_s * log2(num_gpus)`` and
   ``transfer_s = transfer_latency_s + state_bytes_per_node / (transfer_gbps_per_node * 1e9)``.
   DeadPool's hot swap, elastic shrink/regrow and a replica's replacement all pay it;
 - the per-step snapshot engine (``Snapshots``): measured main-thread overhead plus what
@@ -37,20 +42,25 @@ CRASH, HANG, SDC = "crash", "hang", "sdc"
 
 @dataclasses.dataclass(frozen=True)
 class Detection:
-    crash_s: float
+    crash_s: float  # a process exit -> noticed
     hang_s: float
     sdc_s: float  # delay before a silent corruption is noticed (the fault is delivered then)
     hang_causes: frozenset[str]
     sdc_causes: frozenset[str]
+    node_s: float | None = None  # a whole node lost (its agent with it) -> noticed; None: crash_s
+    node_causes: frozenset[str] = frozenset()  # crash causes that take the node down
 
     def kind(self, cause: str) -> str:
         if cause in self.sdc_causes:
             return SDC
         return HANG if cause in self.hang_causes else CRASH
 
-    def seconds(self, kind: str) -> float:
+    def seconds(self, kind: str, cause: str = "") -> float:
         """Detection time booked after the fault is delivered. A corruption is delivered only
-        when it is noticed; the delay before it is lost work, booked by the rollback."""
+        when it is noticed; the delay before it is lost work, booked by the rollback. A crash
+        whose ``cause`` takes the node down is noticed in ``node_s``."""
+        if kind == CRASH and self.node_s is not None and cause in self.node_causes:
+            return self.node_s
         return {CRASH: self.crash_s, HANG: self.hang_s, SDC: 0.0}[kind]
 
 
@@ -95,15 +105,34 @@ class DiskCosts:
                            keep_last=self.keep_last, keep_every_w=self.keep_every_s)
 
 
-def detection(c: Mapping) -> Detection:
-    return Detection(crash_s=float(c["detect_crash_s"]), hang_s=float(c["detect_hang_s"]),
+def detection(c: Mapping, layout: Layout) -> Detection:
+    """Detection times at the layout's number of ranks (``num_gpus``); the per-rank terms
+    (default 0) are the control plane's, fitted by ``sim.calibrate_control_plane``."""
+    n = layout.num_gpus
+    crash = float(c["detect_crash_s"]) + float(c.get("detect_crash_per_rank_s", 0.0) or 0.0) * n
+    node = None
+    if c.get("detect_node_s") is not None:
+        node = float(c["detect_node_s"]) + float(c.get("detect_node_per_rank_s", 0.0) or 0.0) * n
+    return Detection(crash_s=crash, hang_s=float(c["detect_hang_s"]),
                      sdc_s=float(c["detect_sdc_s"]), hang_causes=frozenset(c.get("hang_causes", ())),
-                     sdc_causes=frozenset(c.get("sdc_causes", ())))
+                     sdc_causes=frozenset(c.get("sdc_causes", ())), node_s=node,
+                     node_causes=frozenset(c.get("node_causes", ()) or ()))
+
+
+def plan_s(layout: Layout, c: Mapping) -> float:
+    """Decision -> the plan in every rank's hands: ``plan_base_s + plan_per_rank_s * num_gpus``.
+    A calibration must give ``plan_base_s`` or (older files) ``plan_s``, not both: an override
+    of one would silently leave the other in force."""
+    if "plan_base_s" in c and "plan_s" in c:
+        raise ValueError("calibration gives both plan_s and plan_base_s; keep one "
+                         "(plan_s is the older name of plan_base_s)")
+    base = c["plan_base_s"] if "plan_base_s" in c else c["plan_s"]
+    return float(base) + float(c.get("plan_per_rank_s", 0.0) or 0.0) * layout.num_gpus
 
 
 def reconfig(layout: Layout, c: Mapping) -> Reconfig:
     return Reconfig(
-        plan_s=float(c["plan_s"]),
+        plan_s=plan_s(layout, c),
         rebuild_s=float(c["rebuild_base_s"]) + float(c["rebuild_per_log2_gpus_s"]) * math.log2(layout.num_gpus),
         transfer_s=transfer_s(layout, c),
         warmup_s=float(c["warmup_steps"]) * layout.step_time_s,

@@ -107,7 +107,7 @@ class Job:
         """An unexpected failure: its detection time (by cause, the same for every strategy) is
         still to be spent. A second failure before the first is detected restarts the wait with
         the longer of the two."""
-        s = self.detection_costs.seconds(cause.kind)
+        s = self.detection_costs.seconds(cause.kind, cause.cause)
         self.detect_s = max(self.detect_s, s) if self.detect_pending else s
         self.detect_pending = True
 

@@ -74,7 +74,7 @@ def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Tra
     env = CountingEnvironment()
     ledger = Ledger()
     spares = layout.num_spares if strategies.uses_spares(scfg) else 0
-    cluster = Cluster(env, trace, layout.num_nodes, spares, ledger, costs.detection(calib))
+    cluster = Cluster(env, trace, layout.num_nodes, spares, ledger, costs.detection(calib, layout))
     kind = scfg.get("kind", name)
     job = strategies.build(kind, env, cluster, layout, ledger, scfg, calib, mtbf_s)
     env.run(until=horizon_s)

@@ -85,14 +85,14 @@ def mean_of(strategy: str, key: str = "goodput") -> Callable[[list[dict], dict],
 def sync_stall_min(rows, cfg) -> float:
     """A synchronous job's stall per crash: detection + restart (requeue, relaunch, load, warm-up)."""
     lay, c = Layout.from_cfg(cfg["cluster"]), cfg["calibration"]
-    return (float(c["detect_crash_s"]) + costs.restart_s(lay, c)) / 60.0
+    return (costs.detection(c, lay).crash_s + costs.restart_s(lay, c)) / 60.0
 
 
 def ft_stall_min(rows, cfg) -> float:
     """FT-HSDP's stall per crash: detection + dropping the replica in place (plan + rebuild)."""
     lay, c = Layout.from_cfg(cfg["cluster"]), cfg["calibration"]
     rc = costs.reconfig(lay, c)
-    return (float(c["detect_crash_s"]) + rc.plan_s + rc.rebuild_s) / 60.0
+    return (costs.detection(c, lay).crash_s + rc.plan_s + rc.rebuild_s) / 60.0
 
 
 def runs(seeds: int, days_100k: float) -> list[Run]:

@@ -55,7 +55,7 @@ class CheckpointRestart(Job):
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> CheckpointRestartParams:
         d = costs.disk(layout, calib, scfg["ckpt_mode"])
-        return CheckpointRestartParams(detect=costs.detection(calib),
+        return CheckpointRestartParams(detect=costs.detection(calib, layout),
                                        interval_s=checkpoint_interval_s(scfg, d, mtbf_s), disk=d)
 
     def on_interrupt(self, cause) -> None:

@@ -90,7 +90,7 @@ class DeadPool(Job):
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> DeadPoolParams:
         check_host_memory(layout, calib)
-        return DeadPoolParams(detect=costs.detection(calib), reconfig=costs.reconfig(layout, calib),
+        return DeadPoolParams(detect=costs.detection(calib, layout), reconfig=costs.reconfig(layout, calib),
                               snap=costs.snapshots(layout, calib, float(scfg["disk_ckpt_interval_s"])),
                               disk=costs.disk_from_snapshots(layout, calib, scfg["disk_ckpt_mode"]),
                               disk_interval_s=float(scfg["disk_ckpt_interval_s"]),

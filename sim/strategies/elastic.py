@@ -125,7 +125,7 @@ class Elastic(Job):
             relaunch = tuple(d.write_s + costs.relaunch_s(layout, calib, g * npg) + costs.storage_load_s(layout, calib)
                              + costs.restart_warmup_s(layout, calib) for g in range(layout.num_groups + 1))
         return ElasticParams(
-            detect=costs.detection(calib),
+            detect=costs.detection(calib, layout),
             shrink_s=rc.plan_s + rc.rebuild_s,
             regrow_s=rc.swap_s,
             step_s=layout.step_time_s,

@@ -73,7 +73,7 @@ class Replication(Job):
         rc = costs.reconfig(layout, calib)
         background = rc.transfer_s if replace == "background" else 0.0
         return ReplicationParams(
-            detect=costs.detection(calib),
+            detect=costs.detection(calib, layout),
             failover_s=float(scfg["failover_s"]),
             replace_s=rc.swap_s - background,
             replace=replace,

@@ -188,7 +188,7 @@ def test_replication_refuses_when_two_states_do_not_fit():
     Replication.params_from_cfg(big_layout(hbm_gb_per_gpu=80.0, activation_gb_per_gpu=20.0), scfg, H100, 3600.0)
 
 
-@pytest.mark.parametrize("profile", ["gpu_h100", "a100"])
+@pytest.mark.parametrize("profile", ["gpu_h100", "a100", "control_plane_fit"])
 def test_every_gpu_profile_value_names_its_source(profile):
     """Each value line of a GPU profile says where it comes from: measured, published (or a
     spec), the runtime's setting, or an assumption."""

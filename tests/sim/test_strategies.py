@@ -208,7 +208,7 @@ def test_deadpool_matches_analytic_goodput_with_ample_spares(strategy_cfgs):
     tcfg = yaml.safe_load((sim.config.SIM_CONF_DIR / "trace" / "llama3.yaml").read_text())
     lay = Layout(num_gpus=16384, gpus_per_node=8, tp=8, pp=16, num_spares=64, model_params=405e9,
                  bytes_per_param_state=16, optimizer_sharded_over_dp=True, step_time_s=6.3)
-    rc, snap, det = costs.reconfig(lay, calib), costs.snapshots(lay, calib), costs.detection(calib)
+    rc, snap, det = costs.reconfig(lay, calib), costs.snapshots(lay, calib), costs.detection(calib, lay)
     assert snap.overhead_frac > 0 and snap.net.interval_steps == 1
     rate = 1.0 / (1.0 + snap.overhead_frac)
     horizon = 54 * DAY_S

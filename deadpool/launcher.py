@@ -87,6 +87,11 @@ class LocalLauncher:
         p = self.procs.get(slot)
         return p is None or p.poll() is not None or process_stopped(p.pid)
 
+    def fence(self, slots: list[int]) -> None:
+        """``kill`` each of ``slots``."""
+        for slot in slots:
+            self.kill(slot)
+
     def kill(self, slot: int) -> None:
         """Fence: a declared-dead process must never come back (a SIGSTOPped one would)."""
         p = self.procs.get(slot)
@@ -126,6 +131,10 @@ class ExternalLauncher:
 
     def is_stopped(self, slot: int) -> bool:
         return False  # remote: only the hard heartbeat timeout (or a peer's error) can tell
+
+    def fence(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.kill(slot)
 
     def kill(self, slot: int) -> None:
         key = Keys.fence(slot)  # sealed for this key: a copy under another slot's key is refused
@@ -208,14 +217,20 @@ class AgentLauncher:
         return self.live.stopped(slot) or self.node_gone(slot)
 
     def kill(self, slot: int) -> None:
-        node = self.node_of_slot.get(slot)
-        p = self.agents.get(node)
-        if p is not None and p.poll() is None and process_stopped(p.pid):
-            self.kill_node(node)  # a stopped agent cannot carry out a fence: the node goes
-        if slot not in self.fenced:
-            self.fenced.add(slot)
+        self.fence([slot])
+
+    def fence(self, slots: list[int]) -> None:
+        """One pushed event for all of ``slots`` (every agent reads each event: a node's loss
+        is one event, not one per process)."""
+        new = [s for s in slots if s not in self.fenced]
+        for node in {self.node_of_slot.get(s) for s in new}:
+            p = self.agents.get(node)
+            if p is not None and p.poll() is None and process_stopped(p.pid):
+                self.kill_node(node)  # a stopped agent cannot carry out a fence: the node goes
+        if new:
+            self.fenced.update(new)
             try:
-                self.events.push("fence", slots=[slot])
+                self.events.push("fence", slots=new)
             except Exception:  # the store is gone (the job is ending): the agents end with it
                 pass
 

@@ -470,6 +470,10 @@ class Launcher:
     def kill(self, slot):
         self.flags[slot] = DEAD
 
+    def fence(self, slots):
+        for slot in slots:
+            self.kill(slot)
+
     def log_tail(self, slot, lines=20):
         return ""
 

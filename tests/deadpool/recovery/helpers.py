@@ -26,6 +26,9 @@ class FakeLauncher:
     def kill(self, slot: int) -> None:
         self.killed.append(slot)
 
+    def fence(self, slots: list[int]) -> None:
+        self.killed.extend(slots)
+
     def log_tail(self, slot: int, lines: int = 20) -> str:
         return ""
 

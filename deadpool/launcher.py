@@ -94,12 +94,7 @@ class LocalLauncher:
 
     def kill(self, slot: int) -> None:
         """Fence: a declared-dead process must never come back (a SIGSTOPped one would)."""
-        p = self.procs.get(slot)
-        if p is not None and p.poll() is None:
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill(self.procs.get(slot))
 
     def wait_all(self, timeout_s: float) -> None:
         for slot, p in self.procs.items():
@@ -160,6 +155,15 @@ def job_processes(run_dir) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def sigkill(proc: subprocess.Popen | None) -> None:
+    """SIGKILL a child process that still runs."""
+    if proc is not None and proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def process_stopped(pid: int) -> bool:
@@ -236,12 +240,7 @@ class AgentLauncher:
 
     def kill_node(self, node: int) -> None:
         """SIGKILL a node's agent (its processes die with it): tests' node loss, and the end."""
-        p = self.agents.get(node)
-        if p is not None and p.poll() is None:
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        sigkill(self.agents.get(node))
 
     def wait_all(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

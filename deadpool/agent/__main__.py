@@ -32,7 +32,7 @@ from deadpool.agent.board import NodeBoard
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.groups import keepable_keys
-from deadpool.launcher import job_env, start_worker
+from deadpool.launcher import job_env, sigkill, start_worker
 from deadpool.protocol import Seal
 from deadpool.topology import ParallelDims
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     store = open_store()
     dims = ParallelDims.from_config(cfg["parallel"])
     agent = NodeAgent(args.node, board, store, seal, ft, where,
-                      kill=lambda slot: _kill(procs.get(slot)),
+                      kill=lambda slot: sigkill(procs.get(slot)),
                       group_keys=keepable_keys(dims, ft["buddy_policy"]))
     lock = threading.Lock()  # the store client and the agent's state are shared by the threads
     with lock:
@@ -165,14 +165,6 @@ def _reopen(open_store, err, node):
     except Exception:
         print(f"[agent {node}] store unreachable ({err})", flush=True)
         return None
-
-
-def _kill(proc) -> None:
-    if proc is not None and proc.poll() is None:
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def worker_s2(store, slot: int, generations: int) -> dict:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         rows.append({"g": g, "build_s": build_s, "correct": ok, "abort_s": dict(comm.abort_s),
-                     "gpu_used_mib_this_pid": gpu_used_by_pid(os.getpid()),
+                     "gpu_used_mib_this_pid": gpu_used_by_pid(os.getpid())["smi_pid_mib"],
                      "torch_reserved_mib": torch.cuda.memory_reserved() / 2**20,
                      "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
                      "os_threads": len(os.listdir("/proc/self/task"))})

@@ -1,5 +1,5 @@
 """Hot-swap with CUDA state: 4 ranks + 1 spare on one GPU, gloo over CUDA tensors, a SIGKILL
-mid-step, the spare restored from the buddy's replica; the final state must be bitwise equal to
+mid-step, the spare restored from the buddy's replica alone (``ft.replicate=full``); the final state must be bitwise equal to
 a failure-free run (deterministic algorithms on). Skipped without a GPU."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from deadpool.report import compare_final_states
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp4", "num_steps=16", "ft.num_spares=1", "device=cuda",
-        "backend=gloo", "deterministic=true", "ft.state_sources=[replica]", "log_every_steps=0"]
+        "backend=gloo", "deterministic=true", "ft.state_sources=[replica]", "ft.replicate=full",
+        "log_every_steps=0"]  # replicate=full: the whole state (ZeRO-1 shard and parameters) from the replica
 quiet = lambda *a, **k: None  # noqa: E731
 
 

@@ -128,7 +128,10 @@ def test_a_collective_posted_on_an_aborted_group_raises_aborted_on_every_rank(
     res, _, _ = run(tmp_path, monkeypatch, ParallelDims(dp=2, tp=2, ranks_per_node=4), 4, at=at)
     for tr, comm, err, _ in res:
         assert isinstance(err, Aborted), err
-        assert "rank 3 died" in str(err) and tr.step == 2
+        # a rank still in step 1's host sync when the abort lands counts step 1 as not done
+        # (sync raises: nothing completed after an abort is trusted); none got past step 2
+        assert "rank 3 died" in str(err) and tr.step in (1, 2)
+    assert any(tr.step == 2 for tr, _, _, _ in res)
 
 
 class StallGather(fake_nccl.Script):

@@ -71,7 +71,8 @@ class Coordinator:
         self.dims = ParallelDims.from_config(cfg["parallel"])
         # what a buddy holds of each rank (all | unique | none); ranks replicate unless none
         self.replica_region = self.dims.replica_region(self.ft.get("replicate", "unique"))
-        self.replicates = bool(self.ft["snapshot"]) and self.replica_region != "none"
+        self.replicates = bool(self.ft["snapshot"]) and self.replica_region != "none" \
+            and self.dims.world_size > 1  # one rank: nobody to hold its replica
         n = self.dims.world_size
         self.members = Membership(ranks={r: r for r in range(n)},
                                   spares=list(range(n, n + int(self.ft["num_spares"]))),

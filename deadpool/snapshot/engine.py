@@ -367,9 +367,13 @@ class SnapshotEngine:
         """Start this generation's replication thread; optionally replicate ``first_step`` (a local
         snapshot, e.g. the state just restored) at once so the new rank is protected quickly."""
         self.stop_replication()
+        topo = comm.topo
+        if self.repl_region != "none" and all(b == topo.rank for b in topo.buddies()):
+            # a job of one rank: nobody can hold a replica, snapshots stay local (and count as
+            # protected once copied, as with nothing to replicate)
+            self.repl_region = "none"
         if self.repl_region == "none":
             return  # every rank's state is held by a live data-parallel peer
-        topo = comm.topo
         self._protected = -1
         self._protect_store = (store_factory(), comm.keys, topo.dims.world_size)
         self.num_buddies = len(topo.buddies())

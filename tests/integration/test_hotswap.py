@@ -215,3 +215,13 @@ def test_bad_values_found_as_a_new_user_are_refused_before_any_process_starts(tm
     assert p.returncode == 2, p.stderr
     assert msg in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_a_single_rank_job_snapshots_locally_and_trains_to_the_end(tmp_path):
+    # one rank (one GPU's job): its only buddy would be itself, so nothing is replicated and the
+    # local snapshots count as protected; this used to stall in snapshot back-pressure at step 3
+    s = run_job(compose_train(["model=tiny", "parallel.dp=1", "ft.num_spares=0", "num_steps=8",
+                               "log_every_steps=0"], tmp_path), log=quiet)
+    assert s["outcome"] == "completed", s["message"]
+    assert not s["recoveries"]

@@ -133,6 +133,14 @@ def main() -> None:
                         for k in ("off", "on")}}
     path = Path(args.out) / "check_throughput.json"
     if args.dry_run:
+        from deadpool.train import compose_config
+
+        for k in ("off", "on"):  # the DeadPool arms' overrides compose (a typo fails here)
+            overrides = deadpool_command(args, k == "on", Path("RUN"))[3:-(1 + len(args.overrides))]
+            c = compose_config(overrides + list(args.overrides), Path(tempfile.mkdtemp()))
+            out.setdefault("composed", {})[k] = {"snapshot": c["ft"]["snapshot"],
+                                                 "precision": c["precision"],
+                                                 "dp": c["parallel"]["dp"]}
         out["flops_per_token_approx"] = flops_per_token(cfg, approx, args.seq_len)
         write_json(path, out)
         print(json.dumps(out, indent=1))

@@ -320,3 +320,21 @@ def test_the_gpu_check_script_runs_its_dry_run_on_cpu(tmp_path):
     bad = subprocess.run([sys.executable, str(script), str(tmp_path), "--scenarios", "S9"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--scenarios" in bad.stderr
+
+
+def test_the_throughput_check_composes_its_deadpool_arms_on_cpu(tmp_path):
+    """experiments/gpu/check_throughput.py (GPU check 4) --dry-run: the DeadPool arms' overrides
+    compose, one rank in bf16 with snapshots off and on."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "experiments" / "gpu" / "check_throughput.py"
+    p = subprocess.run([sys.executable, str(script), str(tmp_path), "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    plan = json.loads((tmp_path / "check_throughput.json").read_text())
+    assert plan["composed"] == {"off": {"snapshot": False, "precision": "bf16", "dp": 1},
+                                "on": {"snapshot": True, "precision": "bf16", "dp": 1}}
+    assert 8e9 < plan["flops_per_token_approx"] < 1e10  # ~6 x 1.4 B + attention

@@ -32,11 +32,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from deadpool import reports
+from deadpool.agent.node import NODES_CHANGED, node_key
 from deadpool.errors import JobFailed
 from deadpool.groups import keepable_keys
 from deadpool.policies import SPARE_POLICIES, make_policy
-from deadpool import reports
-from deadpool.agent.node import NODES_CHANGED, node_key
 from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort
 from deadpool.protocol_wire import publish_plan
 from deadpool.recovery import detect, fallbacks, plan, timeline

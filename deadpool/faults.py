@@ -48,6 +48,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from deadpool.agent.board import NODE_DIR_ENV
 from deadpool.protocol import Keys, Seal
 
 TRAIN_PHASES = ("step_start", "forward", "backward", "pp_warmup", "pp_cooldown", "mid_step",
@@ -138,7 +139,7 @@ class FaultInjector:
             self.store.set(key, self.seal.wrap(key, json.dumps(rec)))
         print(f"[fault] {ev.kind.value} at {ev.phase} of step {step} (rank {self.rank}, slot "
               f"{self.slot}, t={t:.6f})", flush=True)  # t: how far apart two faults fired
-        if ev.kind is Fault.KILL_NODE and os.environ.get("DEADPOOL_NODE_DIR"):
+        if ev.kind is Fault.KILL_NODE and os.environ.get(NODE_DIR_ENV):
             os.kill(os.getppid(), signal.SIGKILL)  # the agent: its children die with it
             os.kill(os.getpid(), signal.SIGKILL)
         if ev.kind in (Fault.KILL, Fault.KILL_NODE):

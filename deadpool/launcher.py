@@ -61,7 +61,15 @@ def start_worker(run_dir: Path, job_json: Path, slot: int, env: dict, share_gpu:
     return proc, log
 
 
-class LocalLauncher:
+class Launcher:
+    """What every launcher shares: a fence of several processes is a kill of each."""
+
+    def fence(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.kill(slot)
+
+
+class LocalLauncher(Launcher):
     def __init__(self, run_dir: Path, job_json: Path, secret: str | None = None,
                  share_gpu: bool = False):
         self.run_dir = Path(run_dir)
@@ -87,11 +95,6 @@ class LocalLauncher:
         p = self.procs.get(slot)
         return p is None or p.poll() is not None or process_stopped(p.pid)
 
-    def fence(self, slots: list[int]) -> None:
-        """``kill`` each of ``slots``."""
-        for slot in slots:
-            self.kill(slot)
-
     def kill(self, slot: int) -> None:
         """Fence: a declared-dead process must never come back (a SIGSTOPped one would)."""
         sigkill(self.procs.get(slot))
@@ -111,7 +114,7 @@ class LocalLauncher:
             return ""
 
 
-class ExternalLauncher:
+class ExternalLauncher(Launcher):
     """Processes started elsewhere (srun, torchrun): no exit codes, fencing through the store."""
 
     def __init__(self, store, secret: str | None = None):
@@ -126,10 +129,6 @@ class ExternalLauncher:
 
     def is_stopped(self, slot: int) -> bool:
         return False  # remote: only the hard heartbeat timeout (or a peer's error) can tell
-
-    def fence(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.kill(slot)
 
     def kill(self, slot: int) -> None:
         key = Keys.fence(slot)  # sealed for this key: a copy under another slot's key is refused
@@ -175,7 +174,7 @@ def process_stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
 
 
-class AgentLauncher:
+class AgentLauncher(Launcher):
     """One node agent per node (``deadpool.agent``), each the parent of its node's processes.
 
     The coordinator never touches a rank's process: exits, stops and beats come from the agents'

@@ -94,6 +94,10 @@ class Liveness:
             beat, prog, step = int(beat_s), int(prog_s), int(step_s)
         except ValueError:
             return  # not ours (or torn): ignore
+        self.update(slot, beat, prog, step, phase)
+
+    def update(self, slot: int, beat: int, prog: int, step: int, phase: str) -> None:
+        """One reading of a slot's counters (``observe`` parses a heartbeat value into this)."""
         now = self.clock()
         with self.lock:
             last = self._beat.get(slot)

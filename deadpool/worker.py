@@ -139,8 +139,7 @@ class Worker:
                 raise RuntimeError(f"no plan from the coordinator within {self.ft['startup_timeout_s']}"
                                    " s: is the job secret right (DEADPOOL_JOB_SECRET[_FILE])?")
             n += 1
-            if self.link is not None and self.link.stopped or \
-                    self.link is None and n % 10 == 0 and self.seal.flag(self.store, Keys.JOB_STOP):
+            if self._job_stopped(n):
                 return None
             if self.trainer.rank is None and time.monotonic() - waited > 0.05:
                 waited = time.monotonic()  # an idle spare: idle-phase faults key on the job's step
@@ -157,11 +156,13 @@ class Worker:
         against the plan held; from the store's full form if that is not its base."""
         if self._group_keys is None:
             self._group_keys = keepable_keys(self.dims, self.ft["buddy_policy"])
-        try:
-            if text is None:
-                raise BaseMismatch("read from the store")
-            plan = decode_plan(text, self.plan_held, self._group_keys)
-        except BaseMismatch:
+        plan = None
+        if text is not None:
+            try:
+                plan = decode_plan(text, self.plan_held, self._group_keys)
+            except BaseMismatch:  # a delta on a plan this process does not hold
+                pass
+        if plan is None:
             plan, _ = fetch_plan(self.store, self.seal, generation, self.plan_held, self._group_keys)
         self.plan_held = plan
         return plan
@@ -172,6 +173,12 @@ class Worker:
         if not self.store.check([Keys.JOB_STEP]):
             return None
         return self.seal.open(Keys.JOB_STEP, self.store.get(Keys.JOB_STEP))
+
+    def _job_stopped(self, polls: int) -> bool:
+        """``job/stop``: the board's flag, or (no agent) the store's every 10th poll."""
+        if self.link is not None:
+            return self.link.stopped
+        return polls % 10 == 0 and self.seal.flag(self.store, Keys.JOB_STOP)
 
     def _job_done(self) -> bool:
         if self.link is not None:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from deadpool import auth
-from deadpool.agent.board import NodeBoard
+from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, NodeBoard
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.groups import keepable_keys
@@ -100,11 +100,11 @@ def main(argv=None) -> int:
     with lock:
         agent.publish()
     env = job_env(secret)
-    env["DEADPOOL_NODE_DIR"] = str(where)
+    env[NODE_DIR_ENV] = str(where)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for i, slot in enumerate(slots):
         procs[slot], _ = start_worker(run_dir, job_json, slot,
-                                      dict(env, DEADPOOL_NODE_INDEX=str(i)),
+                                      dict(env, **{NODE_INDEX_ENV: str(i)}),
                                       bool(cfg["launcher"].get("share_gpu")),
                                       preexec_fn=_die_with_parent)
     stop = threading.Event()

@@ -33,6 +33,8 @@ _SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE = range(6)
 _PHASE_WORD = 8
 
 COORD_SEEN, COORD_LOST, JOB_DONE, JOB_STOP = 1, 2, 4, 8
+# set by the agent in its children's environment: where the board is, and the child's record
+NODE_DIR_ENV, NODE_INDEX_ENV = "DEADPOOL_NODE_DIR", "DEADPOOL_NODE_INDEX"
 
 
 class NodeBoard:

@@ -16,11 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
+from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
+                                  NODE_INDEX_ENV, NodeBoard)
 from deadpool.agent.node import plan_file
 from deadpool.watchdog import Progress
-
-NODE_DIR_ENV, NODE_INDEX_ENV = "DEADPOOL_NODE_DIR", "DEADPOOL_NODE_INDEX"
 
 
 class NodeLink:

@@ -47,7 +47,7 @@ def plan_file(node_dir: Path, generation: int) -> Path:
 
 class NodeAgent:
     def __init__(self, node: int, board: NodeBoard, store, seal: Seal, ft: dict, node_dir: Path,
-                 kill=None, group_keys=None, decode=None, clock=time.monotonic, wall=time.time):
+                 kill=None, group_keys=None, decode=None, clock=time.monotonic):
         """``kill(slot)``: SIGKILL a local process; ``group_keys``: ``groups.keepable_keys`` of
         the layout (plans on the wire may list kept groups as their complement)."""
         self.node, self.board, self.store, self.seal = node, board, store, seal
@@ -57,7 +57,7 @@ class NodeAgent:
         self.kill = kill or (lambda slot: None)
         self.group_keys = group_keys
         self.decode = decode  # protocol_wire.decode_plan (the benchmark shares one per process)
-        self.clock, self.wall = clock, wall
+        self.clock = clock
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
         self.coordinator_timeout_s = float(ft["coordinator_timeout_s"])
@@ -79,7 +79,7 @@ class NodeAgent:
             pid, beat, prog, step, phase = self.board.read_beat(i)
             if beat > 0:
                 self.pids[slot] = pid
-                self.live.observe(slot, f"{beat} {prog} {step} {phase}")
+                self.live.update(slot, beat, prog, step, phase)
 
     def record(self) -> str:
         """This node's sealed-record text (``watchdog.NodeLiveness`` reads it)."""
@@ -174,7 +174,7 @@ class NodeAgent:
 
     def _take_plan(self, g: int) -> None:
         # fetched once per node; its processes get the same wire text (a delta of a few hundred
-        # bytes), which each decodes against the plan it holds (NodeLink.plan)
+        # bytes), which each decodes against the plan it holds (NodeLink.plan_text)
         plan, text = fetch_plan(self.store, self.seal, g, self.plan, self.group_keys, self.decode)
         path = plan_file(self.node_dir, g)
         tmp = path.with_suffix(".tmp")

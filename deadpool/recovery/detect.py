@@ -166,14 +166,13 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
         # Every rank that has not answered also stopped beating (soft timeout): silent to the
         # abort and no heartbeat are two independent signals, so they are lost now rather than
         # at the hard timeout. It matters under srun, where no process handle shows an exit.
+        pending.forget(failed)
         silent = pending.missing
         if silent and all((coord.live.beat_age(ranks[r]) or 0.0) > coord.live.soft_s
-                          for r in silent if r not in failed):
-            for rank in silent:
-                if rank not in failed:
-                    failed[rank] = "heartbeat"
-                    launcher.kill(ranks[rank])
-        pending.forget(failed)
+                          for r in silent):
+            failed.update((r, "heartbeat") for r in silent)
+            launcher.fence([ranks[r] for r in silent])
+            pending.forget(failed)
         if len(statuses) + len(failed) >= len(ranks):
             return statuses
         if time.time() > deadline:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from deadpool.coordinator import Coordinator
+from deadpool.launcher import Launcher
 from tests.conftest import compose_train
 
 
-class FakeLauncher:
+class FakeLauncher(Launcher):
     """Slots whose process exited (``exited``) or is stopped (``stopped``); records kills."""
 
     def __init__(self):
@@ -25,9 +26,6 @@ class FakeLauncher:
 
     def kill(self, slot: int) -> None:
         self.killed.append(slot)
-
-    def fence(self, slots: list[int]) -> None:
-        self.killed.extend(slots)
 
     def log_tail(self, slot: int, lines: int = 20) -> str:
         return ""

@@ -6,6 +6,7 @@ processes as its children (each dies with it: ``PR_SET_PDEATHSIG``, so the agent
 loss of its node), and runs three threads around one ``NodeAgent``:
 
     main      tick every ft.agent_interval_s (record, coordinator heartbeat)
+    beat      the agent's own beat on the board, apart from any store request
     events    follow the coordinator's pushed events (blocking store waits)
     waiters   one per child: its exit is written at once (waitpid, milliseconds)
 
@@ -137,6 +138,16 @@ def main(argv=None) -> int:
                     agent.apply(ev)
 
     threading.Thread(target=follow, daemon=True, name="events").start()
+
+    def beat():  # the agent's own beat, never behind a store request: its processes leave if it
+        while not stop.is_set():  # stops (client.BoardHeartbeat), not when the store is slow
+            try:
+                board.beat_agent()
+            except ValueError:  # the board was closed: the agent is ending
+                return
+            time.sleep(float(ft.get("agent_interval_s", 0.25)))
+
+    threading.Thread(target=beat, daemon=True, name="agent-beat").start()
     interval = float(ft.get("agent_interval_s", 0.25))
     while any(t.is_alive() for t in waiters):
         time.sleep(interval)

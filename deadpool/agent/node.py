@@ -115,7 +115,6 @@ class NodeAgent:
             self.store.add(NODES_CHANGED, 1)
 
     def tick(self) -> None:
-        self.board.beat_agent()  # its processes leave if this stops (client.BoardHeartbeat)
         self.observe()
         self.publish()
         now = self.clock()

@@ -39,7 +39,7 @@ from deadpool.groups import keepable_keys
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort
 from deadpool.protocol_wire import publish_plan
-from deadpool.recovery import detect, fallbacks, plan, timeline
+from deadpool.recovery import detect, elastic, fallbacks, plan, timeline
 from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
@@ -61,18 +61,20 @@ class Coordinator:
         restart, ``job.run_job``); completed from the relaunched processes' start-up timings.
         ``live`` / ``events``: under node agents (``launcher.AgentLauncher``), the liveness read
         from the agents' records (``watchdog.NodeLiveness``) and the pushed event log."""
-        self.cfg = cfg
         self.seal = Seal(secret)
-        self.ft = cfg["ft"]
-        self.strategy = strategy_of(self.ft)
+        self.strategy = strategy_of(cfg["ft"])
         self.store = store
         self.launcher = launcher
         self.log = log
-        self.dims = ParallelDims.from_config(cfg["parallel"])
-        # what a buddy holds of each rank (all | unique | none); ranks replicate unless none
-        self.replica_region = self.dims.replica_region(self.ft.get("replicate", "unique"))
-        self.replicates = bool(self.ft["snapshot"]) and self.replica_region != "none" \
-            and self.dims.world_size > 1  # one rank: nobody to hold its replica
+        # the job at full width (a relaunched narrower job's config says how wide that was);
+        # ``reshape`` sets cfg, ft and dims for the layout of the generations that follow
+        self.configured = dict(cfg, parallel=dict(cfg["parallel"], dp=int(
+            cfg.get("_full_dp") or cfg["parallel"]["dp"])), ft=dict(cfg["ft"], replicas=int(
+                cfg.get("_full_replicas") or cfg["ft"].get("replicas", 1))))
+        self.layout: dict = {}  # of the current generation (Plan.layout), empty as configured
+        self._set_cfg(cfg)
+        self.grow_at: float | None = cfg.get("_grow_at")  # an elastic job regrows then
+        self.regrow = None  # an in-place regrow's joining processes (recovery.elastic.Regrow)
         n = self.dims.world_size
         self.members = Membership(ranks={r: r for r in range(n)},
                                   spares=list(range(n, n + int(self.ft["num_spares"]))),
@@ -84,7 +86,6 @@ class Coordinator:
                                      float(self.ft["progress_timeout_s"]))
         self._nodes_hint = -1
         self._last_plan: Plan | None = None  # the plan a delta is written against
-        self._group_keys: list[str] | None = None  # groups.keepable_keys, for plan deltas
         self.bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) copies found corrupt
         self.recoveries: list[RecoveryRecord] = []
         self.pending: RecoveryRecord | None = restart  # the open record (recovery.timeline)
@@ -110,6 +111,22 @@ class Coordinator:
                                          daemon=True)
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _set_cfg(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.ft = cfg["ft"]
+        self.dims = ParallelDims.from_config(cfg["parallel"])
+        # what a buddy holds of each rank (all | unique | none); ranks replicate unless none
+        self.replica_region = self.dims.replica_region(self.ft.get("replicate", "unique"))
+        self.replicates = bool(self.ft["snapshot"]) and self.replica_region != "none" \
+            and self.dims.world_size > 1  # one rank: nobody to hold its replica
+        self._group_keys = None  # groups.keepable_keys of this layout, for plan deltas
+
+    def reshape(self, layout: dict) -> None:
+        """The generations from the next plan on run at ``layout`` (an in-place shrink or
+        regrow, ``recovery.elastic``)."""
+        self.layout = layout
+        self._set_cfg(elastic.layout_cfg(self.configured, layout))
+
     @property
     def gen(self) -> int:
         return self.members.generation
@@ -309,7 +326,8 @@ class Coordinator:
         keep = plan.groups_to_keep(self, statuses, need, g + 1)
         rec.groups_kept = len(keep)
         nxt = Plan(g + 1, "train", assignments, decision.resume_step, decision.sources,
-                   reason=f"ranks {sorted(need)} given to slots {spares_used}", keep_groups=keep)
+                   reason=f"ranks {sorted(need)} given to slots {spares_used}", keep_groups=keep,
+                   layout=self.layout)
         self.write_plan(nxt)
         self.members.ranks = assignments
         self.members.generation = g + 1
@@ -347,8 +365,8 @@ class Coordinator:
             timeline.finish_pending(self)
             self.collect_garbage()
             self._print_progress()
-            if self.cfg.get("_grow_at") is not None and time.time() >= self.cfg["_grow_at"] \
-                    and self.pending is None:
+            if self.grow_at is not None and time.time() >= self.grow_at \
+                    and self.pending is None and self._regrow_ready():
                 fallbacks.grow(self)
                 if self.outcome != "running":
                     break
@@ -361,6 +379,24 @@ class Coordinator:
             time.sleep(poll)
         timeline.finish_pending(self, interrupted=self.outcome != "completed", force=True)
         self.set_flag(Keys.JOB_STOP)
+
+    def _regrow_ready(self) -> bool:
+        """In place, the processes the full width lacks are started first and the job trains on
+        while they warm up: True once they joined as spares (at once for a relaunch)."""
+        if self.ft.get("elastic_mode", "in_place") != "in_place":
+            return True
+        try:
+            if self.regrow is None:
+                self.regrow = elastic.Regrow(self)
+            if not self.regrow.ready():
+                return False
+        except (NotImplementedError, RuntimeError) as e:
+            self.log(f"[coordinator] cannot regrow: {e}; the job stays at dp={self.dims.dp}")
+            self.grow_at, self.regrow = None, None
+            return False
+        self.members.spares += self.regrow.slots
+        self.regrow = None
+        return True
 
     def _all_finished(self) -> bool:
         """Every rank of the generation sealed ``finished/<rank>``. The ``num_finished`` counter

@@ -71,6 +71,8 @@ def validate(cfg: dict) -> None:
     gdp = p.get("global_dp")
     if gdp is not None and int(gdp) < int(p["dp"]):
         raise ValueError(f"parallel.global_dp={gdp} must be >= parallel.dp={p['dp']}")
+    if ft.get("elastic_mode", "in_place") not in ("in_place", "relaunch"):
+        raise ValueError(f"ft.elastic_mode must be 'in_place' or 'relaunch', got {ft['elastic_mode']!r}")
     if ft.get("elastic_regrow_after_s") is not None and float(ft["elastic_regrow_after_s"]) < 0:
         raise ValueError("ft.elastic_regrow_after_s must be >= 0 or null")
     agents = cfg["launcher"]["name"] == "local" and bool(cfg["launcher"].get("agents"))

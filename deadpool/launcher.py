@@ -23,6 +23,7 @@ import torch
 
 from deadpool import auth, nccl_env
 from deadpool.protocol import Keys
+from deadpool.topology import ParallelDims
 
 
 def local_rank(slot: int, num_devices: int | None = None) -> int:
@@ -61,12 +62,23 @@ def start_worker(run_dir: Path, job_json: Path, slot: int, env: dict, share_gpu:
     return proc, log
 
 
+# a process started after the job began (an in-place regrow, recovery.elastic) waits for plans
+# from this generation on, as a warm spare; it never takes the job's first plan as its own start
+JOIN_GENERATION_ENV = "DEADPOOL_JOIN_GENERATION"
+
+
 class Launcher:
     """What every launcher shares: a fence of several processes is a kill of each."""
 
     def fence(self, slots: list[int]) -> None:
         for slot in slots:
             self.kill(slot)
+
+    def add_slots(self, n: int, generation: int) -> list[int]:
+        """Start ``n`` more processes in new slots (a repaired or replacement node joining), to
+        join as warm spares from plan ``generation`` on; returns their slots."""
+        raise NotImplementedError(f"{type(self).__name__} cannot start processes: the job "
+                                  "stays at its width (a regrow in place needs the local launcher)")
 
 
 class LocalLauncher(Launcher):
@@ -79,12 +91,18 @@ class LocalLauncher(Launcher):
         self.procs: dict[int, subprocess.Popen] = {}
         self.logs: dict[int, Path] = {}
 
-    def start(self, slots: list[int]) -> None:
+    def start(self, slots: list[int], env: dict | None = None) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        env = job_env(self.secret)
+        env = env or job_env(self.secret)
         for slot in slots:
             self.procs[slot], self.logs[slot] = start_worker(self.run_dir, self.job_json, slot, env,
                                                              self.share_gpu)
+
+    def add_slots(self, n: int, generation: int) -> list[int]:
+        first = max(self.procs) + 1
+        slots = list(range(first, first + n))
+        self.start(slots, dict(job_env(self.secret), **{JOIN_GENERATION_ENV: str(generation)}))
+        return slots
 
     def poll(self, slot: int) -> int | None:
         """Exit code of the process in ``slot``, or None while it runs."""
@@ -190,18 +208,33 @@ class AgentLauncher(Launcher):
         self.live, self.events = live, events
         self.nodes = {n: node_slots(cfg, n) for n in range(num_nodes(cfg))}
         self.node_of_slot = {s: n for n, slots in self.nodes.items() for s in slots}
+        self.ranks_per_node = ParallelDims.from_config(cfg["parallel"]).ranks_per_node
         self.agents: dict[int, subprocess.Popen] = {}
         self.fenced: set[int] = set()
 
-    def start(self, slots: list[int]) -> None:
+    def start(self, slots: list[int], env: dict | None = None, extra: tuple = ()) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        env = job_env(self.secret)
+        env = env or job_env(self.secret)
         for node in sorted({self.node_of_slot[s] for s in slots}):
             log = self.run_dir / "logs" / f"agent{node}.log"
             self.agents[node] = subprocess.Popen(
                 [sys.executable, "-m", "deadpool.agent", "--job", str(self.job_json),
-                 "--node", str(node)],
+                 "--node", str(node), *extra],
                 stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def add_slots(self, n: int, generation: int) -> list[int]:
+        """New nodes (``ranks_per_node`` slots each), each with its own agent that follows the
+        event log from now on (older events name plans and keys that may be gone)."""
+        first = max(self.node_of_slot) + 1
+        slots = list(range(first, first + n))
+        env = dict(job_env(self.secret), **{JOIN_GENERATION_ENV: str(generation)})
+        for i in range(0, n, self.ranks_per_node):
+            node, part = max(self.nodes) + 1, slots[i:i + self.ranks_per_node]
+            self.nodes[node] = part
+            self.node_of_slot.update({s: node for s in part})
+            self.start(part, env, ("--slots", ",".join(map(str, part)),
+                                   "--first-event", str(self.events.n)))
+        return slots
 
     def slots_of_node(self, node: int) -> list[int]:
         return self.nodes.get(node, [])

@@ -170,13 +170,16 @@ class Plan:
     """What every process does in ``generation``. Written once by the coordinator."""
 
     generation: int
-    action: str                       # "train" | "checkpoint_and_stop" | "stop"
+    action: str                       # "train" | "checkpoint" | "checkpoint_and_stop" | "stop"
     assignments: dict[int, int]       # rank -> launch slot
     resume_step: int
     sources: dict[int, Source] = field(default_factory=dict)
     reason: str = ""
     t_written: float = 0.0
     keep_groups: list[str] = field(default_factory=list)  # group keys survivors keep (clean)
+    # the generation's parallel layout where it is not the job's configured one (an in-place
+    # elastic job: {"dp", "global_dp", "replicas"}, recovery.elastic); empty = as configured
+    layout: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -278,6 +281,8 @@ class RecoveryRecord:
     bytes_transferred: object = UNSET
     outcome: object = UNSET
     fallback: object = UNSET           # disk | restart | shrink | grow
+    elastic: object = UNSET            # a shrink or grow: in_place | relaunch
+    checkpoint_s: object = UNSET       # in place: the state of the resume step written to disk
     failed_at_step: object = UNSET
     dropped_dp: object = UNSET
     dp: object = UNSET

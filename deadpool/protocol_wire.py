@@ -22,7 +22,8 @@ Which pieces are relative to what:
   universe must be the keys a recovery can keep (``groups.all_groups`` without the ``repl/``
   groups, which ``groups.reusable_groups`` never keeps); against ``all_groups`` whole, the
   complement would list every replication group.
-- Everything else (generation, action, resume step, reason, ``t_written``) is carried as is.
+- Everything else (generation, action, resume step, reason, ``t_written``, and ``layout`` when
+  the generation has one) is carried as is.
 
 Membership is versioned: a delta names its base (the base plan's generation and a digest of its
 assignments, ``membership_digest``) and the digest of the membership it produces. A decoder that
@@ -85,6 +86,7 @@ def encode_plan(plan: Plan, prev: Plan | None,
         "assign": _assign_delta(plan.assignments, prev.assignments),
         "sources": _sources_with_default(plan.sources, plan.assignments),
         "keep": _keep_form(plan.keep_groups, all_group_keys),
+        **({"layout": plan.layout} if plan.layout else {}),
     })
 
 
@@ -123,7 +125,7 @@ def decode_plan(text: str | bytes, prev: Plan | None,
     return Plan(g, d["action"], assignments, d["resume_step"],
                 sources=_sources_from(d["sources"], assignments),
                 reason=d["reason"], t_written=d["t_written"],
-                keep_groups=_keep_from(d["keep"], all_group_keys, g))
+                keep_groups=_keep_from(d["keep"], all_group_keys, g), layout=d.get("layout", {}))
 
 
 # -- pieces ----------------------------------------------------------------------------------------
@@ -146,7 +148,8 @@ def _full_fields(plan: Plan) -> dict:
             "resume_step": plan.resume_step,
             "sources": {str(r): _src(s) for r, s in plan.sources.items()},
             "reason": plan.reason, "t_written": plan.t_written,
-            "keep_groups": list(plan.keep_groups)}
+            "keep_groups": list(plan.keep_groups),
+            **({"layout": plan.layout} if plan.layout else {})}
 
 
 def _plan_from_fields(d: dict) -> Plan:

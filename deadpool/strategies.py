@@ -16,9 +16,11 @@ fails. The trainer and the coordinator ask the job's ``Strategy`` instead of bra
                    complete checkpoint (what torchrun / a Slurm requeue do; ``job.run_job``)
     elastic        no spares: a failure drops the dead rank's data-parallel replica and the job
                    goes on narrower with the same global batch, regrowing later (the state comes
-                   from the same in-memory snapshots; every process is relaunched at the new
-                   width, as torchelastic does). DeadPool falls back to it when its spares run
-                   out (``ft.on_no_spare``)
+                   from the same in-memory snapshots, through one disk checkpoint re-cut for the
+                   new width). In place by default, the survivors keeping their processes
+                   (``ft.elastic_mode=in_place``, as torchft does); ``relaunch`` restarts every
+                   process at the new width, as torchelastic does. DeadPool falls back to it
+                   when its spares run out (``ft.on_no_spare``)
 """
 
 from __future__ import annotations

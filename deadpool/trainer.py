@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -116,7 +117,7 @@ class Trainer:
         already built for them). Returns the seconds it took (0 when nothing was built).
         ``init=False`` leaves the values undrawn: a spare's state arrives by transfer."""
         coords = dims.coords(rank)
-        if coords == self.coords and (self.drawn or not init):
+        if coords == self.coords and dims == self.dims and (self.drawn or not init):
             return 0.0
         t0 = time.perf_counter()
         cfg, ft = self.cfg, self.cfg["ft"]
@@ -358,7 +359,8 @@ class Trainer:
         when not finite: strict JSON has no inf/nan);
         ``skipped_steps``: steps so far whose update a non-finite norm skipped. Rank (last
         stage, dp 0, tp 0) prints progress."""
-        rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "generation": self.generation,
+        rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "pid": os.getpid(),
+               "generation": self.generation,
                "loss": None if loss is None else round(float(loss), 6), "step_time_s": step_time_s,
                "lr": lr, "skipped_steps": self.skipped_steps,
                "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,

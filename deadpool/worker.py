@@ -42,7 +42,8 @@ from deadpool.groups import keepable_keys
 from deadpool.heartbeat import Heartbeat
 from deadpool.protocol import Keys, Plan, RankTimings, Seal, now
 from deadpool.protocol_wire import BaseMismatch, decode_plan, fetch_plan
-from deadpool.recovery import restore
+from deadpool.launcher import JOIN_GENERATION_ENV
+from deadpool.recovery import elastic, restore
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer
@@ -94,8 +95,16 @@ class Worker:
         # every parked communicator stays referenced for the life of the process: its groups
         # may have ops in flight, and deleting such a group blocks (Communicator.park)
         self.parked: list[Communicator] = []
-        # a job relaunched from disk (ft=checkpoint_restart) continues the generation numbers
-        self.first_gen = int(cfg.get("_first_generation", 0))
+        # a job relaunched from disk (ft=checkpoint_restart) continues the generation numbers; a
+        # process started to regrow a running job (recovery.elastic) waits from a later one and
+        # joins as a warm spare (it never takes a plan for the job's start)
+        joining = os.environ.get(JOIN_GENERATION_ENV)
+        self.first_gen = int(joining if joining is not None else cfg.get("_first_generation", 0))
+        self.joined_late = joining is not None
+        # the layout of the current generation (Plan.layout, an in-place elastic job), relative
+        # to the job's configured one
+        self.layout: dict = {}
+        self.configured = {"parallel": dict(cfg["parallel"]), "ft": dict(cfg["ft"])}
         self.t_imported = time.time()
         if slot >= self.dims.world_size:
             # a warm spare pre-builds a stage (rank 0's, undrawn) so that taking any rank later
@@ -167,6 +176,25 @@ class Worker:
         self.plan_held = plan
         return plan
 
+    def starts_job(self, plan: Plan) -> bool:
+        """``plan`` is the job's first for this process: it holds every rank's step-0 state (or
+        loads ``ft.resume_from``)."""
+        return plan.generation == self.first_gen and not self.joined_late
+
+    def adopt_layout(self, plan: Plan) -> None:
+        """Follow an in-place elastic reshape: from this plan on, the job runs at its layout.
+        The rank this process held belongs to the old layout (its state comes back from the
+        reshape's disk checkpoint, re-cut)."""
+        if plan.layout == self.layout:
+            return
+        self.layout = plan.layout
+        cfg = elastic.layout_cfg(self.configured, plan.layout)
+        self.cfg["parallel"], self.cfg["ft"] = cfg["parallel"], cfg["ft"]  # the trainer's dict too
+        self.ft = self.cfg["ft"]
+        self.dims = ParallelDims.from_config(self.cfg["parallel"])
+        self._group_keys = None
+        self.trainer.rank, self.has_state = None, False
+
     def _job_step(self) -> int | None:
         if self.link is not None:
             return self.link.job_step
@@ -191,14 +219,16 @@ class Worker:
             gen = self.first_gen
             plan = self.wait_plan(gen)
             while plan is not None:
+                self.adopt_layout(plan)
                 rank = plan.rank_of_slot(self.slot)
                 if plan.action == "stop":
                     return 0
                 if rank is not None:
-                    if plan.action == "checkpoint_and_stop":
-                        restore.stop_to_disk(self, plan, rank)
-                        return 0
-                    if self.run_generation(plan, rank):
+                    if plan.action in ("checkpoint", "checkpoint_and_stop"):
+                        restore.stop_to_disk(self, plan, rank)  # checkpoint: the process stays
+                        if plan.action == "checkpoint_and_stop":
+                            return 0
+                    elif self.run_generation(plan, rank):
                         return 0
                 gen = plan.generation + 1
                 self.progress.set(self.trainer.step, "wait_plan")
@@ -231,7 +261,7 @@ class Worker:
         if tr.rank != rank:
             # a process starting the job holds every rank's step-0 state (init is a pure function
             # of the seed); a spare taking a rank later holds nothing of it yet
-            self.has_state = plan.generation == self.first_gen and not self.ft["resume_from"]
+            self.has_state = self.starts_job(plan) and not self.ft["resume_from"]
         tr.rank, tr.generation = rank, plan.generation
         self.injector.set_rank(rank)
         topo = Topology(self.dims, rank, plan.generation, self.ft["buddy_policy"],
@@ -241,7 +271,7 @@ class Worker:
             self.progress.set(plan.resume_step, "build")
             # a spare builds its rank's stage now, undrawn when its state will come by transfer
             mine = plan.sources.get(rank)
-            fresh = plan.generation == self.first_gen or (mine is not None and mine.kind == "init")
+            fresh = self.starts_job(plan) or (mine is not None and mine.kind == "init")
             if tr.build(self.dims, rank, init=fresh):
                 timing.built = now()
             self.progress.set(plan.resume_step, "rebuild")

@@ -75,6 +75,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", required=True)
     ap.add_argument("--node", type=int, required=True)
+    ap.add_argument("--slots", help="this node's slots, comma-separated (a node joining a running "
+                                    "job, launcher.AgentLauncher.add_slots); default: the job's")
+    ap.add_argument("--first-event", type=int, default=0,
+                    help="follow the event log from this event on (a node joining later)")
     args = ap.parse_args(argv)
     job_json = Path(args.job)
     cfg = json.loads(job_json.read_text())
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
     def open_store(timeout_s: float = 60.0):
         return auth.open_store(host, port, secret, timeout_s)
 
-    slots = node_slots(cfg, args.node)
+    slots = [int(x) for x in args.slots.split(",")] if args.slots else node_slots(cfg, args.node)
     where = node_dir(cfg, args.node)
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True, mode=0o700)
@@ -125,6 +129,7 @@ def main(argv=None) -> int:
                                seal, on_forged=lambda i: print(
                                    f"[agent {args.node}] event {i} without the job's secret ignored",
                                    flush=True))
+        events.i = args.first_event
         while not stop.is_set():
             try:
                 ev = events.next(stop)

@@ -20,8 +20,9 @@ import json
 import time
 
 from deadpool import checkpoint, reports
+from deadpool.errors import JobFailed
 from deadpool.protocol import UNSET, Keys, Plan, RecoveryRecord, Source
-from deadpool.recovery import detect, plan, timeline
+from deadpool.recovery import detect, elastic, plan, timeline
 from deadpool.threads import wait_until
 
 
@@ -112,31 +113,9 @@ def stop(coord, generation: int, rec: RecoveryRecord, reason: str) -> None:
 def checkpoint_and_stop(coord, generation: int, decision, rec: RecoveryRecord, reason: str,
                         t_detect: float) -> None:
     """Persist the consistent state from memory (the processes left write it), then stop."""
-    p = Plan(generation, "checkpoint_and_stop", dict(coord.members.ranks), decision.resume_step,
-             decision.sources, reason=reason)
-    coord.write_plan(p)
-    coord.members.generation = generation
-    _wait_checkpoint(coord, p)
+    p = write_state(coord, generation, "checkpoint_and_stop", decision, reason)
     rec.update(outcome="checkpoint_and_stop", plan_s=p.t_written - t_detect)
     coord.recoveries.append(rec)
-
-
-def _wait_checkpoint(coord, p: Plan) -> None:
-    keys = Keys(p.generation)
-    done = reports.Reports(coord.store, coord.seal, keys.checkpointed, p.assignments,
-                           on_forged=lambda r: coord.log(f"[coordinator] checkpoint report of rank "
-                                                         f"{r} without the job's secret: ignored"))
-
-    def written() -> bool:
-        # the counter is only a hint (anyone can bump it): each rank's sealed report counts
-        if int(coord.store.add(keys.checkpointed_count(), 0)) < len(p.assignments):
-            return False
-        done.poll()
-        return done.complete
-    wait_until(written, every_s=0.01, between=coord.tick, timeout_s=300)
-    dims = coord.dims
-    checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,
-                          layout=dims.layout)
     coord.outcome = "checkpoint_and_stop"
     coord.message = (f"stopping ({p.reason}): state of step {p.resume_step} "
                      f"written to {coord.ft['checkpoint_dir']}/step_{p.resume_step}; resume with "
@@ -146,13 +125,49 @@ def _wait_checkpoint(coord, p: Plan) -> None:
         coord.log(f"[coordinator] {coord.message}")  # (else the job goes on: said by the caller)
 
 
+def write_state(coord, generation: int, action: str, decision, reason: str) -> Plan:
+    """Plan ``generation`` = ``action`` (``checkpoint_and_stop``: the processes exit after;
+    ``checkpoint``: they wait for the next plan): every process with a rank writes the state of
+    the resume step from memory (its own, or a replica it holds). Returns once every rank's
+    sealed report is in and the step's meta.json makes the checkpoint complete."""
+    p = Plan(generation, action, dict(coord.members.ranks), decision.resume_step,
+             decision.sources, reason=reason, layout=coord.layout)
+    coord.write_plan(p)
+    coord.members.generation = generation
+    keys = Keys(p.generation)
+    done = reports.Reports(coord.store, coord.seal, keys.checkpointed, p.assignments,
+                           on_forged=lambda r: coord.log(f"[coordinator] checkpoint report of rank "
+                                                         f"{r} without the job's secret: ignored"))
+
+    def written() -> bool:
+        # the counter is only a hint (anyone can bump it): each rank's sealed report counts
+        if int(coord.store.add(keys.checkpointed_count(), 0)) >= len(p.assignments):
+            done.poll()
+            if done.complete:
+                return True
+        for r, slot in p.assignments.items():  # a writer lost: its part never comes
+            if r not in done.got and coord.launcher.poll(slot) not in (None, 0):
+                raise JobFailed(f"rank {r} (slot {slot}) died while writing the state of step "
+                                f"{p.resume_step} to disk ({reason}); the newest complete "
+                                f"checkpoint under {coord.ft['checkpoint_dir']} is the way back")
+        return False
+    # (reading the liveness records too: under node agents a writer's exit shows there)
+    wait_until(written, every_s=0.01, between=coord.read_heartbeats, timeout_s=300)
+    dims = coord.dims
+    checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,
+                          layout=dims.layout)
+    return p
+
+
 def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[int],
              t_detect: float) -> None:
     """A rank has no process and no spare is left: the consistent state (every rank's, from
-    memory) goes to disk, then ``ft.on_no_spare``: ``elastic`` - ``job.run_job`` relaunches
-    the job without the dead ranks' data-parallel replicas (the smallest unit containing them;
-    global batch kept, ``parallel.global_dp``); ``checkpoint_restart`` - it relaunches every
-    process at the same width; ``checkpoint_and_stop`` - the job stops there."""
+    memory) goes to disk, then ``ft.on_no_spare``: ``elastic`` - the job goes on without the
+    dead ranks' data-parallel replicas (the smallest unit containing them; global batch kept,
+    ``parallel.global_dp``), in place (``recovery.elastic``: the survivors keep their
+    processes) or, with ``ft.elastic_mode=relaunch``, relaunched by ``job.run_job`` at the new
+    width; ``checkpoint_restart`` - it relaunches every process at the same width;
+    ``checkpoint_and_stop`` - the job stops there."""
     dims = coord.dims
     if any(s.kind == "disk" for s in decision.sources.values()):
         stop(coord, generation, rec, f"{decision.reason}; no warm spare left to restart from "
@@ -163,12 +178,22 @@ def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[in
     if action == "elastic" and dims.dp - len(dropped) < 1:
         coord.log("[coordinator] elastic: no data-parallel replica would be left; stopping")
         action = "checkpoint_and_stop"
+    if action == "elastic" and coord.ft.get("elastic_mode", "in_place") == "in_place":
+        dp = dims.dp - len(dropped)
+        coord.log(f"[coordinator] no warm spare left: continuing in place without data-parallel "
+                  f"replica(s) {dropped} (dp {dims.dp} -> {dp}) from step {decision.resume_step}")
+        rec.update(fallback="shrink", dropped_dp=dropped)
+        elastic.reshape(coord, generation, decision, rec, dp,
+                        [d for d in range(dims.dp) if d not in dropped], t_detect)
+        coord.grow_at = _grow_time(coord)
+        return
     checkpoint_and_stop(coord, generation, decision, rec, "no warm spare left", t_detect)
     if action == "checkpoint_and_stop" or coord.outcome != "checkpoint_and_stop":
         return
     rec.outcome = UNSET
     if action == "elastic":
-        rec.update(fallback="shrink", dropped_dp=dropped, dp=dims.dp - len(dropped))
+        rec.update(fallback="shrink", elastic="relaunch", dropped_dp=dropped,
+                   dp=dims.dp - len(dropped))
         coord.outcome = "shrink"
         coord.message = (f"no warm spare left: continuing without data-parallel replica(s) "
                          f"{dropped} (dp {dims.dp} -> {rec.dp}) from step "
@@ -181,13 +206,20 @@ def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[in
     coord.log(f"[coordinator] {coord.message}")
 
 
+def _grow_time(coord) -> float | None:
+    after = coord.ft.get("elastic_regrow_after_s")
+    return None if after is None else time.time() + float(after)
+
+
 def grow(coord) -> None:
     """An elastic job below its full width regrows once a replacement is available
     (``ft.elastic_regrow_after_s`` after the shrink, standing in for a repaired node joining):
-    a planned regroup writes the consistent state, and ``job.run_job`` relaunches at full
-    width."""
+    a planned regroup writes the consistent state, then in place (``recovery.elastic``) the new
+    processes, warm by now, join the survivors at full width; with ``ft.elastic_mode=relaunch``
+    ``job.run_job`` relaunches every process at full width."""
     g, t = coord.gen, time.time()
     keys = Keys(g)
+    in_place = coord.ft.get("elastic_mode", "in_place") == "in_place"
     coord.announce_abort("regrow")
     timeline.finish_pending(coord, force=True)
     timeline.finish_pending(coord, interrupted=True)
@@ -200,9 +232,17 @@ def grow(coord) -> None:
     rec = RecoveryRecord(g + 1, failed_rank=None, detected_by="regrow", fault="none", t_kill=t,
                          t_detect=t, detect_s=0.0, resume_step=decision.resume_step,
                          steps_recomputed=decision.steps_recomputed)
+    full = int(coord.configured["parallel"]["dp"])
+    coord.grow_at = None
+    if in_place:
+        coord.log(f"[coordinator] regrowing in place to dp={full} from step "
+                  f"{decision.resume_step}")
+        rec.update(fallback="grow")
+        elastic.reshape(coord, g + 1, decision, rec, full, list(range(coord.dims.dp)), t)
+        return
     checkpoint_and_stop(coord, g + 1, decision, rec, "regrow", t)
     if coord.outcome == "checkpoint_and_stop":
         rec.outcome = UNSET
-        rec.update(fallback="grow", dp=int(coord.cfg["_full_dp"]))
-        coord.outcome, coord.message = "grow", f"regrowing to dp={coord.cfg['_full_dp']}"
+        rec.update(fallback="grow", elastic="relaunch", dp=full)
+        coord.outcome, coord.message = "grow", f"regrowing to dp={full}"
         coord.log(f"[coordinator] {coord.message} from step {decision.resume_step}")

@@ -50,7 +50,7 @@ def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimin
     """Bring this rank to ``plan.resume_step`` from the source the plan names."""
     tr = worker.trainer
     S = plan.resume_step
-    if plan.generation == worker.first_gen:
+    if worker.starts_job(plan):
         resume = worker.ft["resume_from"]
         timing.transferred = now()
         if resume:

@@ -124,14 +124,15 @@ def _breakdown(coord, rec: RecoveryRecord, reports: dict[str, Reports], ranks: l
     fallback = rec.get("fallback")
     if fallback == "disk":
         rec.outcome = "restarted from disk"
-    if fallback in ("restart", "shrink", "grow"):  # the whole job relaunched
+    if fallback in ("restart", "shrink", "grow"):  # relaunched, or regrouped in place from disk
         rec.outcome = {"restart": "relaunched from checkpoint",
                        "shrink": f"shrunk to dp={rec.get('dp')}",
                        "grow": f"regrown to dp={rec.get('dp')}"}[fallback]
         rec.load_s, rec.rollback_s = rec.rollback_s, UNSET  # the checkpoint load
-        # interpreter start -> module running, and importing torch + deadpool
-        rec.exec_s = max(t.exec for t in timings) - rec.t_relaunch
-        rec.imports_s = max(t.imported - t.exec for t in timings)
+        if rec.get("t_relaunch") is not None:  # (in place, no process started)
+            # interpreter start -> module running, and importing torch + deadpool
+            rec.exec_s = max(t.exec for t in timings) - rec.t_relaunch
+            rec.imports_s = max(t.imported - t.exec for t in timings)
 
 
 def chain_start(recoveries: list[RecoveryRecord], rec: RecoveryRecord) -> RecoveryRecord:

@@ -1,6 +1,8 @@
 """ft=elastic (and DeadPool's fallback when its spares run out) with real processes: a SIGKILL
 with no spare left drops the dead rank's data-parallel replica; the job goes on narrower with the
-same global batch, and regrows later."""
+same global batch, and regrows later. In place (the default, recovery/elastic.py) the survivors
+keep their processes, which the tests check by PID; ``ft.elastic_mode=relaunch`` restarts every
+process."""
 
 from __future__ import annotations
 
@@ -16,6 +18,24 @@ from tests.conftest import compose_train
 BASE = ["model=tiny", "parallel=dp4", "num_steps=14", "log_every_steps=0",
         "ft.persist_interval_steps=0"]
 quiet = lambda *a, **k: None  # noqa: E731
+
+
+def _pids(run) -> dict[int, dict[int, set[int]]]:
+    """slot -> generation -> the PIDs that logged a step for that slot in that generation."""
+    out: dict[int, dict[int, set[int]]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.setdefault(r["slot"], {}).setdefault(r["generation"], set()).add(r["pid"])
+    return out
+
+
+def _same_processes(run, slots, before: int, after: int) -> None:
+    """Each of ``slots`` trained in generations ``before`` and ``after`` with one and the same
+    process."""
+    pids = _pids(run)
+    for slot in slots:
+        b, a = pids[slot].get(before), pids[slot].get(after)
+        assert b and a and len(b | a) == 1, (slot, pids[slot])
 
 
 def _final(run):
@@ -47,13 +67,21 @@ def _checkpointed_at(tmp_path, name: str, step: int, overrides: list[str]):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_shrink_equals_training_at_the_reduced_width_from_the_same_step(tmp_path):
+@pytest.mark.parametrize("mode", ["in_place", "relaunch"])
+def test_shrink_equals_training_at_the_reduced_width_from_the_same_step(tmp_path, mode):
     run, s = _train(tmp_path, "elastic", ["ft=elastic", "faults=kill_mid_step",
-                                          "faults.events.0.step=6"])
+                                          "faults.events.0.step=6", f"ft.elastic_mode={mode}"])
     (rec,) = s["recoveries"]
     assert rec["outcome"] == "shrunk to dp=3" and rec["dropped_dp"] == [1]
+    assert rec["elastic"] == mode
     assert rec["steps_recomputed"] <= 1 and rec["load_s"] >= 0
     assert sorted(_final(run)) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+    if mode == "in_place":  # ranks 0, 2, 3 went on as ranks 0, 1, 2 in their own processes
+        assert "exec_s" not in rec and rec["checkpoint_s"] >= 0
+        _same_processes(run, [0, 2, 3], 0, rec["generation"])
+    else:  # every process was started anew
+        pids = _pids(run)
+        assert all(len(pids[slot][0] & pids[slot][rec["generation"]]) == 0 for slot in (0, 1, 2))
     # the reference, independent of the run under test: a failure-free dp=4 job to the shrink's
     # resume step S, then a fresh dp=3 job with the same global batch from that state (re-cut for
     # three ZeRO-1 shards by the loader)
@@ -79,22 +107,59 @@ def test_shrink_equals_training_at_the_reduced_width_from_the_same_step(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_deadpool_falls_back_to_elastic_then_regrows(tmp_path):
-    # one spare, two kills: the first is hot-swapped, the second shrinks; a replacement is
-    # available right away and the job regrows to dp=4
+def test_two_spares_three_failures_shrink_then_regrow_in_place(tmp_path):
+    # two spares, three kills: the first two are hot-swapped, the third finds no spare and the
+    # job shrinks in place to dp=3 (survivors keep their processes); a replacement is asked for
+    # at once, warms up while the narrower job trains, and the job regrows in place to dp=4
+    events = ("faults.events=[{rank: 1, step: 3, phase: mid_step, kind: kill},"
+              "{rank: 2, step: 6, phase: mid_step, kind: kill},"
+              "{rank: 3, step: 9, phase: mid_step, kind: kill}]")
+    steps = 150  # long enough for the replacement to start (torch import) before the end
+    run, s = _train(tmp_path, "dp", [events, "ft.num_spares=2", "ft.elastic_regrow_after_s=0",
+                                     f"num_steps={steps}"])
+    recs = s["recoveries"]
+    assert [r["outcome"] for r in recs] == ["hot-swapped", "hot-swapped", "shrunk to dp=3",
+                                            "regrown to dp=4"], recs
+    shrink, grow = recs[2], recs[3]
+    assert shrink["elastic"] == grow["elastic"] == "in_place"
+    assert shrink["dropped_dp"] == [3] and shrink["steps_recomputed"] <= 1
+    # the shrink: ranks 0, 1, 2 (slots 0, 4, 5 after the hot swaps) train on in their processes
+    _same_processes(run, [0, 4, 5], recs[1]["generation"], shrink["generation"])
+    # the regrow: the same three processes, plus one started for it (a slot never used before)
+    _same_processes(run, [0, 4, 5], shrink["generation"], grow["generation"])
+    pids = _pids(run)
+    new = [slot for slot in pids if slot > 5]
+    assert len(new) == 1 and set(pids[new[0]]) == {grow["generation"]}, pids
+    assert sorted(_final(run)) == [f"rank{r}.pt" for r in range(4)]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == steps
+    # the reference, built without the run under test: failure-free at dp=4 to the shrink's step
+    # S (the hot swaps before it change nothing), dp=3 with the global batch kept from S to the
+    # regrow's step R, then dp=4 again from R to the end; every tensor of every rank must match
+    S, R = shrink["resume_step"], grow["resume_step"]
+    assert S < R
+    at_S = _checkpointed_at(tmp_path, "ref_to_S", S, [])
+    at_R = _checkpointed_at(tmp_path, "ref_S_to_R", R, ["parallel.dp=3", "parallel.global_dp=4",
+                                                         f"ft.resume_from={at_S}"])
+    ref, _ = _train(tmp_path, "ref", ["faults=none", "ft.num_spares=0", f"num_steps={steps}",
+                                      f"ft.resume_from={at_R}"])
+    equal, why = compare_final_states(run, ref)
+    assert equal, why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_relaunch_mode_falls_back_to_elastic_then_regrows(tmp_path):
+    # ft.elastic_mode=relaunch, kept for comparison: one spare, two kills; the second shrinks by
+    # relaunching every process at dp=3, and the regrow relaunches them at dp=4
     events = ("faults.events=[{rank: 1, step: 3, phase: mid_step, kind: kill},"
               "{rank: 2, step: 6, phase: mid_step, kind: kill}]")
-    run, s = _train(tmp_path, "dp", [events, "ft.elastic_regrow_after_s=0.5", "num_steps=16"])
+    run, s = _train(tmp_path, "dp", [events, "ft.elastic_regrow_after_s=0.5", "num_steps=16",
+                                     "ft.elastic_mode=relaunch"])
     outcomes = [r["outcome"] for r in s["recoveries"]]
     assert outcomes == ["hot-swapped", "shrunk to dp=3", "regrown to dp=4"], outcomes
     assert sorted(_final(run)) == [f"rank{r}.pt" for r in range(4)]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in rows) == 16
-    # the reference, built without the run under test: failure-free at dp=4 to the shrink's step
-    # S (the hot swap before it changes nothing), dp=3 with the global batch kept from S to the
-    # regrow's step R, then dp=4 again from R to the end; every tensor of every rank must match
     S, R = s["recoveries"][1]["resume_step"], s["recoveries"][2]["resume_step"]
-    assert S < R
     at_S = _checkpointed_at(tmp_path, "ref_to_S", S, [])
     at_R = _checkpointed_at(tmp_path, "ref_S_to_R", R, ["parallel.dp=3", "parallel.global_dp=4",
                                                          f"ft.resume_from={at_S}"])

@@ -1,0 +1,145 @@
+"""In-place elastic: shrink when no spare is left, and regrow, keeping the survivors' processes.
+
+``ft.on_no_spare=elastic`` (and ``ft=elastic``) with ``ft.elastic_mode=in_place``, the default.
+A shrink is a recovery without a spare, done in two generations by the same processes::
+
+    gen g     rank 1 of dp4 dies, no spare left            ranks 0 1 2 3   (rank 1's shard is
+                                                                            held by its buddy)
+    gen g+1   "checkpoint": each process with a rank writes the state of the resume step S to
+              ft.checkpoint_dir/step_S (its own, or the replica it holds of the dead rank), and
+              waits; nothing exits
+    gen g+2   "train" at dp3 (plan.layout), global batch kept (parallel.global_dp = 4): every
+              survivor rebuilds its stage and groups at the new width and loads step S re-cut
+              for its new ZeRO-1 shard (rank_state: the same loader a relaunch uses)
+
+    old rank (dp, slot)      0 (0, s0)   1 (1, s1) dead   2 (2, s2)   3 (3, s3)
+    new rank                 0 (s0)      -                1 (s2)      2 (s3)
+
+A survivor keeps its tensor- and pipeline-parallel coordinates (its stage); only its data-
+parallel index is compacted. In dp x tp x pp the whole data-parallel replica of a dead rank is
+dropped: its live processes become warm spares of the narrower job (a later failure is hot-
+swapped again). A regrow (``ft.elastic_regrow_after_s`` after the shrink, standing in for a
+repaired node joining) asks the launcher for the processes the full width lacks, keeps training
+while they import torch and build their stage, and only then regroups the same way: "checkpoint"
+from live state, then "train" at full width with the new processes as the missing ranks.
+
+The state crosses one disk checkpoint (what the relaunch path writes and reads too): exact re-cut
+with the tested loader, and the checkpoint is complete on disk if anything else fails. What in
+place saves against a relaunch is everything else: no process exits or starts at the shrink (no
+interpreter, torch import, store connection, model build; on GPUs no CUDA context or NCCL
+bootstrap), and the regrow's new processes start behind training. Partial: a rank that dies while
+the checkpoint is written ends the job (the relaunch path has the same gap); rank -> node
+placement after a shrink follows the new rank numbers, not the slots' nodes (buddies may share a
+physical node until the next regrow).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from deadpool.policies import max_replicas
+from deadpool.protocol import Keys, Plan, Source
+from deadpool.reports import Reports
+from deadpool.topology import ParallelDims
+
+
+def layout_cfg(cfg: dict, layout: dict) -> dict:
+    """``cfg`` (the job's configured one) at a generation's ``layout`` (``Plan.layout``)."""
+    if not layout:
+        return cfg
+    par = dict(cfg["parallel"], dp=int(layout["dp"]), global_dp=int(layout["global_dp"]))
+    return dict(cfg, parallel=par, ft=dict(cfg["ft"], replicas=int(layout["replicas"])))
+
+
+def layout_at(cfg: dict, dp: int) -> dict:
+    """The layout of the configured job at data-parallel width ``dp`` (empty at full width):
+    global batch kept, as many replicas per rank as the narrower job's nodes allow."""
+    par = cfg["parallel"]
+    if dp == int(par["dp"]):
+        return {}
+    dims = ParallelDims.from_config(dict(par, dp=dp))
+    return {"dp": dp, "global_dp": int(par.get("global_dp") or par["dp"]),
+            "replicas": min(int(cfg["ft"].get("replicas", 1)), max_replicas(dims))}
+
+
+def renumber(old: ParallelDims, new: ParallelDims, ranks: dict[int, int],
+             keep_dp: list[int]) -> tuple[dict[int, int], list[int]]:
+    """A reshape's membership: each old rank in a kept data-parallel replica (``keep_dp``, in new
+    order) takes the new rank of its stage in that replica's new index; the slots of the other
+    old ranks come back as spares. Returns (new rank -> slot, spare slots)."""
+    assignments, idle = {}, []
+    for r, slot in sorted(ranks.items()):
+        c = old.coords(r)
+        if c["dp"] in keep_dp:
+            assignments[new.rank_of(c["pp"], keep_dp.index(c["dp"]), c["tp"])] = slot
+        else:
+            idle.append(slot)
+    return assignments, idle
+
+
+def fill(new: ParallelDims, assignments: dict[int, int], spares: list[int]) -> tuple[dict, list]:
+    """Give the ranks of ``new`` that have no slot yet to ``spares``, in order."""
+    out, left = dict(assignments), list(spares)
+    for r in range(new.world_size):
+        if r not in out:
+            out[r] = left.pop(0)
+    return out, left
+
+
+def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
+            t_detect: float) -> None:
+    """Plan ``generation`` ("checkpoint": the state of the resume step to disk, every process
+    staying), wait for it, then plan ``generation + 1`` ("train") at width ``dp`` with the kept
+    data-parallel replicas renumbered and warm spares filling what is left."""
+    from deadpool.recovery.fallbacks import write_state  # (fallbacks imports this module)
+
+    old = coord.dims
+    p = write_state(coord, generation, "checkpoint", decision, "regroup at dp=%d" % dp)
+    t_written = time.time()
+    layout = layout_at(coord.configured, dp)
+    coord.reshape(layout)
+    assignments, idle = renumber(old, coord.dims, coord.members.ranks, keep_dp)
+    assignments, left = fill(coord.dims, assignments, idle + coord.members.spares)
+    step_dir = Path(coord.ft["checkpoint_dir"]) / f"step_{p.resume_step}"
+    nxt = Plan(generation + 1, "train", assignments, p.resume_step,
+               {r: Source("disk", r, dir=str(step_dir)) for r in assignments},
+               reason=f"in-place regroup at dp={dp}", layout=layout)
+    coord.write_plan(nxt)
+    coord.members.ranks = assignments
+    coord.members.spares = left
+    coord.members.generation = generation + 1
+    for slot in assignments.values():
+        coord.live.reset_progress(slot)
+    rec.update(generation=generation + 1, t_plan=nxt.t_written, plan_s=nxt.t_written - t_detect,
+               checkpoint_s=t_written - p.t_written, elastic="in_place", dp=dp)
+    coord.pending = rec
+
+
+class Regrow:
+    """An in-place regrow under way: the processes the full width lacks are started (they join
+    as warm spares, exactly like a job's first processes), training goes on meanwhile, and
+    ``ready`` turns true once every one of them announced itself warm."""
+
+    def __init__(self, coord):
+        self.coord = coord
+        full = ParallelDims.from_config(coord.configured["parallel"])
+        need = full.world_size - coord.dims.world_size - len(coord.members.spares)
+        self.slots = coord.launcher.add_slots(need, coord.gen + 1) if need > 0 else []
+        self.t_start = time.time()
+        self.joined = Reports(coord.store, coord.seal, Keys.spare_ready, list(self.slots),
+                              on_forged=lambda s: coord.log(
+                                  f"[coordinator] slot {s}: join announcement without the job's "
+                                  "secret refused"))
+        self.waiting = set(self.slots)
+        if self.slots:
+            coord.log(f"[coordinator] regrow: started {len(self.slots)} process(es) in slot(s) "
+                      f"{self.slots}; training goes on while they warm up")
+
+    def ready(self) -> bool:
+        self.waiting -= set(self.joined.poll())
+        for slot in sorted(self.waiting):
+            if self.coord.launcher.poll(slot) is not None:
+                raise RuntimeError(f"a process started to regrow the job (slot {slot}) exited "
+                                   "during start-up:\n" + self.coord.launcher.log_tail(slot))
+        return not self.waiting

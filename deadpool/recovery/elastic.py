@@ -27,8 +27,9 @@ The state crosses one disk checkpoint (what the relaunch path writes and reads t
 with the tested loader, and the checkpoint is complete on disk if anything else fails. What in
 place saves against a relaunch is everything else: no process exits or starts at the shrink (no
 interpreter, torch import, store connection, model build; on GPUs no CUDA context or NCCL
-bootstrap), and the regrow's new processes start behind training. Partial: a rank that dies while
-the checkpoint is written ends the job (the relaunch path has the same gap); rank -> node
+bootstrap), and the regrow's new processes start behind training. A failure after the checkpoint
+(in the rebuild or the load at the new width) shrinks again, from that checkpoint. Partial: a rank
+that dies while the checkpoint is written ends the job (the relaunch path has the same gap); rank -> node
 placement after a shrink follows the new rank numbers, not the slots' nodes (buddies may share a
 physical node until the next regrow).
 """
@@ -91,28 +92,35 @@ def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
             t_detect: float) -> None:
     """Plan ``generation`` ("checkpoint": the state of the resume step to disk, every process
     staying), wait for it, then plan ``generation + 1`` ("train") at width ``dp`` with the kept
-    data-parallel replicas renumbered and warm spares filling what is left."""
+    data-parallel replicas renumbered and warm spares filling what is left. When the decision
+    already reads every rank from a complete disk checkpoint (a failure inside a reshape left no
+    copy in memory: ``fallbacks.from_disk``), nothing is written and ``generation`` trains."""
     from deadpool.recovery.fallbacks import write_state  # (fallbacks imports this module)
 
     old = coord.dims
-    p = write_state(coord, generation, "checkpoint", decision, "regroup at dp=%d" % dp)
-    t_written = time.time()
+    on_disk = {s.dir for s in decision.sources.values() if s.kind == "disk"}
+    if on_disk:
+        (step_dir,) = on_disk
+        train_gen, checkpoint_s = generation, 0.0
+    else:
+        p = write_state(coord, generation, "checkpoint", decision, f"regroup at dp={dp}")
+        step_dir = str(Path(coord.ft["checkpoint_dir"]) / f"step_{p.resume_step}")
+        train_gen, checkpoint_s = generation + 1, time.time() - p.t_written
     layout = layout_at(coord.configured, dp)
     coord.reshape(layout)
     assignments, idle = renumber(old, coord.dims, coord.members.ranks, keep_dp)
     assignments, left = fill(coord.dims, assignments, idle + coord.members.spares)
-    step_dir = Path(coord.ft["checkpoint_dir"]) / f"step_{p.resume_step}"
-    nxt = Plan(generation + 1, "train", assignments, p.resume_step,
-               {r: Source("disk", r, dir=str(step_dir)) for r in assignments},
+    nxt = Plan(train_gen, "train", assignments, decision.resume_step,
+               {r: Source("disk", r, dir=step_dir) for r in assignments},
                reason=f"in-place regroup at dp={dp}", layout=layout)
     coord.write_plan(nxt)
     coord.members.ranks = assignments
     coord.members.spares = left
-    coord.members.generation = generation + 1
+    coord.members.generation = train_gen
     for slot in assignments.values():
         coord.live.reset_progress(slot)
-    rec.update(generation=generation + 1, t_plan=nxt.t_written, plan_s=nxt.t_written - t_detect,
-               checkpoint_s=t_written - p.t_written, elastic="in_place", dp=dp)
+    rec.update(generation=train_gen, t_plan=nxt.t_written, plan_s=nxt.t_written - t_detect,
+               checkpoint_s=checkpoint_s, elastic="in_place", dp=dp)
     coord.pending = rec
 
 

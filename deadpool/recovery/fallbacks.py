@@ -169,16 +169,17 @@ def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[in
     width; ``checkpoint_restart`` - it relaunches every process at the same width;
     ``checkpoint_and_stop`` - the job stops there."""
     dims = coord.dims
-    if any(s.kind == "disk" for s in decision.sources.values()):
-        stop(coord, generation, rec, f"{decision.reason}; no warm spare left to restart from "
-                                     f"the disk checkpoint at step {decision.resume_step}")
-        return
     action = coord.ft["on_no_spare"]
     dropped = sorted({dims.coords(d)["dp"] for d in dead})
     if action == "elastic" and dims.dp - len(dropped) < 1:
         coord.log("[coordinator] elastic: no data-parallel replica would be left; stopping")
         action = "checkpoint_and_stop"
-    if action == "elastic" and coord.ft.get("elastic_mode", "in_place") == "in_place":
+    in_place = action == "elastic" and coord.ft.get("elastic_mode", "in_place") == "in_place"
+    if any(s.kind == "disk" for s in decision.sources.values()) and not in_place:
+        stop(coord, generation, rec, f"{decision.reason}; no warm spare left to restart from "
+                                     f"the disk checkpoint at step {decision.resume_step}")
+        return
+    if in_place:  # (from memory, or from the complete disk checkpoint the decision names)
         dp = dims.dp - len(dropped)
         coord.log(f"[coordinator] no warm spare left: continuing in place without data-parallel "
                   f"replica(s) {dropped} (dp {dims.dp} -> {dp}) from step {decision.resume_step}")

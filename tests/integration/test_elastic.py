@@ -167,3 +167,57 @@ def test_relaunch_mode_falls_back_to_elastic_then_regrows(tmp_path):
                                       f"ft.resume_from={at_R}"])
     equal, why = compare_final_states(run, ref)
     assert equal, why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_failure_inside_the_in_place_shrink_shrinks_again_from_its_checkpoint(tmp_path):
+    # no spare: rank 1 killed at step 6 shrinks dp4 -> dp3 in place; the process that becomes
+    # rank 1 of dp3 is killed inside that regroup's group rebuild, before anyone loaded the state:
+    # no copy is left in memory, so the job shrinks again, to dp2, from the checkpoint the first
+    # shrink wrote (re-cut from dp4 to dp2), with the two processes left
+    events = ("faults.events=[{rank: 1, step: 6, phase: mid_step, kind: kill},"
+              "{rank: 1, step: 6, phase: rebuild, kind: kill}]")
+    run, s = _train(tmp_path, "elastic", ["ft=elastic", events])
+    first, second = s["recoveries"]
+    assert first["outcome"] == "interrupted by another failure", first
+    assert second["outcome"] == "shrunk to dp=2" and second["elastic"] == "in_place", second
+    assert second["checkpoint_s"] == 0  # read back, not written again
+    S = second["resume_step"]
+    assert S == first["resume_step"]
+    assert sorted(_final(run)) == ["rank0.pt", "rank1.pt"]
+    _same_processes(run, [0, 3], 0, second["generation"])
+    at_S = _checkpointed_at(tmp_path, "ref_to_S", S, [])
+    ref, _ = _train(tmp_path, "ref", ["parallel.dp=2", "parallel.global_dp=4", "ft.num_spares=0",
+                                      f"ft.resume_from={at_S}"])
+    equal, why = compare_final_states(run, ref)
+    assert equal, why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_in_place_shrink_in_3d_keeps_the_dropped_replicas_processes_as_spares(tmp_path):
+    # dp2 x tp2 x pp2, no spare: rank 2 (dp 1, tp 0, stage 0) killed; its whole data-parallel
+    # replica is dropped: ranks 0, 1, 4, 5 go on as ranks 0-3 of dp1 x tp2 x pp2 in their own
+    # processes, and the replica's three live processes (slots 3, 6, 7) stay as warm spares. A
+    # later kill of rank 1 is hot-swapped by one of them
+    base = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=14", "log_every_steps=0",
+            "ft.persist_interval_steps=0"]
+    events = ("faults.events=[{rank: 2, step: 5, phase: mid_step, kind: kill},"
+              "{rank: 1, step: 10, phase: mid_step, kind: kill}]")
+    run = tmp_path / "elastic"
+    s = run_job(compose_train(base + ["ft=elastic", events], run), log=quiet)
+    assert s["outcome"] == "completed", s["message"]
+    shrink, swap = s["recoveries"]
+    assert shrink["outcome"] == "shrunk to dp=1" and shrink["dropped_dp"] == [1], shrink
+    assert swap["outcome"] == "hot-swapped" and swap["spare_slot"] in (3, 6, 7), swap
+    _same_processes(run, [0, 4, 5], 0, shrink["generation"])
+    assert sorted(_final(run)) == [f"rank{r}.pt" for r in range(4)]
+    S = shrink["resume_step"]
+    at_S = _checkpointed_at(tmp_path, "ref_to_S", S, ["parallel=dp2_tp2_pp2"])
+    ref = tmp_path / "ref"
+    r = run_job(compose_train(base + ["parallel.dp=1", "parallel.global_dp=2", "ft.num_spares=0",
+                                      "faults=none", f"ft.resume_from={at_S}"], ref), log=quiet)
+    assert r["outcome"] == "completed", r["message"]
+    equal, why = compare_final_states(run, ref)
+    assert equal, why

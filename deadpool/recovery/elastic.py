@@ -82,10 +82,12 @@ def renumber(old: ParallelDims, new: ParallelDims, ranks: dict[int, int],
 def fill(new: ParallelDims, assignments: dict[int, int], spares: list[int]) -> tuple[dict, list]:
     """Give the ranks of ``new`` that have no slot yet to ``spares``, in order."""
     out, left = dict(assignments), list(spares)
-    for r in range(new.world_size):
-        if r not in out:
-            out[r] = left.pop(0)
-    return out, left
+    missing = [r for r in range(new.world_size) if r not in out]
+    if len(missing) > len(left):
+        raise RuntimeError(f"{len(missing)} rank(s) of the new layout need a process and only "
+                           f"{len(left)} spare(s) are warm")
+    out.update(zip(missing, left))
+    return out, left[len(missing):]
 
 
 def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],

@@ -85,11 +85,12 @@ def next_plan(rng: random.Random, prev: Plan, dims: ParallelDims, universe: list
         keep.append("tp/not-in-the-layout")
     elif style < 0.25 and keep:
         keep.append(keep[0])
+    layout = rng.choice([{}, {}, {"dp": 3, "global_dp": 4, "replicas": rng.randint(1, 2)}])
     return Plan(prev.generation + rng.choice([1, 1, 2]),
-                rng.choice(["train", "train", "checkpoint_and_stop", "stop"]), assign,
+                rng.choice(["train", "train", "checkpoint", "checkpoint_and_stop", "stop"]), assign,
                 resume_step=rng.randint(0, 500), sources=sources,
                 reason=rng.choice(["", "rank 3 exited (SIGKILL)", "shrink: ünïcode \"quoted\""]),
-                t_written=rng.random() * 2e9, keep_groups=keep)
+                t_written=rng.random() * 2e9, keep_groups=keep, layout=layout)
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -2,9 +2,12 @@
 
 ``LocalLauncher`` starts every worker and warm spare as a child process of the coordinator on this
 machine, so process exit is observable (``poll``) and a hung process can be fenced (SIGKILL).
-On SLURM / torchrun the processes are started by ``srun``; ``ExternalLauncher`` then has no
-handles: failures are seen through heartbeats and collective errors only, and fencing is a store
-key that a remote process's heartbeat thread honours (see experiments/slurm/).
+``AgentLauncher`` starts one node agent per (simulated) node instead, each the parent of its
+node's processes. Under Slurm srun starts the processes (experiments/slurm/): with node agents
+(``launcher.agents``) ``ExternalAgentLauncher`` knows the nodes but holds no process, and learns
+and fences through the agents' records and the event log; without them ``ExternalLauncher`` has
+no handles: failures are seen through heartbeats and collective errors only, and fencing is a
+store key that a remote process's heartbeat thread honours.
 
 Both hand the job's secret (deadpool/auth.py) to nobody but the job: ``LocalLauncher`` puts it in
 each child's environment only, ``ExternalLauncher`` seals the fences it writes with it.

@@ -247,4 +247,10 @@ def _reopen(open_store, err, node):
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # no interpreter shutdown: the events thread may be inside a store call (under Slurm the
+    # coordinator's store is gone by now, and the thread reconnects), and a daemon thread stopped
+    # in C++ during finalization aborts the process ("terminate called without an active
+    # exception"), which srun reports as a failed task
+    os._exit(code)

@@ -22,7 +22,9 @@
 # RANKS_PER_NODE (tasks per node), RUN_DIR (outputs/slurm-<jobid>), DEADPOOL_STORE_HOST (this
 # host's name: set it to the cluster-internal interface address if that name resolves elsewhere),
 # DEADPOOL_STORE_PORT (29500 + jobid % 1000), SRUN_ARGS (--cpu-bind=cores), PY (.venv/bin/python
-# when present, else python). Anything after the script name is passed to the coordinator as
+# when present, else python), AGENTS_PER_HOST (1; a test mode for a one-machine cluster: that
+# many node agents per allocated machine, each standing for a node, CPU only since their children
+# would share the machine's GPUs). Anything after the script name is passed to the coordinator as
 # Hydra overrides (model=gpt_1b num_steps=1000 ...).
 #
 # Outputs land in RUN_DIR: job.json (the resolved config the tasks read), summary.json (outcome,
@@ -86,11 +88,13 @@ read -r AGENTS NODES <<< "${DESCRIBE}"
 #    a warm spare takes its place, and the coordinator fences the dead rank out.
 if [ "${AGENTS}" = 1 ]; then
     # one agent per node, holding all of the node's CPUs and GPUs for its children
-    if (( NODES > SLURM_JOB_NUM_NODES )); then
+    PER_HOST=${AGENTS_PER_HOST:-1}
+    HOSTS=$(( (NODES + PER_HOST - 1) / PER_HOST ))
+    if (( HOSTS > SLURM_JOB_NUM_NODES )); then
         echo "deadpool_job.sh: $SLURM_NTASKS processes at RANKS_PER_NODE=$RANKS_PER_NODE need $NODES nodes, the job has $SLURM_JOB_NUM_NODES" >&2
         kill ${COORD}; wait ${COORD} || true; exit 2
     fi
-    STEP_ARGS=(--nodes="${NODES}" --ntasks="${NODES}" --ntasks-per-node=1
+    STEP_ARGS=(--nodes="${HOSTS}" --ntasks="${NODES}" --ntasks-per-node="${PER_HOST}"
                --cpus-per-task=$(( ${SLURM_CPUS_PER_TASK:-1} * RANKS_PER_NODE )))
     if [ -n "${SLURM_GPUS_PER_NODE:-}" ]; then STEP_ARGS+=(--gpus-per-node="${SLURM_GPUS_PER_NODE}"); fi
     srun --kill-on-bad-exit=0 --wait=0 "${STEP_ARGS[@]}" ${SRUN_ARGS} \

@@ -5,7 +5,8 @@ is SIGKILLed from outside mid-run; the spare must be hot-swapped in, the step mu
 dead process, and the final state must be bitwise equal to a failure-free run of the same seed.
 
 Twice: with node agents (the default: srun starts one agent, the node's five processes are its
-children) and without (launcher.agents=false: srun starts the five processes as its tasks).
+children) and without (launcher.agents=false: srun starts the five processes as its tasks). And a
+node's loss: three agents on the one machine, one SIGKILLed with its two ranks.
 
 The fixture installs Debian's slurm-wlm and munge when they are missing and this runs as root
 (CI does); elsewhere without Slurm the test is skipped.
@@ -133,7 +134,7 @@ def test_rank_sigkilled_spare_hot_swapped_bitwise(slurm_env, reference, tmp_path
     parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     if agents:  # the rank is a child of the node's agent, itself the step's one srun task
         assert "deadpool.agent" in cmdline(parent) and "--node-from-env" in cmdline(parent), cmdline(parent)
-        assert "SLURM_PROCID" not in Path(f"/proc/{pid}/environ").read_text()  # the agent's task only
+        assert b"SLURM_PROCID=" not in Path(f"/proc/{pid}/environ").read_bytes()  # the agent's task only
     else:
         assert "deadpool.agent" not in cmdline(parent)
     t_sent = time.time()
@@ -154,6 +155,50 @@ def test_rank_sigkilled_spare_hot_swapped_bitwise(slurm_env, reference, tmp_path
     first_step = rec["t_kill"] + rec["kill_to_first_step_s"]  # t_kill unknown to the runtime: t_detect
     print(f"[slurm agents={agents}] SIGKILL -> first step {first_step - t_sent:.2f} s "
           f"(detected by {rec['detected_by']})")
+    equal, why = compare_final_states(run_dir, reference)
+    assert equal, why
+
+
+def test_a_killed_node_agent_loses_its_node_and_spares_take_both_ranks(slurm_env, reference, tmp_path):
+    """Three node agents of two slots on the one machine (AGENTS_PER_HOST=3: the srun step's tasks
+    0, 1, 2 are nodes 0, 1, 2): ranks 0, 1 | ranks 2, 3 | spares 4, 5. Node 1's agent is SIGKILLed
+    from outside; its ranks die with it, the coordinator (no handle on any agent) sees node 1's
+    record fall silent, and both spares take its ranks."""
+    run_dir = tmp_path / "slurm_run"
+    env = {**slurm_env, "NUM_SPARES": "2", "RANKS_PER_NODE": "2", "AGENTS_PER_HOST": "3", "DEVICE": "cpu",
+           "SRUN_ARGS": "", "PY": sys.executable, "RUN_DIR": str(run_dir),
+           "DEADPOOL_STORE_PORT": str(free_port()), "DEADPOOL_STORE_HOST": "127.0.0.1"}
+    out = tmp_path / "slurm-%j.out"
+    p = subprocess.run(["sbatch", "--parsable", "--ntasks=6", f"--output={out}", f"--chdir={ROOT}", str(JOB),
+                        *OVERRIDES], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    job_id = p.stdout.strip().split(";")[0]
+    log = Path(str(out).replace("%j", job_id))
+
+    def squeue() -> str:
+        return subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout
+
+    deadline = time.time() + 180
+    while newest_step(log, run_dir / "logs/slot0.log") < 10:
+        assert time.time() < deadline and squeue(), log.read_text() if log.exists() else "no job log"
+        time.sleep(0.2)
+    ranks = {slot: slot_pid(job_id, slot) for slot in range(6)}
+    assert None not in ranks.values(), ranks
+    agent = int(Path(f"/proc/{ranks[2]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert "deadpool.agent" in cmdline(agent), cmdline(agent)
+    assert b"SLURM_PROCID=1\0" in Path(f"/proc/{agent}/environ").read_bytes()  # node 1's agent
+    os.kill(agent, signal.SIGKILL)
+    while squeue():
+        assert time.time() < deadline + 120, log.read_text()
+        time.sleep(1)
+    text = log.read_text()
+    assert "coordinator exit 0" in text, text
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["outcome"] == "completed", s.get("message")
+    (rec,) = s["recoveries"]
+    assert set(rec["failed_rank"]) == {2, 3} and rec["outcome"] == "hot-swapped", rec
+    print(f"[slurm node loss] detected by {rec['detected_by']}, kill to first step "
+          f"{rec['kill_to_first_step_s']:.2f} s")
     equal, why = compare_final_states(run_dir, reference)
     assert equal, why
 

@@ -23,7 +23,7 @@ from deadpool.data import check_data
 from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.agent.events import EventLog
-from deadpool.launcher import AgentLauncher, ExternalLauncher, LocalLauncher
+from deadpool.launcher import AgentLauncher, ExternalAgentLauncher, ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.policies import buddies_table, check_placement, max_replicas
@@ -75,12 +75,12 @@ def validate(cfg: dict) -> None:
         raise ValueError(f"ft.elastic_mode must be 'in_place' or 'relaunch', got {ft['elastic_mode']!r}")
     if ft.get("elastic_regrow_after_s") is not None and float(ft["elastic_regrow_after_s"]) < 0:
         raise ValueError("ft.elastic_regrow_after_s must be >= 0 or null")
-    agents = cfg["launcher"]["name"] == "local" and bool(cfg["launcher"].get("agents"))
+    agents = uses_agents(cfg)
     if agents and not 0 < float(ft["agent_interval_s"]) <= float(ft["node_timeout_s"]) / 4:
         raise ValueError("ft.agent_interval_s must be > 0 and <= ft.node_timeout_s / 4 (a node is "
                          "lost after missing several records, not one)")
     if not agents and any(str(ev.get("kind")) == "kill_node" for ev in cfg["faults"]["events"]):
-        raise ValueError("a kill_node fault needs node agents (launcher=local launcher.agents=true)")
+        raise ValueError("a kill_node fault needs node agents (launcher.agents=true)")
     if ft["progress_timeout_s"] <= ft["heartbeat_timeout_s"]:
         raise ValueError("ft.progress_timeout_s must exceed ft.heartbeat_timeout_s")
     if ft["coordinator_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:
@@ -217,6 +217,11 @@ def run_job(cfg: dict, log=print) -> dict:
     return summary
 
 
+def uses_agents(cfg: dict) -> bool:
+    """The job runs node agents (``launcher.agents``: local and Slurm; torchrun has none)."""
+    return cfg["launcher"]["name"] in ("local", "slurm") and bool(cfg["launcher"].get("agents"))
+
+
 def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     """Start every process of the job and coordinate it until it ends; returns the coordinator
     and the launch's store namespace."""
@@ -231,16 +236,23 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     n_workers = ParallelDims.from_config(cfg["parallel"]).world_size
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
     live = events = None
-    if cfg["launcher"]["name"] == "local" and cfg["launcher"].get("agents"):
+    if uses_agents(cfg):
         ft = cfg["ft"]
         events = EventLog(store, Seal(secret))
-        launcher = AgentLauncher(run_dir, job_json, secret, cfg, None, events)
+        local = cfg["launcher"]["name"] == "local"
+        launcher = (AgentLauncher if local else ExternalAgentLauncher)(
+            run_dir, job_json, secret, cfg, None, events)
         live = launcher.live = NodeLiveness(
             float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
             float(ft["node_timeout_s"]), launcher.node_of_slot.get)
         launcher.start(slots)
-        log(f"[deadpool] {len(launcher.agents)} node agent(s) started {n_workers} workers + "
-            f"{cfg['ft']['num_spares']} warm spare(s); store on port {master.port}; run dir {run_dir}")
+        if local:
+            log(f"[deadpool] {len(launcher.agents)} node agent(s) started {n_workers} workers + "
+                f"{cfg['ft']['num_spares']} warm spare(s); store on port {master.port}; run dir {run_dir}")
+        else:  # srun starts one `python -m deadpool.agent --node-from-env` per node
+            log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{master.port}; waiting "
+                f"for {len(launcher.nodes)} node agent(s) with {len(slots)} processes (job file "
+                f"{job_json})")
     elif cfg["launcher"]["name"] == "local":
         launcher = LocalLauncher(run_dir, job_json, secret,
                                  share_gpu=bool(cfg["launcher"].get("share_gpu")))

@@ -2,9 +2,12 @@
 
 ``LocalLauncher`` starts every worker and warm spare as a child process of the coordinator on this
 machine, so process exit is observable (``poll``) and a hung process can be fenced (SIGKILL).
-On SLURM / torchrun the processes are started by ``srun``; ``ExternalLauncher`` then has no
-handles: failures are seen through heartbeats and collective errors only, and fencing is a store
-key that a remote process's heartbeat thread honours (see experiments/slurm/).
+``AgentLauncher`` starts one node agent per (simulated) node instead, each the parent of its
+node's processes. Under Slurm srun starts the processes (experiments/slurm/): with node agents
+(``launcher.agents``) ``ExternalAgentLauncher`` knows the nodes but holds no process, and learns
+and fences through the agents' records and the event log; without them ``ExternalLauncher`` has
+no handles: failures are seen through heartbeats and collective errors only, and fencing is a
+store key that a remote process's heartbeat thread honours.
 
 Both hand the job's secret (deadpool/auth.py) to nobody but the job: ``LocalLauncher`` puts it in
 each child's environment only, ``ExternalLauncher`` seals the fences it writes with it.
@@ -47,12 +50,14 @@ def job_env(secret: str | None) -> dict:
 
 
 def start_worker(run_dir: Path, job_json: Path, slot: int, env: dict, share_gpu: bool = False,
-                 preexec_fn=None) -> tuple[subprocess.Popen, Path]:
+                 preexec_fn=None, keep_local_rank: bool = False) -> tuple[subprocess.Popen, Path]:
     """Start the process of ``slot`` (its output appended to ``logs/slot<slot>.log``: a relaunch
     appends). One GPU per local rank: the worker selects cuda:LOCAL_RANK (spares too: a spare's
-    device is fixed at launch; with fewer GPUs than processes they share round-robin)."""
+    device is fixed at launch; with fewer GPUs than processes they share round-robin), from the
+    slot unless ``keep_local_rank`` (a Slurm node's agent sets it from the process's place on
+    its node: ``agent.__main__.child_env``)."""
     log = Path(run_dir) / "logs" / f"slot{slot}.log"
-    local_env = dict(env, LOCAL_RANK=str(local_rank(slot)))
+    local_env = dict(env) if keep_local_rank else dict(env, LOCAL_RANK=str(local_rank(slot)))
     if share_gpu:
         local_env.update(nccl_env.share_gpu_env(slot))
     proc = subprocess.Popen(
@@ -289,3 +294,30 @@ class AgentLauncher(Launcher):
                              .splitlines()[-lines:])
         except OSError:
             return ""
+
+
+class ExternalAgentLauncher(AgentLauncher):
+    """Node agents started elsewhere (``srun --ntasks-per-node=1 python -m deadpool.agent
+    --node-from-env``, experiments/slurm/deadpool_job.sh): the coordinator holds no process.
+
+    Everything it knows comes from the agents' records (``live``) and everything it asks goes out
+    as events (``events``), as under ``AgentLauncher``; it only cannot see an agent's exit or kill
+    one. A node whose agent died or hangs is lost when its record has been silent for
+    ``ft.node_timeout_s`` (``watchdog.NodeLiveness.beat_lost``); its processes died with the agent
+    (PR_SET_PDEATHSIG) or, under a hung agent, leave by themselves after the same timeout
+    (``agent.client.BoardHeartbeat``), and the fence pushed for them reaches an agent that was
+    only cut off once it reads the event log again."""
+
+    def start(self, slots: list[int]) -> None:
+        pass  # srun started the agents, and they their processes
+
+    add_slots = Launcher.add_slots  # srun starts the processes: none can join a running step
+
+    def node_gone(self, slot: int) -> bool:
+        return False  # no handle: only the node's silent record tells (NodeLiveness)
+
+    def kill_node(self, node: int) -> None:
+        pass  # no handle on a remote agent: its ranks are fenced through the event log
+
+    def wait_all(self, timeout_s: float) -> None:
+        pass  # the agents leave when the job is done or stopped; srun ends the step

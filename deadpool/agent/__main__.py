@@ -1,8 +1,9 @@
 """The node agent process: ``python -m deadpool.agent --job <run_dir>/job.json --node N``.
 
-Started once per node (locally by ``launcher.AgentLauncher``, one per simulated node of
-``parallel.ranks_per_node`` launch slots). It creates the node's board, starts the node's
-processes as its children (each dies with it: ``PR_SET_PDEATHSIG``, so the agent's death is the
+Started once per node of ``parallel.ranks_per_node`` launch slots: locally by
+``launcher.AgentLauncher`` (one per simulated node), under Slurm by one srun step of one task per
+node (``--node-from-env``: the node is the task's SLURM_PROCID; experiments/slurm/deadpool_job.sh).
+It creates the node's board, starts the node's processes as its children (each dies with it: ``PR_SET_PDEATHSIG``, so the agent's death is the
 loss of its node), and runs three threads around one ``NodeAgent``:
 
     main      tick every ft.agent_interval_s (record, coordinator heartbeat)
@@ -33,7 +34,7 @@ from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, NodeBoard
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.groups import keepable_keys
-from deadpool.launcher import job_env, sigkill, start_worker
+from deadpool.launcher import job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
 from deadpool.topology import ParallelDims
 
@@ -55,12 +56,59 @@ def num_nodes(cfg: dict) -> int:
     return -(-n // dims.ranks_per_node)
 
 
-def node_dir(cfg: dict, node: int) -> Path:
+def node_dir(cfg: dict, node: int, environ=os.environ) -> Path:
     """Where the node's board and plans live: node-local shared memory (/dev/shm) when there is
-    one, else the temporary directory; named after the job's run directory."""
+    one, else the temporary directory; named after the job's run directory (and the Slurm job).
+
+    Never the run directory: under Slurm that is a shared file system (NFS, Lustre), where a
+    mapped board would be written back over the network on every beat and every node would see
+    the others' files. Not $TMPDIR first either: a site may point it at shared scratch. /dev/shm
+    is RAM on the node itself, so the board costs no I/O and dies with the node. The Slurm job id
+    in the name keeps two jobs on one node apart even with the same run directory (a resubmission
+    while the last job's step still ends). A SIGKILLed agent leaves its (tiny) directory behind;
+    the next agent of the same job and node removes it."""
     tag = hashlib.blake2b(str(Path(cfg["run_dir"]).resolve()).encode(), digest_size=6).hexdigest()
+    job = environ.get("SLURM_JOB_ID")
+    if job:
+        tag = f"{tag}-j{job}"
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return base / f"deadpool-{os.getuid()}-{tag}" / f"node{node}"
+
+
+# the variables srun sets for one task: the agent's, not its children's (a child is no srun task)
+SRUN_TASK_ENV = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_TASK_PID", "SLURM_GTIDS")
+
+
+def slurm_node(environ=os.environ) -> int:
+    """The node index of an agent started by srun with one task per node: the task's
+    SLURM_PROCID (equal to SLURM_NODEID in such a step; unlike it, also right for a test step of
+    several agents on one machine), else SLURM_NODEID."""
+    for name in ("SLURM_PROCID", "SLURM_NODEID"):
+        if environ.get(name, "").strip():
+            return int(environ[name])
+    raise ValueError("--node-from-env: neither SLURM_PROCID nor SLURM_NODEID is set (not under srun?)")
+
+
+def child_env(env: dict, index: int, external: bool, num_devices: int | None = None) -> dict:
+    """The environment of the node's ``index``-th process (its record on the board).
+
+    Under srun (``external``) the node's GPUs are all visible to the agent: a child's device is
+    its local index, round-robin over them, in LOCAL_RANK (worker.main selects
+    ``cuda:SLURM_LOCALID`` else ``cuda:LOCAL_RANK``); the agent's own task variables are dropped,
+    so a child does not pass for the agent's srun task. Locally the simulated nodes share one
+    machine's GPUs: ``start_worker`` picks the device from the slot (LOCAL_RANK)."""
+    out = dict(env, **{NODE_INDEX_ENV: str(index)})
+    if external:
+        for name in SRUN_TASK_ENV:
+            out.pop(name, None)
+        out["LOCAL_RANK"] = str(local_rank(index, num_devices))
+    return out
+
+
+def describe(cfg: dict) -> str:
+    """``<agents> <nodes>`` for the Slurm job body: whether the job runs node agents, and how many
+    (one srun task each)."""
+    return f"{int(bool(cfg['launcher'].get('agents')))} {num_nodes(cfg)}"
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -74,7 +122,12 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", required=True)
-    ap.add_argument("--node", type=int, required=True)
+    where_ = ap.add_mutually_exclusive_group(required=True)
+    where_.add_argument("--node", type=int)
+    where_.add_argument("--node-from-env", action="store_true",
+                        help="the node is this srun task's SLURM_PROCID (one task per node)")
+    where_.add_argument("--describe", action="store_true",
+                        help="print '<agents> <nodes>' of the job file and exit (deadpool_job.sh)")
     ap.add_argument("--slots", help="this node's slots, comma-separated (a node joining a running "
                                     "job, launcher.AgentLauncher.add_slots); default: the job's")
     ap.add_argument("--first-event", type=int, default=0,
@@ -82,6 +135,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     job_json = Path(args.job)
     cfg = json.loads(job_json.read_text())
+    if args.describe:
+        print(describe(cfg))
+        return 0
+    external = cfg["launcher"]["name"] != "local"
+    if args.node_from_env:
+        args.node = slurm_node()
+    if not args.slots and not 0 <= args.node < num_nodes(cfg):
+        print(f"[agent] node {args.node}: the job has {num_nodes(cfg)} node(s) of "
+              f"parallel.ranks_per_node slots; start one agent per node", flush=True)
+        return 2
     ft, run_dir = cfg["ft"], Path(cfg["run_dir"])
     secret = auth.load_secret()
     seal = Seal(secret)
@@ -108,10 +171,10 @@ def main(argv=None) -> int:
     env[NODE_DIR_ENV] = str(where)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for i, slot in enumerate(slots):
-        procs[slot], _ = start_worker(run_dir, job_json, slot,
-                                      dict(env, **{NODE_INDEX_ENV: str(i)}),
+        procs[slot], _ = start_worker(run_dir, job_json, slot, child_env(env, i, external),
                                       bool(cfg["launcher"].get("share_gpu")),
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=_die_with_parent, keep_local_rank=external)
+    print(f"[agent {args.node}] started slots {slots} (board {where})", flush=True)
     stop = threading.Event()
 
     def wait_child(slot, p):
@@ -172,6 +235,10 @@ def main(argv=None) -> int:
             pass
     board.close()
     shutil.rmtree(where, ignore_errors=True)
+    try:
+        where.parent.rmdir()  # the job's directory, once its last node on this machine is gone
+    except OSError:
+        pass
     return 0
 
 
@@ -185,4 +252,10 @@ def _reopen(open_store, err, node):
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # no interpreter shutdown: the events thread may be inside a store call (under Slurm the
+    # coordinator's store is gone by now, and the thread reconnects), and a daemon thread stopped
+    # in C++ during finalization aborts the process ("terminate called without an active
+    # exception"), which srun reports as a failed task
+    os._exit(code)

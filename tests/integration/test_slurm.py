@@ -1,8 +1,12 @@
 """DeadPool launched through a real Slurm: the template's job body (experiments/slurm/
 deadpool_job.sh, which both GPU templates run) on a single-node cluster started by
-experiments/slurm/local_cluster.sh, in CPU mode with 4 workers + 1 warm spare. One srun task is
-SIGKILLed from outside mid-run; the spare must be hot-swapped in, the step must survive the dead
-task, and the final state must be bitwise equal to a failure-free run of the same seed.
+experiments/slurm/local_cluster.sh, in CPU mode with 4 workers + 1 warm spare. One rank's process
+is SIGKILLed from outside mid-run; the spare must be hot-swapped in, the step must survive the
+dead process, and the final state must be bitwise equal to a failure-free run of the same seed.
+
+Twice: with node agents (the default: srun starts one agent, the node's five processes are its
+children) and without (launcher.agents=false: srun starts the five processes as its tasks). And a
+node's loss: three agents on the one machine, one SIGKILLed with its two ranks.
 
 The fixture installs Debian's slurm-wlm and munge when they are missing and this runs as root
 (CI does); elsewhere without Slurm the test is skipped.
@@ -57,39 +61,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def task_pid(job_id: str, procid: int) -> int | None:
-    """The PID of srun task ``procid`` of job ``job_id`` (a deadpool.worker process)."""
+def slot_pid(job_id: str, slot: int) -> int | None:
+    """The PID of job ``job_id``'s process of launch slot ``slot`` (a deadpool.worker process):
+    started with ``--slot <slot>`` by its node agent, or an srun task with SLURM_PROCID=<slot>
+    (``--slot-from-env``)."""
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            cmd = (d / "cmdline").read_bytes()
-            if b"deadpool.worker" not in cmd:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            if b"deadpool.worker" not in argv:
                 continue
             env = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace").split("\0")
                        if "=" in kv)
         except OSError:
             continue
-        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_PROCID") == str(procid):
+        if env.get("SLURM_JOB_ID") != job_id:
+            continue
+        if (b"--slot" in argv and argv[argv.index(b"--slot") + 1] == str(slot).encode()) or \
+                (b"--slot-from-env" in argv and env.get("SLURM_PROCID") == str(slot)):
             return int(d.name)
     return None
 
 
-def newest_step(log: Path) -> int:
-    """The newest step rank 0 reported in the job's output (``[rank 0] step   12/100 ...``)."""
-    if not log.exists():
-        return 0
-    return max((int(m) for m in re.findall(r"\[rank 0\] step\s+(\d+)/", log.read_text())), default=0)
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
-def test_srun_task_sigkilled_spare_hot_swapped_bitwise(slurm_env, tmp_path):
+def newest_step(*logs: Path) -> int:
+    """The newest step rank 0 reported (``[rank 0] step   12/100 ...``): in the job's output
+    (srun tasks) or in slot 0's log (a node agent's child)."""
+    texts = [log.read_text() for log in logs if log.exists()]
+    return max((int(m) for t in texts for m in re.findall(r"\[rank 0\] step\s+(\d+)/", t)), default=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The failure-free run both tests compare with (local launcher, same seed and layout)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    ref = compose_config(OVERRIDES + ["parallel.dp=4", "ft.num_spares=1"], run_dir)
+    assert run_job(ref, log=lambda *a, **k: None)["outcome"] == "completed"
+    return run_dir
+
+
+@pytest.mark.parametrize("agents", [True, False], ids=["agents", "srun-tasks"])
+def test_rank_sigkilled_spare_hot_swapped_bitwise(slurm_env, reference, tmp_path, agents):
     run_dir = tmp_path / "slurm_run"
     env = {**slurm_env, "NUM_SPARES": "1", "DEVICE": "cpu", "SRUN_ARGS": "", "PY": sys.executable,
            "RUN_DIR": str(run_dir), "DEADPOOL_STORE_PORT": str(free_port()),
            "DEADPOOL_STORE_HOST": "127.0.0.1"}  # one node: no need for the host name to resolve
     out = tmp_path / "slurm-%j.out"
     p = subprocess.run(["sbatch", "--parsable", "--ntasks=5", f"--output={out}", f"--chdir={ROOT}", str(JOB),
-                        *OVERRIDES], env=env, capture_output=True, text=True, timeout=60)
+                        *OVERRIDES, f"launcher.agents={str(agents).lower()}"],
+                       env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     job_id = p.stdout.strip().split(";")[0]
     log = Path(str(out).replace("%j", job_id))
@@ -98,12 +125,18 @@ def test_srun_task_sigkilled_spare_hot_swapped_bitwise(slurm_env, tmp_path):
         return subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout
 
     deadline = time.time() + 180
-    while newest_step(log) < 10:  # training is under way: kill rank 1's task from outside
+    while newest_step(log, run_dir / "logs/slot0.log") < 10:  # under way: kill rank 1 from outside
         assert time.time() < deadline and squeue(), log.read_text() if log.exists() else "no job log"
         time.sleep(0.2)
-    pid = task_pid(job_id, 1)
-    assert pid is not None, f"no srun task with SLURM_PROCID=1 in job {job_id}: " + subprocess.run(
-        ["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout[-3000:]
+    pid = slot_pid(job_id, 1)
+    assert pid is not None, f"no process of slot 1 in job {job_id}: " + subprocess.run(
+        ["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout[-3000:]
+    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    if agents:  # the rank is a child of the node's agent, itself the step's one srun task
+        assert "deadpool.agent" in cmdline(parent) and "--node-from-env" in cmdline(parent), cmdline(parent)
+        assert b"SLURM_PROCID=" not in Path(f"/proc/{pid}/environ").read_bytes()  # the agent's task only
+    else:
+        assert "deadpool.agent" not in cmdline(parent)
     t_sent = time.time()
     os.kill(pid, signal.SIGKILL)
     while squeue():
@@ -116,14 +149,57 @@ def test_srun_task_sigkilled_spare_hot_swapped_bitwise(slurm_env, tmp_path):
     (rec,) = s["recoveries"]
     assert rec["failed_rank"] == 1 and rec["spare_slot"] in (4, [4]), rec
     assert rec["outcome"] == "hot-swapped", rec
-    # under srun nothing shows the exit: the survivors' broken collective aborts the generation and
-    # the rank that neither answers nor beats is declared lost (soft heartbeat timeout)
+    # with agents the exit is seen by the rank's agent (waitpid) and recorded at once; as srun tasks
+    # nothing shows it: the survivors' broken collective aborts the generation and the rank that
+    # neither answers nor beats is declared lost (soft heartbeat timeout)
     first_step = rec["t_kill"] + rec["kill_to_first_step_s"]  # t_kill unknown to the runtime: t_detect
-    print(f"[slurm] SIGKILL -> first step {first_step - t_sent:.2f} s (detected by {rec['detected_by']})")
+    print(f"[slurm agents={agents}] SIGKILL -> first step {first_step - t_sent:.2f} s "
+          f"(detected by {rec['detected_by']})")
+    equal, why = compare_final_states(run_dir, reference)
+    assert equal, why
 
-    ref = compose_config(OVERRIDES + ["parallel.dp=4", "ft.num_spares=1"], tmp_path / "reference")
-    assert run_job(ref, log=lambda *a, **k: None)["outcome"] == "completed"
-    equal, why = compare_final_states(run_dir, tmp_path / "reference")
+
+def test_a_killed_node_agent_loses_its_node_and_spares_take_both_ranks(slurm_env, reference, tmp_path):
+    """Three node agents of two slots on the one machine (AGENTS_PER_HOST=3: the srun step's tasks
+    0, 1, 2 are nodes 0, 1, 2): ranks 0, 1 | ranks 2, 3 | spares 4, 5. Node 1's agent is SIGKILLed
+    from outside; its ranks die with it, the coordinator (no handle on any agent) sees node 1's
+    record fall silent, and both spares take its ranks."""
+    run_dir = tmp_path / "slurm_run"
+    env = {**slurm_env, "NUM_SPARES": "2", "RANKS_PER_NODE": "2", "AGENTS_PER_HOST": "3", "DEVICE": "cpu",
+           "SRUN_ARGS": "", "PY": sys.executable, "RUN_DIR": str(run_dir),
+           "DEADPOOL_STORE_PORT": str(free_port()), "DEADPOOL_STORE_HOST": "127.0.0.1"}
+    out = tmp_path / "slurm-%j.out"
+    p = subprocess.run(["sbatch", "--parsable", "--ntasks=6", f"--output={out}", f"--chdir={ROOT}", str(JOB),
+                        *OVERRIDES], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    job_id = p.stdout.strip().split(";")[0]
+    log = Path(str(out).replace("%j", job_id))
+
+    def squeue() -> str:
+        return subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout
+
+    deadline = time.time() + 180
+    while newest_step(log, run_dir / "logs/slot0.log") < 10:
+        assert time.time() < deadline and squeue(), log.read_text() if log.exists() else "no job log"
+        time.sleep(0.2)
+    ranks = {slot: slot_pid(job_id, slot) for slot in range(6)}
+    assert None not in ranks.values(), ranks
+    agent = int(Path(f"/proc/{ranks[2]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert "deadpool.agent" in cmdline(agent), cmdline(agent)
+    assert b"SLURM_PROCID=1\0" in Path(f"/proc/{agent}/environ").read_bytes()  # node 1's agent
+    os.kill(agent, signal.SIGKILL)
+    while squeue():
+        assert time.time() < deadline + 120, log.read_text()
+        time.sleep(1)
+    text = log.read_text()
+    assert "coordinator exit 0" in text, text
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["outcome"] == "completed", s.get("message")
+    (rec,) = s["recoveries"]
+    assert set(rec["failed_rank"]) == {2, 3} and rec["outcome"] == "hot-swapped", rec
+    print(f"[slurm node loss] detected by {rec['detected_by']}, kill to first step "
+          f"{rec['kill_to_first_step_s']:.2f} s")
+    equal, why = compare_final_states(run_dir, reference)
     assert equal, why
 
 

@@ -3,7 +3,9 @@
     python experiments/compare_strategies.py [--steps 40] [--out experiments/results/runtime/strategies]
 
 Strategies (``ft=``): none, deadpool, sync_snapshot, checkpoint_restart (async DCP writes every
-``--ckpt_every`` steps), elastic. Schedules (``--schedules``):
+``--ckpt_every`` steps), elastic (in place: the survivors keep their processes) and
+elastic_relaunch (``ft=elastic ft.elastic_mode=relaunch``: every process restarted at the new
+width, as torchelastic does). Schedules (``--schedules``):
 
     free    no failure: the failure-free step time, as a ratio to ft=none measured in this run.
             Run ``--free_rounds`` times, the strategies interleaved in a rotated order each round;
@@ -56,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import keep, metrics, run  # noqa: E402
 
-STRATEGIES = ("none", "deadpool", "sync_snapshot", "checkpoint_restart", "elastic")
+STRATEGIES = ("none", "deadpool", "sync_snapshot", "checkpoint_restart", "elastic",
+              "elastic_relaunch")
 
 
 def schedule_events(name: str, kills: list[int]) -> list[dict]:
@@ -73,14 +76,17 @@ def schedule_events(name: str, kills: list[int]) -> list[dict]:
 
 
 def overrides(strategy: str, args, dp: int) -> list[str]:
-    o = [f"ft={strategy}", "model=tiny", f"parallel.dp={dp}", f"num_steps={args.steps}",
+    ft = "elastic" if strategy == "elastic_relaunch" else strategy
+    o = [f"ft={ft}", "model=tiny", f"parallel.dp={dp}", f"num_steps={args.steps}",
          "log_every_steps=0"]
     if strategy in ("deadpool", "sync_snapshot"):
         o += [f"ft.num_spares={args.spares}", "ft.persist_interval_steps=0"]
     elif strategy == "checkpoint_restart":
         o += [f"ft.persist_interval_steps={args.ckpt_every}"]
     elif strategy == "elastic":
-        o += ["ft.persist_interval_steps=0"]
+        o += ["ft.persist_interval_steps=0", "ft.elastic_mode=in_place"]
+    elif strategy == "elastic_relaunch":
+        o += ["ft.persist_interval_steps=0", "ft.elastic_mode=relaunch"]
     return o
 
 

@@ -21,8 +21,9 @@ the measured run, and nothing else is taken from it:
 - horizon: the measured window, from the end of step 1 to the end of the last step;
 - strategy: runtime ``deadpool`` and ``sync_snapshot`` -> sim ``deadpool``; ``checkpoint_restart``
   -> sim ``checkpoint_restart`` (async, every ``ft.persist_interval_steps`` steps); ``elastic``
-  -> sim ``elastic`` with ``shrink: relaunch`` and ``optimizer_state: replica`` (what the runtime
-  does, see sim/strategies/elastic.py); ``none`` -> sim ``deadpool`` with no failure (only its
+  -> sim ``elastic`` with ``optimizer_state: replica`` and ``shrink`` as the run's records say
+  (``elastic``: ``in_place``, or ``relaunch``, which records written before in-place shrinks
+  existed are; see sim/strategies/elastic.py); ``none`` -> sim ``deadpool`` with no failure (only its
   failure-free runs can be replayed: a failure ends the job);
 - every recovery cost (detection, plan, rebuild, transfer, relaunch, load, width scaling) comes
   from the calibration (``sim.calibrate`` fitted on run directories).
@@ -97,7 +98,9 @@ def load(run_dir: str | Path, step_time: str = "full_width") -> dict:
             "steps": n, "step_time_s": _step_time(rows, step_time),
             "window_s": max(last) - t0, "kills": sorted(kills),
             "params": float(s["model_params"]), "state_bytes_per_rank": float(s["state_bytes_per_rank"]),
-            "ckpt_every": int(job["ft"].get("persist_interval_steps") or 0)}
+            "ckpt_every": int(job["ft"].get("persist_interval_steps") or 0),
+            "shrink": "in_place" if any(x.get("elastic") == "in_place" for x in s["recoveries"])
+            else "relaunch"}
 
 
 def _step_time(rows: list[dict], which: str = "full_width") -> float:
@@ -139,7 +142,7 @@ def configure(run: dict, calib: dict) -> tuple[str, dict, dict, Layout, Trace]:
             raise ReplayError(f"{run['dir']}: checkpoint_restart without a fixed persist interval")
         scfg = {"kind": kind, "uses_spares": False, "ckpt_mode": "async", "ckpt_interval_s": every * step}
     else:
-        scfg = {"kind": kind, "uses_spares": False, "optimizer_state": "replica", "shrink": "relaunch",
+        scfg = {"kind": kind, "uses_spares": False, "optimizer_state": "replica", "shrink": run["shrink"],
                 "min_width_frac": 1.0 / dp, "disk_ckpt_mode": "async", "disk_ckpt_interval_s": never}
     calib = {**calib, "snapshot_overhead_frac": 0.0}  # inside the measured step time
     # kills on distinct active nodes (a rank number may be reused after a shrink renumbers)

@@ -32,8 +32,10 @@ A silent corruption reaches every replica through the gradient all-reduce: resto
 newest disk checkpoint taken before it began.
 
 How the width changes (``shrink``):
-- ``in_place`` (torchft replica groups, FT-HSDP): survivors keep their processes; plan + rebuild;
-- ``relaunch`` (torchelastic, and the runtime's ``ft=elastic`` today): the consistent state is
+- ``in_place`` (torchft replica groups, FT-HSDP, the runtime's ``ft.elastic_mode=in_place``):
+  survivors keep their processes; plan + rebuild (the runtime also crosses one local disk
+  checkpoint to re-cut the state, ~0.1 s on its CPU runs: not modelled);
+- ``relaunch`` (torchelastic, and the runtime's ``ft.elastic_mode=relaunch``): the consistent state is
   written to storage and every process relaunches at the new width and loads it (write +
   ``costs.relaunch_s`` at the new width + storage load), for a shrink and for a regrow.
 Throughput at reduced width follows the calibration (``sim.costs.WidthScaling``).

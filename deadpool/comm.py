@@ -144,8 +144,9 @@ class Communicator:
 
     def __init__(self, topo: Topology, store, backend: str, poll_s: float, timeout_s: float,
                  lost: threading.Event | None = None, fault_hook=None, seal: Seal | None = None,
-                 abort_probe=None):
+                 abort_probe=None, link=None):
         self.topo = topo
+        self.link = link  # the node agent's board (agent.client.NodeLink), or None
         # under a node agent: ``abort_probe(g)`` reads the node's board (no store request); the
         # store's abort key is read only once it says the generation was aborted
         self.abort_probe = abort_probe
@@ -179,7 +180,8 @@ class Communicator:
     def build(cls, topo: Topology, store, backend: str = "gloo", poll_s: float = 0.02,
               timeout_s: float = 120.0, repl_nice: int = 0, store_factory=None, lost=None,
               fault_hook=None, step: int = 0, seal: Seal | None = None,
-              previous: "Communicator | None" = None, keep=(), abort_probe=None) -> "Communicator":
+              previous: "Communicator | None" = None, keep=(), abort_probe=None,
+              link=None) -> "Communicator":
         """Build this rank's groups of ``topo.generation``; abortable (raises ``Aborted``).
 
         ``previous`` / ``keep``: groups of the previous generation whose keys the plan lists as
@@ -192,7 +194,7 @@ class Communicator:
             raise RuntimeError(f"{abandoned_helpers()} helper threads of earlier generations are "
                                "still stuck (group builds or transfers abandoned on abort): this "
                                "process stops taking ranks, a spare takes its place")
-        self = cls(topo, store, backend, poll_s, timeout_s, lost, fault_hook, seal, abort_probe)
+        self = cls(topo, store, backend, poll_s, timeout_s, lost, fault_hook, seal, abort_probe, link)
         gstore = store_factory() if store_factory is not None else store
         self.build_store = gstore  # free again once the build is done (callers may reuse it)
         self.start_watcher()  # an abort during the build aborts what it has made so far

@@ -85,6 +85,10 @@ class Coordinator:
                                      float(self.ft["heartbeat_hard_timeout_s"]),
                                      float(self.ft["progress_timeout_s"]))
         self._nodes_hint = -1
+        # (generation, step pushed as protected, vote step decided) and the nodes holding its
+        # ranks (``_agree``)
+        self._agreed: tuple[int, int, int] = (-1, -1, -1)
+        self._rank_nodes: list[int] = []
         self._last_plan: Plan | None = None  # the plan a delta is written against
         self.bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) copies found corrupt
         self.recoveries: list[RecoveryRecord] = []
@@ -196,6 +200,30 @@ class Coordinator:
         if self.live.max_step > self.job_step:
             self.job_step = self.live.max_step
             self.store.set(Keys.JOB_STEP, self.seal.wrap(Keys.JOB_STEP, str(self.job_step)))
+        self._agree()
+
+    def _agree(self) -> None:
+        """The ranks' agreements under node agents (``deadpool.rounds``): once every node
+        holding a rank of the generation reported its part, push the result to the agents. O(nodes)
+        per read of the records."""
+        g = self.gen
+        if self._agreed[0] != g:
+            self._agreed = (g, -1, -1)
+            self._rank_nodes = sorted({self.launcher.node_of_slot[s]
+                                       for s in self.members.ranks.values()})
+        _, protected, decided = self._agreed
+        repl = [self.live.repl.get(n) for n in self._rank_nodes]
+        if repl and all(r is not None and r[0] == g for r in repl):
+            step = min(r[1] for r in repl)
+            if step > protected:
+                self.events.push("protected", g=g, step=step)
+                protected = step
+        votes = [self.live.vote.get(n) for n in self._rank_nodes]
+        if votes and all(v is not None and v[0] == g for v in votes) \
+                and len({v[1] for v in votes}) == 1 and votes[0][1] > decided:
+            decided = votes[0][1]
+            self.events.push("interval", g=g, step=decided, k=max(v[2] for v in votes))
+        self._agreed = (g, protected, decided)
 
     def suspects(self):
         """Slots whose process may have failed: every member's, or under node agents only those

@@ -45,6 +45,7 @@ from deadpool.parallel.grad_norm import clip_, global_grad_norm
 from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor.layers import tp_replicated
+from deadpool.rounds import rounds_for
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
 from deadpool.strategies import strategy_of, young_daly_steps
@@ -255,7 +256,7 @@ class Trainer:
         global_dp = int(cfg["parallel"].get("global_dp") or dp)
         batches = batch_indices(global_dp, dp, dp_rank)
         self.opt.grad_div = global_dp
-        self.schedule.start(comm.store, comm.keys, comm.topo.dims.world_size)
+        self.schedule.start(rounds_for(comm, lambda: comm.store))
         if self.engine.persister is not None:
             self.engine.persister.rank = self.rank
         # without per-step snapshots to write from, the training thread persists itself

@@ -156,9 +156,10 @@ class NodeLiveness:
 
     ``seq`` must increase (a replayed record is no news); ``plan`` is the newest plan generation
     the agent applied; ``busy``/``stalled`` count its ranks in phases that must progress and those
-    stalled (the node's share of ``Liveness.hung``); the JSON, present only when something is
-    wrong, names exited processes (``exit``: slot -> code), processes whose beat is older than
-    half the soft timeout (``slow``: slot -> [beat age, stopped]) and hung ones (``own``).
+    stalled (the node's share of ``Liveness.hung``); the JSON names exited processes (``exit``:
+    slot -> code), processes whose beat is older than half the soft timeout (``slow``: slot ->
+    [beat age, stopped]) and hung ones (``own``), and the node's part of the ranks' agreements
+    (``repl``: [g, step], ``vote``: [g, step, interval]; ``deadpool.rounds``).
 
     A slot's beat age is the larger of what its agent reports and how long its node's record has
     not changed (a dead or cut-off node ages all its slots). Every question is answered from
@@ -177,6 +178,8 @@ class NodeLiveness:
         self._exit: dict[int, int] = {}                    # slot -> exit code
         self._slow: dict[int, tuple[float, float, bool]] = {}  # slot -> (age, t read, stopped)
         self._own: dict[int, list[int]] = {}               # node -> hung slots
+        self.repl: dict[int, tuple[int, int]] = {}         # node -> (g, newest step replicated)
+        self.vote: dict[int, tuple[int, int, int]] = {}    # node -> (g, vote step, interval)
         self.generation = 0
         self.lock = threading.Lock()
 
@@ -202,6 +205,10 @@ class NodeLiveness:
             for s, (age, stopped) in detail.get("slow", {}).items():
                 self._slow[int(s)] = (float(age), now, bool(stopped))
             self._own[node] = [int(s) for s in detail.get("own", [])]
+            if "repl" in detail:
+                self.repl[node] = tuple(int(x) for x in detail["repl"])
+            if "vote" in detail:
+                self.vote[node] = tuple(int(x) for x in detail["vote"])
 
     def new_generation(self, generation: int) -> None:
         """Plan ``generation`` was written: stall counts of agents that have not applied it yet

@@ -281,7 +281,8 @@ class Worker:
                                       fault_hook=self.injector.fire, step=plan.resume_step,
                                       seal=self.seal, previous=self.prev_comm,
                                       keep=set(plan.keep_groups),
-                                      abort_probe=None if self.link is None else self.link.aborted)
+                                      abort_probe=None if self.link is None else self.link.aborted,
+                                      link=self.link)
             timing.groups_kept = len(comm.kept)
             if self.prev_comm is not None:  # its other groups may hold a dead peer's socket
                 self.prev_comm.release(keep=set(comm.kept))

@@ -39,6 +39,7 @@ from deadpool.protocol import Seal
 from deadpool.topology import ParallelDims
 
 PR_SET_PDEATHSIG = 1
+ROUNDS_POLL_S = 0.002  # how often the agent looks at its ranks' agreement words
 
 
 def node_slots(cfg: dict, node: int) -> list[int]:
@@ -216,6 +217,19 @@ def main(argv=None) -> int:
             time.sleep(float(ft.get("agent_interval_s", 0.25)))
 
     threading.Thread(target=beat, daemon=True, name="agent-beat").start()
+
+    def rounds():  # the ranks' agreements (deadpool.rounds): their words on the board, folded
+        while not stop.is_set():  # and written as soon as they move (a few board reads, no I/O)
+            with lock:
+                try:
+                    agent.check_rounds()
+                except ValueError:  # the board was closed: the agent is ending
+                    return
+                except Exception:  # a store hiccup: the main loop reconnects; try again later
+                    pass
+            time.sleep(ROUNDS_POLL_S)
+
+    threading.Thread(target=rounds, daemon=True, name="agent-rounds").start()
     interval = float(ft.get("agent_interval_s", 0.25))
     while any(t.is_alive() for t in waiters):
         time.sleep(interval)

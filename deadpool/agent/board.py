@@ -8,9 +8,13 @@ value did)::
     header (agent writes)      magic, abort generation (the newest generation aborted),
                                plan generation (the newest plan the agent holds for its ranks),
                                flags (coordinator seen / lost, job done / stop), job step, the
-                               agent's own beat
-    one record per local slot  (the rank writes) pid, beat, progress count, step, phase;
+                               agent's own beat; the job's protected step and its latest
+                               snapshot-interval decision (``deadpool.rounds``)
+    one record per local slot  (the rank writes) pid, beat, progress count, step, phase, its
+                               newest replicated step and its latest interval vote;
                                (the agent writes) fence
+
+A (generation, step) pair is packed into one word (``pack``), so it is read whole.
 
 A process reads the header between its polled waits without a system call, where it used to ask
 the store; its heartbeat is a few word writes, where it used to be three store round trips.
@@ -22,15 +26,29 @@ import mmap
 import os
 from pathlib import Path
 
-MAGIC = 0x4450_4E42_0001  # "DPNB" v1
+MAGIC = 0x4450_4E42_0002  # "DPNB" v2
 HEADER_WORDS = 16
-SLOT_WORDS = 16
-PHASE_BYTES = 64  # the last 8 words of a slot record
+SLOT_WORDS = 24
+PHASE_BYTES = 64  # slot words 8-15
 # header words
-_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT = range(7)
+_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECISION, \
+    _DECISION_K = range(10)
 # slot words
-_SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE = range(6)
+_SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE, _REPLICATED, _VOTE = range(8)
 _PHASE_WORD = 8
+_VOTE_K = 16
+_STEP_BITS = 40
+
+
+def pack(generation: int, step: int) -> int:
+    """(generation, step) in one word: step >= -1 below 2**40, generation above."""
+    return (generation << _STEP_BITS) | (step + 1)
+
+
+def unpack(word: int) -> tuple[int, int]:
+    if word < 0:
+        return -1, -1
+    return word >> _STEP_BITS, (word & ((1 << _STEP_BITS) - 1)) - 1
 
 COORD_SEEN, COORD_LOST, JOB_DONE, JOB_STOP = 1, 2, 4, 8
 # set by the agent in its children's environment: where the board is, and the child's record
@@ -63,12 +81,12 @@ class NodeBoard:
         finally:
             os.close(fd)
         w = memoryview(mm).cast("q")
-        w[_ABORT] = w[_PLAN] = w[_JOB_STEP] = -1
+        w[_ABORT] = w[_PLAN] = w[_JOB_STEP] = w[_PROTECTED] = w[_DECISION] = -1
         w[_SLOTS] = len(slots)
         for i, slot in enumerate(slots):
             base = HEADER_WORDS + SLOT_WORDS * i
             w[base + _SLOT] = slot
-            w[base + _STEP] = -1
+            w[base + _STEP] = w[base + _REPLICATED] = w[base + _VOTE] = -1
         w[_MAGIC] = MAGIC  # last: a reader that sees the magic sees an initialised board
         w.release()
         return cls(path, mm)
@@ -118,6 +136,25 @@ class NodeBoard:
     def set_job_step(self, step: int) -> None:
         self.words[_JOB_STEP] = step
 
+    @property
+    def protected(self) -> tuple[int, int]:
+        """(generation, step): the newest step every rank of that generation replicated."""
+        return unpack(int(self.words[_PROTECTED]))
+
+    def set_protected(self, generation: int, step: int) -> None:
+        if pack(generation, step) > self.words[_PROTECTED]:  # never backwards
+            self.words[_PROTECTED] = pack(generation, step)
+
+    @property
+    def decision(self) -> tuple[int, int, int]:
+        """(generation, vote step, interval) of the newest snapshot-interval decision."""
+        g, s = unpack(int(self.words[_DECISION]))
+        return g, s, int(self.words[_DECISION_K])
+
+    def set_decision(self, generation: int, step: int, interval: int) -> None:
+        self.words[_DECISION_K] = interval  # first: a reader that sees the step sees its value
+        self.words[_DECISION] = pack(generation, step)
+
     # -- slot records ---------------------------------------------------------------------------------
     def _base(self, index: int) -> int:
         if not 0 <= index < self.num_slots:
@@ -152,6 +189,24 @@ class NodeBoard:
         start = 8 * (b + _PHASE_WORD)
         phase = bytes(self._mm[start:start + PHASE_BYTES]).rstrip(b"\0").decode(errors="replace")
         return int(w[b + _PID]), int(w[b + _BEAT]), int(w[b + _PROG]), int(w[b + _STEP]), phase
+
+    def set_replicated(self, index: int, generation: int, step: int) -> None:
+        self.words[self._base(index) + _REPLICATED] = pack(generation, step)
+
+    def replicated(self, index: int) -> tuple[int, int]:
+        """(generation, step) a local rank last finished replicating."""
+        return unpack(int(self.words[self._base(index) + _REPLICATED]))
+
+    def set_vote(self, index: int, generation: int, step: int, interval: int) -> None:
+        b = self._base(index)
+        self.words[b + _VOTE_K] = interval  # first, as set_decision
+        self.words[b + _VOTE] = pack(generation, step)
+
+    def vote(self, index: int) -> tuple[int, int, int]:
+        """(generation, step, interval) of a local rank's latest snapshot-interval vote."""
+        b = self._base(index)
+        g, s = unpack(int(self.words[b + _VOTE]))
+        return g, s, int(self.words[b + _VOTE_K])
 
     def fenced(self, index: int) -> bool:
         return bool(self.words[self._base(index) + _FENCE])

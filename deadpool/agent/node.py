@@ -15,6 +15,10 @@ or by the control-plane benchmark for thousands of simulated nodes::
     on_exit(slot)   a local process exited (seen by the process's waiter thread within
                     milliseconds): written at once, and the coordinator woken
                     (``nodes/changed``, a hint it reads every loop)
+    check_rounds()  every few milliseconds: the node's part of the ranks' agreements
+                    (``deadpool.rounds``: the newest step all its ranks replicated, their
+                    snapshot-interval vote) changed -> written at once, the coordinator woken;
+                    its results come back as ``protected`` / ``interval`` events for the board
 
 What the node costs the store in steady state: one record per interval and one coordinator
 heartbeat read per second, whatever the number of its processes.
@@ -72,6 +76,7 @@ class NodeAgent:
         self._coord = (-1, clock())  # (newest coordinator beat, when it advanced)
         self._coord_checked = -1e9
         self.coordinator_lost = False
+        self._rounds: tuple | None = None  # the node's part of the agreements last written
 
     # -- the periodic part ----------------------------------------------------------------------------
     def observe(self) -> None:
@@ -99,6 +104,11 @@ class NodeAgent:
                 slow[str(s)] = [round(age, 3), pid is not None and process_stopped(pid)]
         head = f"{self.seq} {self.plan_generation} {max(steps, default=-1)} {len(busy)} {len(stalled)}"
         detail = {}
+        self._rounds = replicated, vote = self.fold()
+        if replicated is not None:
+            detail["repl"] = replicated
+        if vote is not None:
+            detail["vote"] = vote
         if self.exits:
             detail["exit"] = {str(s): c for s, c in self.exits.items()}
         if slow:
@@ -123,6 +133,27 @@ class NodeAgent:
             self.check_coordinator()
         if any(s not in self.assigned and s not in self.exits for s in self.slots):
             self._job_step()  # an idle spare's faults key on the job's step (faults.py)
+
+    def fold(self) -> tuple[list | None, list | None]:
+        """This node's part of the agreements of generation ``plan_generation``: [g, the newest
+        step every local rank replicated] once each has replicated one, and [g, step, the widest
+        interval] once each voted at that step (``deadpool.rounds``). None where not yet."""
+        g = self.plan_generation
+        ranks = [self.index[s] for s in sorted(self.assigned) if s not in self.exits]
+        if not ranks:
+            return None, None
+        reps = [self.board.replicated(i) for i in ranks]
+        replicated = [g, min(st for _, st in reps)] if all(rg == g for rg, _ in reps) else None
+        votes = [self.board.vote(i) for i in ranks]
+        vote = None
+        if all(vg == g for vg, _, _ in votes) and len({st for _, st, _ in votes}) == 1:
+            vote = [g, votes[0][1], max(k for _, _, k in votes)]
+        return replicated, vote
+
+    def check_rounds(self) -> None:
+        """Write the record at once when the node's part of an agreement moved."""
+        if self.fold() != self._rounds:
+            self.publish(urgent=True)
 
     def check_coordinator(self, error: bool = False) -> None:
         """The coordinator's heartbeat advanced lately; else its processes save and exit."""
@@ -166,6 +197,10 @@ class NodeAgent:
                     self.fenced.add(slot)
                     self.board.fence(self.index[slot])
                     self.kill(slot)
+        elif kind == "protected":
+            self.board.set_protected(int(event["g"]), int(event["step"]))
+        elif kind == "interval":
+            self.board.set_decision(int(event["g"]), int(event["step"]), int(event["k"]))
         elif kind == "done":
             self.board.set_flag(JOB_DONE)
         elif kind == "stop":

@@ -151,8 +151,9 @@ def write_state(coord, generation: int, action: str, decision, reason: str) -> P
                                 f"{p.resume_step} to disk ({reason}); the newest complete "
                                 f"checkpoint under {coord.ft['checkpoint_dir']} is the way back")
         return False
-    # (reading the liveness records too: under node agents a writer's exit shows there)
-    wait_until(written, every_s=0.01, between=coord.read_heartbeats, timeout_s=300)
+    # (under node agents reading their records too: a writer's exit shows there)
+    wait_until(written, every_s=0.01, timeout_s=300,
+               between=coord.tick if coord.events is None else coord.read_heartbeats)
     dims = coord.dims
     checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,
                           layout=dims.layout)

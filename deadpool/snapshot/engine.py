@@ -26,6 +26,7 @@ import time
 import torch
 
 from deadpool.errors import CorruptState
+from deadpool.rounds import rounds_for
 from deadpool.snapshot.buffers import Replica, Slot
 from deadpool.snapshot.layout import (StateLayout, checksum, decode_header, encode_header,
                                       region_crcs)
@@ -77,7 +78,7 @@ class SnapshotEngine:
         self._repl: Replicator | None = None
         self.num_buddies = 1  # ft.replicas: holders of this rank's replica (from the topology)
         self._protected = -1          # newest step known protected in the current generation
-        self._protect_store = None    # main thread's store client, keys and world size
+        self.rounds = None            # this generation's agreements (deadpool.rounds)
         # timings of the latest snapshot / replication (seconds), read by the trainer's metrics
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
@@ -162,10 +163,9 @@ class SnapshotEngine:
     def _is_protected(self, step: int) -> bool:
         if step <= self._protected:
             return True
-        if self._protect_store is None:
+        if self.rounds is None:
             return False
-        store, keys, world = self._protect_store
-        if int(store.add(keys.repl_done(step), 0)) >= world:
+        if self.rounds.protected(step):
             self._protected = max(self._protected, step)
             return True
         return False
@@ -375,7 +375,7 @@ class SnapshotEngine:
         if self.repl_region == "none":
             return  # every rank's state is held by a live data-parallel peer
         self._protected = -1
-        self._protect_store = (store_factory(), comm.keys, topo.dims.world_size)
+        self.rounds = rounds_for(comm, store_factory)
         self.num_buddies = len(topo.buddies())
         self._repl = Replicator(self, comm, topo.buddies(), topo.wards(), store_factory)
         self._repl.start()

@@ -21,6 +21,7 @@ import time
 import torch
 
 from deadpool.groups import repl_name
+from deadpool.rounds import rounds_for
 from deadpool.snapshot.buffers import Replica
 from deadpool.snapshot.wire import blocking, post_sends, recv_state
 from deadpool.threads import lower_thread_priority
@@ -39,6 +40,7 @@ class Replicator(threading.Thread):
         self.stopped = False
         self.store_factory = store_factory
         self.protected_reported = False
+        self.rounds = None  # this thread's (deadpool.rounds; on the store, its own client)
         # fresh receive buffers per generation (an abandoned receive may still write into the
         # old ones), sized by what the ward sends: its stage may differ from this rank's
         self.recv_pool: list[torch.Tensor] = []
@@ -49,8 +51,7 @@ class Replicator(threading.Thread):
         eng = self.engine
         with eng._lock:
             newest = max((r.step for r in eng.replicas.get(ward, [])), default=-1)
-        if newest > eng._protected and int(store.add(self.comm.keys.repl_done(newest), 0)) \
-                >= self.comm.topo.dims.world_size:
+        if newest > eng._protected and self.rounds.protected(newest):
             with eng._lock:
                 eng._protected = max(eng._protected, newest)
         eng._drop_unneeded_replicas()
@@ -78,6 +79,7 @@ class Replicator(threading.Thread):
             t0 = time.perf_counter()
             try:
                 store = store or self.store_factory()
+                self.rounds = self.rounds or rounds_for(self.comm, lambda: store)
                 # a "replication" fault fires after the first chunk to the first buddy is
                 # posted, the rest not: that buddy is left with a torn replica of this step
                 region = self.engine.repl_region
@@ -130,7 +132,7 @@ class Replicator(threading.Thread):
             self.engine.last_replicate_s = time.perf_counter() - t0
             self.engine.done_step = slot.step
             self.engine.last_cycle_s = time.perf_counter() - slot.taken_at
-            if int(store.add(self.comm.keys.repl_done(slot.step), 1)) >= self.comm.topo.dims.world_size:
+            if self.rounds.replicated(slot.step):
                 with self.engine._lock:
                     self.engine._protected = max(self.engine._protected, slot.step)
             if not self.protected_reported:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from deadpool.threads import wait_until
 
 
 class SnapshotSchedule:
@@ -84,13 +83,12 @@ class SnapshotSchedule:
         self._cycles: deque = deque(maxlen=window)
         self._active: deque = deque(maxlen=window)
         self._quiet: deque = deque(maxlen=window)
-        self._store = self._keys = None
-        self._world = 1
+        self._rounds = None  # the generation's agreements (deadpool.rounds): votes and decisions
         self._voted: set[int] = set()
 
-    def start(self, store, keys, world: int) -> None:
+    def start(self, rounds) -> None:
         """A new generation: back to ``base``, history kept (it describes this rank's hardware)."""
-        self._store, self._keys, self._world = store, keys, world
+        self._rounds = rounds
         self.interval = self.base
         self._voted = set()
         self._seen = 0
@@ -155,21 +153,15 @@ class SnapshotSchedule:
         """After step ``step`` (the snapshot decision for it already made): vote, and adopt the
         decision of the previous vote. Must be called by every rank at every step."""
         lag = self.levels[-1]
-        if not self.adaptive or self._store is None or step % lag:
+        if not self.adaptive or self._rounds is None or step % lag:
             return
         prev = step - lag
         if prev in self._voted:
             self.interval = self._decide(prev, abort_check)
         if step % self.every:
             return
-        self._store.add(self._keys.interval_vote(step, self.wanted()), 1)
-        self._store.add(self._keys.interval_voters(step), 1)
+        self._rounds.vote(step, self.wanted())
         self._voted.add(step)
 
     def _decide(self, step: int, abort_check) -> int:
-        wait_until(lambda: int(self._store.add(self._keys.interval_voters(step), 0)) >= self._world,
-                   every_s=0.001, between=abort_check)
-        for k in reversed(self.levels):
-            if int(self._store.add(self._keys.interval_vote(step, k), 0)) > 0:
-                return k
-        return self.base
+        return self._rounds.decision(step, list(self.levels), abort_check)

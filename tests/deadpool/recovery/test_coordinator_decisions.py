@@ -145,12 +145,24 @@ def test_no_copy_in_memory_and_no_disk_checkpoint_stops_naming_the_lost_ranks(tm
     assert coord.recoveries[-1].outcome == "unrecoverable"
 
 
-def test_no_spare_with_a_disk_source_stops_rather_than_shrinks(tmp_path):
-    coord = coordinator(tmp_path, ["ft.num_spares=0"])
+def test_no_spare_with_a_disk_source_stops_unless_the_job_shrinks_in_place(tmp_path):
+    # a relaunch needs the processes' memory (the state goes to disk from it): stop
+    coord = coordinator(tmp_path, ["ft.num_spares=0", "ft.elastic_mode=relaunch"])
     d = plan.RecoveryDecision(4, {r: Source("disk", r, dir="x") for r in range(4)}, 0, "lost")
     rec = timeline.open_record(coord, {1: "exit"}, {}, d, 1.0, [])
     fallbacks.no_spare(coord, 1, d, rec, {1}, 1.0)
     assert coord.outcome == "unrecoverable" and "no warm spare left" in coord.message
+    # in place the survivors read the complete checkpoint at the narrower width: nothing written
+    coord = coordinator(tmp_path / "in_place", ["ft.num_spares=0"])
+    rec = timeline.open_record(coord, {1: "exit"}, {}, d, 1.0, [])
+    del coord.members.ranks[1]
+    fallbacks.no_spare(coord, 1, d, rec, {1}, 1.0)
+    assert coord.outcome == "running" and coord.dims.dp == 3 and coord.gen == 1
+    p = coord._last_plan
+    assert p.generation == 1 and p.action == "train" and p.layout["dp"] == 3
+    assert p.assignments == {0: 0, 1: 2, 2: 3}
+    assert {s.kind for s in p.sources.values()} == {"disk"} and p.sources[1].dir == "x"
+    assert rec.checkpoint_s == 0 and rec.elastic == "in_place" and coord.pending is rec
 
 
 def test_the_record_is_completed_from_every_ranks_timings(tmp_path):

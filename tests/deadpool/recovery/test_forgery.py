@@ -188,7 +188,7 @@ def test_a_forged_final_state_is_not_taken(tmp_path):
 def test_a_bumped_checkpoint_counter_does_not_mark_the_checkpoint_written(tmp_path):
     coord = job_coordinator(tmp_path, ["ft.snapshot=false"])
     store = coord.store
-    p = Plan(1, "checkpoint_and_stop", {r: r for r in range(4)}, 6, {})
+    decision = plan.RecoveryDecision(6, {}, 0)
     keys = Keys(1)
     store.add(keys.checkpointed_count(), 4)  # forged: "every rank wrote its state"
     written = {}
@@ -201,7 +201,7 @@ def test_a_bumped_checkpoint_counter_does_not_mark_the_checkpoint_written(tmp_pa
             store.add(keys.checkpointed_count(), 1)
     t = threading.Thread(target=ranks_write)
     t.start()
-    fallbacks._wait_checkpoint(coord, p)
+    fallbacks.write_state(coord, 1, "checkpoint_and_stop", decision, "test")
     t.join()
     assert time.time() >= written["t"]  # it returned only after the real reports
 

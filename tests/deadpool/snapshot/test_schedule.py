@@ -4,6 +4,7 @@ makes every rank of a job snapshot the same steps."""
 import pytest
 
 from deadpool.protocol import Keys
+from deadpool.rounds import StoreRounds
 from deadpool.snapshot import SnapshotSchedule
 from tests.deadpool.helpers import client, master_store, run_threads
 
@@ -77,7 +78,7 @@ def test_ranks_adopt_the_widest_wanted_interval_at_the_next_decision():
 
     def rank_fn(r):
         s = SnapshotSchedule(1, 8, every=8)
-        s.start(client(master.port), Keys(3), n)
+        s.start(StoreRounds(client(master.port), Keys(3), n))
         feed(s, active=0.1, cycle=wants[r])
         seen = []
         for step in range(1, 25):
@@ -93,7 +94,7 @@ def test_ranks_adopt_the_widest_wanted_interval_at_the_next_decision():
 def train(s, steps, store, world=1, step_s=0.100, slowdown=0.10, cycle_s=0.05):
     """Drive ``s`` as the trainer does: the snapshot taken after step t runs during step t + 1,
     which it slows by ``slowdown``. Returns the interval in force after each step."""
-    s.start(store, Keys(5), world)
+    s.start(StoreRounds(store, Keys(5), world))
     running, seen = False, []
     for t in range(1, steps + 1):
         dt = step_s * (1 + slowdown) if running else step_s

@@ -29,14 +29,17 @@ aborts, fences, join announcements; every process's heartbeat and the coordinato
 hints: each rank also writes a sealed per-rank key (``finished/<rank>``, ``checkpointed/<rank>``,
 ``error/<rank>``, ``protected/<rank>``) and only those count, so a bumped counter steers nothing.
 
-NOT sealed yet (partial): the counters ranks act on among themselves, ``repl_done/<step>`` (a
-forged bump makes ranks believe a step protected early and drop older snapshots and replicas:
-it can cost a recovery its in-memory copies, never make it take a wrong state, since every
-transfer is checked against the checksum its sender took), the snapshot interval votes and
-``ckpt_interval/`` (snapshot/schedule.py, trainer.py: a forged vote changes how often ranks
-snapshot or checkpoint), ``fault_fired/`` (fault injection, a testing aid), and the group
-rendezvous keys gloo writes itself. The next step is for the coordinator to aggregate the
-replicated step from the sealed heartbeats and publish one sealed protected step.
+Under node agents the ranks' agreements (the protected snapshot step, the snapshot interval:
+``deadpool.rounds``) never touch an unsealed key: ranks write them on their node's board, agents
+carry them in their sealed records, and the results come back as sealed events.
+
+NOT sealed yet (partial): the same agreements without agents, the store counters
+``repl_done/<step>`` (a forged bump makes ranks believe a step protected early and drop older
+snapshots and replicas: it can cost a recovery its in-memory copies, never make it take a wrong
+state, since every transfer is checked against the checksum its sender took) and the snapshot
+interval votes (a forged vote changes how often ranks snapshot); ``ckpt_interval/``
+(trainer.py: how often ranks checkpoint), ``fault_fired/`` (fault injection, a testing aid), and
+the group rendezvous keys gloo writes itself.
 
 Contracts: the secret must reach processes only through ``SECRET_ENV`` or a file named by
 ``SECRET_FILE_ENV`` that only its owner can read; it must never be written to job.json, a log or

@@ -15,6 +15,17 @@ rules hold for every policy and every ``k``:
 * with more than one node they sit on ``k`` distinct nodes other than the rank's own, so losing
   any ``k`` nodes never takes a rank's state and all its replicas (on one node: ``k`` other ranks).
 
+Why k full replicas and not parity (erasure coding) across a group of buddies: a Reed-Solomon
+code over g ranks with 2 parity shards protects against any two losses in the group with 2/g
+of a rank's unique bytes per rank instead of k=2's 2x, but (1) the parity of a snapshot needs
+every member's snapshot of the same step, a group-wide encode per snapshot on the replication
+path (k replicas are point-to-point sends that start as soon as one rank's copy is done);
+(2) rebuilding one rank reads g-1 survivors' shards plus parity, g times the bytes a replica
+transfer moves, on the recovery's critical path; (3) with ZeRO-1 the unique region is already
+1/dp of the optimizer state (``ft.replicate=unique``), so a second full copy costs 1/dp of the
+optimizer state in host memory and replication bytes: small next to the local snapshot ring.
+k replicas keep recovery a single transfer from any survivor; parity is not built.
+
 ``buddies_table`` computes and checks the whole map once per layout and ``k`` (a ``ValueError``
 says why a ``k`` is impossible: fewer than ``k + 1`` nodes, or ranks on one node);
 ``check_placement`` lists what a layout and policy leave exposed.

@@ -348,7 +348,7 @@ class Coordinator:
         rec.sources = {str(r): s.describe() for r, s in sorted(decision.sources.items())
                        if s.kind != "live"}
         if len(assignments) < self.dims.world_size:
-            fallbacks.no_spare(self, g + 1, decision, rec, set(failed), t_detect)
+            fallbacks.no_spare(self, g + 1, decision, rec, set(failed), t_detect, statuses)
             return
         plan.swap_routes(self.cfg["faults"], decision.sources)
         keep = plan.groups_to_keep(self, statuses, need, g + 1)

@@ -39,3 +39,12 @@ class CorruptState(PassThrough):
 
 class JobFailed(RuntimeError):
     """The job cannot go on (a process failed at start-up or while writing its final state)."""
+
+
+class WriterLost(JobFailed):
+    """A process died while writing its part of a checkpoint from memory (``rank``, ``slot``):
+    the checkpoint is incomplete. An in-place elastic regroup plans again without it."""
+
+    def __init__(self, rank: int, slot: int, message: str):
+        super().__init__(message)
+        self.rank, self.slot = rank, slot

@@ -26,6 +26,8 @@ Phases of a recovery (the step number is the resume step)::
     rollback      before rolling back to a local snapshot
     repl_restart  after replication restarted, before the first step
     idle          a warm spare waiting for a plan (step: the job's newest step)
+    checkpoint    before writing the resume step's state to disk for the coordinator (an
+                  in-place elastic regroup, or a checkpoint-and-stop)
 
 Kinds::
 
@@ -53,7 +55,8 @@ from deadpool.protocol import Keys, Seal
 
 TRAIN_PHASES = ("step_start", "forward", "backward", "pp_warmup", "pp_cooldown", "mid_step",
                 "allreduce", "optimizer", "param_gather", "snapshot_copy", "replication")
-RECOVERY_PHASES = ("status", "rebuild", "transfer", "rollback", "repl_restart", "idle")
+RECOVERY_PHASES = ("status", "rebuild", "transfer", "rollback", "repl_restart", "idle",
+                   "checkpoint")
 PHASES = TRAIN_PHASES + RECOVERY_PHASES
 
 

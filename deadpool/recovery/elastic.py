@@ -27,11 +27,12 @@ The state crosses one disk checkpoint (what the relaunch path writes and reads t
 with the tested loader, and the checkpoint is complete on disk if anything else fails. What in
 place saves against a relaunch is everything else: no process exits or starts at the shrink (no
 interpreter, torch import, store connection, model build; on GPUs no CUDA context or NCCL
-bootstrap), and the regrow's new processes start behind training. A failure after the checkpoint
-(in the rebuild or the load at the new width) shrinks again, from that checkpoint. Partial: a rank
-that dies while the checkpoint is written ends the job (the relaunch path has the same gap); rank -> node
-placement after a shrink follows the new rank numbers, not the slots' nodes (buddies may share a
-physical node until the next regrow).
+bootstrap), and the regrow's new processes start behind training. A process that dies while
+the checkpoint is written is planned around from what the others reported
+(``fallbacks._regroup_in_place``); a failure after it (in the rebuild or the load at the new
+width) shrinks again, from that checkpoint. Partial: rank -> node placement after a shrink follows
+the new rank numbers, not the slots' nodes (buddies may share a physical node until the next
+regrow).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import json
 import time
 
 from deadpool import checkpoint, reports
-from deadpool.errors import JobFailed
+from deadpool.errors import WriterLost
 from deadpool.protocol import UNSET, Keys, Plan, RecoveryRecord, Source
 from deadpool.recovery import detect, elastic, plan, timeline
 from deadpool.threads import wait_until
@@ -147,9 +147,10 @@ def write_state(coord, generation: int, action: str, decision, reason: str) -> P
                 return True
         for r, slot in p.assignments.items():  # a writer lost: its part never comes
             if r not in done.got and coord.launcher.poll(slot) not in (None, 0):
-                raise JobFailed(f"rank {r} (slot {slot}) died while writing the state of step "
-                                f"{p.resume_step} to disk ({reason}); the newest complete "
-                                f"checkpoint under {coord.ft['checkpoint_dir']} is the way back")
+                raise WriterLost(r, slot, f"rank {r} (slot {slot}) died while writing the state "
+                                 f"of step {p.resume_step} to disk ({reason}); the newest "
+                                 f"complete checkpoint under {coord.ft['checkpoint_dir']} is "
+                                 "the way back")
         return False
     # (under node agents reading their records too: a writer's exit shows there)
     wait_until(written, every_s=0.01, timeout_s=300,
@@ -161,14 +162,15 @@ def write_state(coord, generation: int, action: str, decision, reason: str) -> P
 
 
 def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[int],
-             t_detect: float) -> None:
+             t_detect: float, statuses: dict | None = None) -> None:
     """A rank has no process and no spare is left: the consistent state (every rank's, from
     memory) goes to disk, then ``ft.on_no_spare``: ``elastic`` - the job goes on without the
     dead ranks' data-parallel replicas (the smallest unit containing them; global batch kept,
     ``parallel.global_dp``), in place (``recovery.elastic``: the survivors keep their
     processes) or, with ``ft.elastic_mode=relaunch``, relaunched by ``job.run_job`` at the new
     width; ``checkpoint_restart`` - it relaunches every process at the same width;
-    ``checkpoint_and_stop`` - the job stops there."""
+    ``checkpoint_and_stop`` - the job stops there. ``statuses``: what the survivors reported,
+    to plan again if one dies while the in-place checkpoint is written."""
     dims = coord.dims
     action = coord.ft["on_no_spare"]
     dropped = sorted({dims.coords(d)["dp"] for d in dead})
@@ -181,13 +183,7 @@ def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[in
                                      f"the disk checkpoint at step {decision.resume_step}")
         return
     if in_place:  # (from memory, or from the complete disk checkpoint the decision names)
-        dp = dims.dp - len(dropped)
-        coord.log(f"[coordinator] no warm spare left: continuing in place without data-parallel "
-                  f"replica(s) {dropped} (dp {dims.dp} -> {dp}) from step {decision.resume_step}")
-        rec.update(fallback="shrink", dropped_dp=dropped)
-        elastic.reshape(coord, generation, decision, rec, dp,
-                        [d for d in range(dims.dp) if d not in dropped], t_detect)
-        coord.grow_at = _grow_time(coord)
+        _regroup_in_place(coord, generation, decision, rec, set(dead), t_detect, statuses or {})
         return
     checkpoint_and_stop(coord, generation, decision, rec, "no warm spare left", t_detect)
     if action == "checkpoint_and_stop" or coord.outcome != "checkpoint_and_stop":
@@ -206,6 +202,44 @@ def no_spare(coord, generation: int, decision, rec: RecoveryRecord, dead: set[in
         coord.message = (f"no warm spare left: relaunching every process from step "
                          f"{decision.resume_step}")
     coord.log(f"[coordinator] {coord.message}")
+
+
+def _regroup_in_place(coord, generation: int, decision, rec: RecoveryRecord, dead: set[int],
+                      t_detect: float, statuses: dict, grow_to: int | None = None) -> None:
+    """Shrink in place without the data-parallel replicas of ``dead`` (or, with ``grow_to`` and
+    nobody dead, regrow to that width): ``elastic.reshape``. A process that dies while the
+    regroup's checkpoint is written takes what it held with it: plan again from what the others
+    reported (``statuses``), without its replica too, one generation on."""
+    dims = coord.dims
+    while True:
+        dropped = sorted({dims.coords(d)["dp"] for d in dead})
+        keep = [d for d in range(dims.dp) if d not in dropped]
+        if not keep:
+            stop(coord, coord.gen + 1, rec, "no data-parallel replica left to continue with")
+            return
+        if decision.resume_step is None:
+            decision = from_disk(coord, decision, rec)
+            if decision is None:
+                return
+        dp = grow_to if grow_to is not None and not dead else len(keep)
+        if dead:
+            coord.log(f"[coordinator] no warm spare left: continuing in place without data-"
+                      f"parallel replica(s) {dropped} (dp {dims.dp} -> {dp}) from step "
+                      f"{decision.resume_step}")
+            rec.update(fallback="shrink", dropped_dp=dropped,
+                       failed_rank=timeline.one_or_list(sorted(dead)))
+        try:
+            elastic.reshape(coord, generation, decision, rec, dp, keep, t_detect)
+        except WriterLost as e:
+            coord.log(f"[coordinator] {e}: planning the regroup again without it")
+            coord.members.ranks.pop(e.rank, None)
+            coord.launcher.fence([e.slot])
+            dead = dead | {e.rank}
+            decision = plan.decide(coord, {r: st for r, st in statuses.items() if r not in dead})
+            generation = coord.gen + 1
+            continue
+        coord.grow_at = _grow_time(coord) if dp < int(coord.configured["parallel"]["dp"]) else None
+        return
 
 
 def _grow_time(coord) -> float | None:
@@ -240,7 +274,7 @@ def grow(coord) -> None:
         coord.log(f"[coordinator] regrowing in place to dp={full} from step "
                   f"{decision.resume_step}")
         rec.update(fallback="grow")
-        elastic.reshape(coord, g + 1, decision, rec, full, list(range(coord.dims.dp)), t)
+        _regroup_in_place(coord, g + 1, decision, rec, set(), t, statuses, grow_to=full)
         return
     checkpoint_and_stop(coord, g + 1, decision, rec, "regrow", t)
     if coord.outcome == "checkpoint_and_stop":

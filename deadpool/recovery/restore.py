@@ -137,6 +137,7 @@ def stop_to_disk(worker, plan: Plan, rank: int) -> None:
     """No spare is left (or the job regrows): write the state at the resume step to disk and
     count this rank done (``rank_state.write_for_stop``)."""
     worker.progress.set(plan.resume_step, "checkpoint")
+    worker.injector.fire(plan.resume_step, "checkpoint")
     rank_state.write_for_stop(worker.trainer, worker.dims, worker.ft["checkpoint_dir"],
                               plan.resume_step, rank, plan.sources)
     keys = Keys(plan.generation)

@@ -221,3 +221,26 @@ def test_in_place_shrink_in_3d_keeps_the_dropped_replicas_processes_as_spares(tm
     assert r["outcome"] == "completed", r["message"]
     equal, why = compare_final_states(run, ref)
     assert equal, why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_writer_killed_while_the_shrink_writes_its_checkpoint_is_planned_around(tmp_path):
+    # no spare: rank 1 killed at step 6; while the survivors write the in-place regroup's
+    # checkpoint, rank 3 (which holds no copy anyone needs) is killed before writing its part.
+    # The coordinator plans again from what the survivors reported, without rank 3's replica
+    # too: dp4 -> dp2 from the same step, ranks 0 and 2 in their own processes
+    events = ("faults.events=[{rank: 1, step: 6, phase: mid_step, kind: kill},"
+              "{rank: 3, step: 1, phase: checkpoint, kind: kill}]")
+    run, s = _train(tmp_path, "elastic", ["ft=elastic", events])
+    (rec,) = s["recoveries"]
+    assert rec["outcome"] == "shrunk to dp=2" and rec["failed_rank"] == [1, 3], rec
+    assert rec["dropped_dp"] == [1, 3] and rec["elastic"] == "in_place"
+    assert sorted(_final(run)) == ["rank0.pt", "rank1.pt"]
+    _same_processes(run, [0, 2], 0, rec["generation"])
+    S = rec["resume_step"]
+    at_S = _checkpointed_at(tmp_path, "ref_to_S", S, [])
+    ref, _ = _train(tmp_path, "ref", ["parallel.dp=2", "parallel.global_dp=4", "ft.num_spares=0",
+                                      f"ft.resume_from={at_S}"])
+    equal, why = compare_final_states(run, ref)
+    assert equal, why

@@ -3,12 +3,15 @@
 Started once per node of ``parallel.ranks_per_node`` launch slots: locally by
 ``launcher.AgentLauncher`` (one per simulated node), under Slurm by one srun step of one task per
 node (``--node-from-env``: the node is the task's SLURM_PROCID; experiments/slurm/deadpool_job.sh).
-It creates the node's board, starts the node's processes as its children (each dies with it: ``PR_SET_PDEATHSIG``, so the agent's death is the
-loss of its node), and runs three threads around one ``NodeAgent``:
+An in-place regrow starts one more for a new node (``--slots``, ``--first-event``). It creates
+the node's board, starts the node's processes as its children (each dies with it:
+``PR_SET_PDEATHSIG``, so the agent's death is the loss of its node), and runs these threads around
+one ``NodeAgent``:
 
     main      tick every ft.agent_interval_s (record, coordinator heartbeat)
     beat      the agent's own beat on the board, apart from any store request
     events    follow the coordinator's pushed events (blocking store waits)
+    rounds    every few milliseconds, the ranks' agreement words (deadpool.rounds)
     waiters   one per child: its exit is written at once (waitpid, milliseconds)
 
 It exits when every child has exited, after writing its last record.

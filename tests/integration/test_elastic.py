@@ -65,6 +65,16 @@ def _checkpointed_at(tmp_path, name: str, step: int, overrides: list[str]):
     return run / "checkpoints" / f"step_{step}"
 
 
+def _equals_narrower_from(tmp_path, run, S: int, dp: int) -> None:
+    """``run``'s final state equals a failure-free dp=4 job to step ``S`` followed by a fresh
+    dp=``dp`` job with the global batch kept from that state (re-cut by the loader)."""
+    at_S = _checkpointed_at(tmp_path, "ref_to_S", S, [])
+    ref, _ = _train(tmp_path, "ref", [f"parallel.dp={dp}", "parallel.global_dp=4",
+                                      "ft.num_spares=0", f"ft.resume_from={at_S}"])
+    equal, why = compare_final_states(run, ref)
+    assert equal, why
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", ["in_place", "relaunch"])
@@ -177,21 +187,16 @@ def test_a_failure_inside_the_in_place_shrink_shrinks_again_from_its_checkpoint(
     # no copy is left in memory, so the job shrinks again, to dp2, from the checkpoint the first
     # shrink wrote (re-cut from dp4 to dp2), with the two processes left
     events = ("faults.events=[{rank: 1, step: 6, phase: mid_step, kind: kill},"
-              "{rank: 1, step: 6, phase: rebuild, kind: kill}]")
+              "{rank: 1, step: 1, phase: rebuild, kind: kill}]")
     run, s = _train(tmp_path, "elastic", ["ft=elastic", events])
     first, second = s["recoveries"]
     assert first["outcome"] == "interrupted by another failure", first
     assert second["outcome"] == "shrunk to dp=2" and second["elastic"] == "in_place", second
     assert second["checkpoint_s"] == 0  # read back, not written again
-    S = second["resume_step"]
-    assert S == first["resume_step"]
+    assert second["resume_step"] == first["resume_step"]
     assert sorted(_final(run)) == ["rank0.pt", "rank1.pt"]
     _same_processes(run, [0, 3], 0, second["generation"])
-    at_S = _checkpointed_at(tmp_path, "ref_to_S", S, [])
-    ref, _ = _train(tmp_path, "ref", ["parallel.dp=2", "parallel.global_dp=4", "ft.num_spares=0",
-                                      f"ft.resume_from={at_S}"])
-    equal, why = compare_final_states(run, ref)
-    assert equal, why
+    _equals_narrower_from(tmp_path, run, second["resume_step"], 2)
 
 
 @pytest.mark.slow
@@ -238,9 +243,4 @@ def test_a_writer_killed_while_the_shrink_writes_its_checkpoint_is_planned_aroun
     assert rec["dropped_dp"] == [1, 3] and rec["elastic"] == "in_place"
     assert sorted(_final(run)) == ["rank0.pt", "rank1.pt"]
     _same_processes(run, [0, 2], 0, rec["generation"])
-    S = rec["resume_step"]
-    at_S = _checkpointed_at(tmp_path, "ref_to_S", S, [])
-    ref, _ = _train(tmp_path, "ref", ["parallel.dp=2", "parallel.global_dp=4", "ft.num_spares=0",
-                                      f"ft.resume_from={at_S}"])
-    equal, why = compare_final_states(run, ref)
-    assert equal, why
+    _equals_narrower_from(tmp_path, run, rec["resume_step"], 2)

@@ -424,7 +424,9 @@ class Coordinator:
             return False
         self.members.spares += self.regrow.slots
         self.regrow = None
-        return True
+        full = ParallelDims.from_config(self.configured["parallel"]).world_size
+        # (a failure while they warmed up may have taken a process more: start the rest)
+        return self.dims.world_size + len(self.members.spares) >= full
 
     def _all_finished(self) -> bool:
         """Every rank of the generation sealed ``finished/<rank>``. The ``num_finished`` counter

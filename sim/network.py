@@ -62,9 +62,9 @@ def grad_bytes_per_node(layout: Layout) -> float:
     return per_gpu * layout.gpus_per_node
 
 
-def replicated_bytes_per_node(layout: Layout, mode: str) -> float:
+def replicated_bytes_per_node(layout: Layout, mode: str, replicas: int = 1) -> float:
     """``unique``: what no data-parallel peer holds (the ZeRO-1 optimizer shard, or everything at
-    dp = 1); ``full``: the whole per-GPU state."""
+    dp = 1); ``full``: the whole per-GPU state; sent to each of ``replicas`` buddies."""
     shard = layout.model_params / (layout.tp * layout.pp)
     if mode == "full":
         per_gpu = layout.state_bytes_per_gpu
@@ -77,7 +77,7 @@ def replicated_bytes_per_node(layout: Layout, mode: str) -> float:
             per_gpu = 0.0
     else:
         raise ValueError(f"replicate must be unique or full, got {mode!r}")
-    return per_gpu * layout.gpus_per_node
+    return per_gpu * layout.gpus_per_node * replicas
 
 
 def activation_bytes_per_node(layout: Layout) -> float:
@@ -106,7 +106,8 @@ def plan(layout: Layout, c: Mapping, persist_interval_s: float | None = None) ->
     if persist_interval_s and math.isfinite(persist_interval_s):
         other_s += layout.state_bytes_per_node * step / persist_interval_s / nic
     busy_s = grad_s + other_s
-    rep_bytes = replicated_bytes_per_node(layout, str(c.get("replicate", "unique")))
+    rep_bytes = replicated_bytes_per_node(layout, str(c.get("replicate", "unique")),
+                                          int(c.get("replicas", 1)))
     repl_s = rep_bytes / nic
     d2h_s = overhead.copy_s(layout, c, rep_bytes)
     chk_s = overhead.checksum_s(layout, c)

@@ -18,12 +18,24 @@ class Ring:
         buddy:   | 1  2 | 3  4 | 5  0 |      rack 1 fails: slot 2's replica (on 3) is gone too
     """
 
-    def __init__(self, num_slots: int, nodes_per_rack: int = 1):
+    def __init__(self, num_slots: int, nodes_per_rack: int = 1, replicas: int = 1):
         self.n = num_slots
         self.step = 1
+        self.k = replicas  # copies per slot: on its buddy and the k-1 slots after (ft.replicas)
 
     def buddy(self, slot: int) -> int:
         return (slot + self.step) % self.n
+
+    def buddies(self, slot: int) -> set[int]:
+        """The ``k`` slots holding this slot's copies (the buddy, its buddy, ...)."""
+        return {(slot + j * self.step) % self.n for j in range(1, self.k + 1)} - {slot}
+
+    def lost(self, slot: int, pending: set[int]) -> bool:
+        """``slot`` fails while ``pending`` slots' states live only in their copies: is some
+        dead slot's state now gone with all of its copies? (k=1: a ring neighbour of ``slot``
+        is pending.)"""
+        dead = set(pending) | {slot}
+        return any(self.buddies(p) <= dead for p in dead)
 
     def ward(self, slot: int) -> int:
         return (slot - self.step) % self.n
@@ -41,8 +53,8 @@ class RingCrossRack(Ring):
         buddy:   | 2  3 | 4  5 | 0  1 |      rack 1 fails: every replica of slots 2, 3 survives
     """
 
-    def __init__(self, num_slots: int, nodes_per_rack: int = 1):
-        super().__init__(num_slots)
+    def __init__(self, num_slots: int, nodes_per_rack: int = 1, replicas: int = 1):
+        super().__init__(num_slots, replicas=replicas)
         self.step = max(1, nodes_per_rack) if num_slots > nodes_per_rack else 1
 
 
@@ -83,10 +95,12 @@ RINGS = {"adjacent": Ring, "cross_rack": RingCrossRack}
 PAIRS = {"adjacent": Pairs, "cross_rack": PairsCrossRack}
 
 
-def ring(name: str, num_slots: int, nodes_per_rack: int) -> Ring:
+def ring(name: str, num_slots: int, nodes_per_rack: int, replicas: int = 1) -> Ring:
     if name not in RINGS:
         raise ValueError(f"buddy_placement must be one of {', '.join(RINGS)}, got {name!r}")
-    return RINGS[name](num_slots, nodes_per_rack)
+    if not 1 <= replicas < max(2, num_slots):
+        raise ValueError(f"replicas must be in [1, {num_slots - 1}] for {num_slots} slots, got {replicas}")
+    return RINGS[name](num_slots, nodes_per_rack, replicas)
 
 
 def pairs(name: str, num_slots: int, nodes_per_rack: int) -> Pairs:

@@ -2,7 +2,9 @@
 
 Steady state: every snapshot interval (``sim.network``: one step unless replication does not
 fit) each node snapshots its state and replicates it to its buddy (``buddy_placement``: the next
-slot, as the runtime's ``ring_over_nodes``, or one rack over) off the critical path; what it costs
+slot, as the runtime's ``ring_over_nodes``, or one rack over; with the calibration key
+``replicas`` = k, the runtime's ``ft.replicas``, also to the k-1 slots after it, k times the bytes)
+off the critical path; what it costs
 training is ``Snapshots.overhead_frac`` (measured, plus network/copy backpressure). Periodic
 asynchronous disk checkpoints exist only for the fallbacks below.
 
@@ -15,7 +17,9 @@ Fallbacks, modelled explicitly:
 - a node fails while a ring neighbour's state is still unrestored (the *replication window*:
   from the neighbour's failure until its replacement has the state, including any wait for a
   spare). Either the dead node held that neighbour's only copy (its ward) or the neighbour
-  held the dead node's replica (its buddy) -> restart from the newest durable disk checkpoint;
+  held the dead node's replica (its buddy) -> restart from the newest durable disk checkpoint
+  (with k replicas: once some dead node's state and all k of its copies are gone,
+  ``placement.Ring.lost``);
 - a silent corruption noticed late: every snapshot since it began is poisoned. If the buddy
   still keeps a clean one (``snapshot_memory_generations``) the swap restores it, else restart
   from the newest disk checkpoint taken before the corruption began;
@@ -50,18 +54,20 @@ class DeadPoolParams:
     disk_interval_s: float
     on_no_spare: str  # "wait" | "shrink"
     buddy_placement: str
+    replicas: int  # copies of each node's state, on its buddy and the next (calibration ``replicas``)
     memory_restart_s: float  # job restart from host-memory copies (InMemoryRestart)
     width: costs.WidthScaling = costs.WidthScaling()  # throughput at reduced width after a shrink
 
 
 def host_gb_per_node(layout, calib: Mapping) -> float:
     """Host memory the snapshot engine holds on a node: ``snapshot_host_copies`` x each GPU's state
-    for its local slots, plus the receive buffers of the ward's replicas (``replicate``'s bytes)."""
+    for its local slots, plus the receive buffers of the wards' replicas (``replicate``'s bytes,
+    from each of its ``replicas`` wards)."""
     from sim import network
 
     local = float(calib.get("snapshot_host_copies", 0.0)) * layout.state_bytes_per_node
     received = float(calib.get("snapshot_receive_copies", 0.0)) * network.replicated_bytes_per_node(
-        layout, str(calib.get("replicate", "unique")))
+        layout, str(calib.get("replicate", "unique")), int(calib.get("replicas", 1)))
     return (local + received) / 1e9
 
 
@@ -85,7 +91,8 @@ class DeadPool(Job):
             self.factors["snapshot"] = 1.0 / (1.0 + p.snap.overhead_frac)
         self.pending: set[int] = set()  # slots whose state now lives only on the buddy
         self.fallback = False
-        self.buddies = placement.ring(p.buddy_placement, layout.num_nodes, layout.nodes_per_rack)
+        self.buddies = placement.ring(p.buddy_placement, layout.num_nodes, layout.nodes_per_rack,
+                                      p.replicas)
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> DeadPoolParams:
@@ -96,6 +103,7 @@ class DeadPool(Job):
                               disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
                               on_no_spare=str(scfg.get("on_no_spare", "wait")),
                               buddy_placement=str(calib.get("buddy_placement", "adjacent")),
+                              replicas=int(calib.get("replicas", 1)),
                               memory_restart_s=costs.memory_restart_s(layout, calib),
                               width=costs.width_scaling(calib))
 
@@ -113,7 +121,7 @@ class DeadPool(Job):
         self.note_failure(cause)
         if cause.kind == costs.SDC:
             self._restore_clean(self.poison.pop(cause.node, self.W))
-        elif self.buddies.neighbours(slot) & self.pending:
+        elif self.buddies.lost(slot, self.pending):
             self._to_disk(math.inf)
         elif not self.fallback:
             self.rollback_to(self.memory_marks(self.p.snap.interval_w, self.p.snap.lag_s)[0])

@@ -22,6 +22,7 @@ def test_traffic_volumes():
     assert network.grad_bytes_per_node(lo) == pytest.approx(28e9)
     assert network.replicated_bytes_per_node(lo, "unique") == pytest.approx(8 * 1e9 * 14 / 8)
     assert network.replicated_bytes_per_node(lo, "full") == pytest.approx(8 * lo.state_bytes_per_gpu)
+    assert network.replicated_bytes_per_node(lo, "unique", 2) == pytest.approx(2 * 8 * 1e9 * 14 / 8)
 
 
 def test_fits_only_the_lag_grows():

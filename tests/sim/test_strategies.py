@@ -73,6 +73,19 @@ def test_deadpool_ring_ward_lost_in_window_also_falls_back(layout, calib, strate
     assert run("deadpool", s, calib, layout(), tr)["fallbacks"] == 0
 
 
+def test_deadpool_with_two_replicas_survives_a_node_and_its_buddy(layout, calib, strategy_cfgs,
+                                                                  handmade):
+    # ft.replicas=2: slot 2's state is also on slot 4, so losing 2 and its buddy 3 inside the
+    # window is two swaps from memory; losing 2, 3 and 4 (every copy of 2) falls back to disk
+    s = strategy_cfgs("deadpool") | {"disk_ckpt_interval_s": 500.0}
+    two = [(1000.0, 2, "fail", False, 5000.0), (1010.0, 3, "fail", False, 5000.0)]
+    assert run("deadpool", s, calib, layout(), handmade(two, 10, T))["fallbacks"] == 1
+    r = run("deadpool", s, calib | {"replicas": 2}, layout(), handmade(two, 10, T))
+    assert (r["fallbacks"], r["restarts"], r["swaps"]) == (0, 0, 2)
+    three = two + [(1015.0, 4, "fail", False, 5000.0)]
+    assert run("deadpool", s, calib | {"replicas": 2}, layout(), handmade(three, 10, T))["fallbacks"] == 1
+
+
 def test_deadpool_no_spare_waits_for_repair(layout, calib, strategy_cfgs, handmade):
     tr = handmade([(1000.0, 3, "fail", False, 3000.0)], 8, T)
     r = run("deadpool", strategy_cfgs("deadpool"), calib, layout(num_spares=0), tr)

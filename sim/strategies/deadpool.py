@@ -3,9 +3,8 @@
 Steady state: every snapshot interval (``sim.network``: one step unless replication does not
 fit) each node snapshots its state and replicates it to its buddy (``buddy_placement``: the next
 slot, as the runtime's ``ring_over_nodes``, or one rack over; with the calibration key
-``replicas`` = k, the runtime's ``ft.replicas``, also to the k-1 slots after it, k times the bytes)
-off the critical path; what it costs
-training is ``Snapshots.overhead_frac`` (measured, plus network/copy backpressure). Periodic
+``replicas`` = k, the runtime's ``ft.replicas``, also to the k-1 slots after it, k times the
+bytes) off the critical path; what it costs training is ``Snapshots.overhead_frac`` (measured, plus network/copy backpressure). Periodic
 asynchronous disk checkpoints exist only for the fallbacks below.
 
 Per unexpected failure: detection (by cause, shared) + plan + communicator rebuild + state

@@ -91,6 +91,19 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def finished(squeue, deadline: float, log: Path, run_dir: Path) -> dict:
+    """Wait for the Slurm job to leave the queue; its coordinator exited 0 and the job completed.
+    Returns its summary."""
+    while squeue():
+        assert time.time() < deadline, log.read_text()
+        time.sleep(1)
+    text = log.read_text()
+    assert "coordinator exit 0" in text, text
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["outcome"] == "completed", s.get("message")
+    return s
+
+
 def newest_step(*logs: Path) -> int:
     """The newest step rank 0 reported (``[rank 0] step   12/100 ...``): in the job's output
     (srun tasks) or in slot 0's log (a node agent's child)."""
@@ -139,13 +152,7 @@ def test_rank_sigkilled_spare_hot_swapped_bitwise(slurm_env, reference, tmp_path
         assert "deadpool.agent" not in cmdline(parent)
     t_sent = time.time()
     os.kill(pid, signal.SIGKILL)
-    while squeue():
-        assert time.time() < deadline + 120, log.read_text()
-        time.sleep(1)
-    text = log.read_text()
-    assert "coordinator exit 0" in text, text
-    s = json.loads((run_dir / "summary.json").read_text())
-    assert s["outcome"] == "completed", s.get("message")
+    s = finished(squeue, deadline + 120, log, run_dir)
     (rec,) = s["recoveries"]
     assert rec["failed_rank"] == 1 and rec["spare_slot"] in (4, [4]), rec
     assert rec["outcome"] == "hot-swapped", rec
@@ -188,13 +195,7 @@ def test_a_killed_node_agent_loses_its_node_and_spares_take_both_ranks(slurm_env
     assert "deadpool.agent" in cmdline(agent), cmdline(agent)
     assert b"SLURM_PROCID=1\0" in Path(f"/proc/{agent}/environ").read_bytes()  # node 1's agent
     os.kill(agent, signal.SIGKILL)
-    while squeue():
-        assert time.time() < deadline + 120, log.read_text()
-        time.sleep(1)
-    text = log.read_text()
-    assert "coordinator exit 0" in text, text
-    s = json.loads((run_dir / "summary.json").read_text())
-    assert s["outcome"] == "completed", s.get("message")
+    s = finished(squeue, deadline + 120, log, run_dir)
     (rec,) = s["recoveries"]
     assert set(rec["failed_rank"]) == {2, 3} and rec["outcome"] == "hot-swapped", rec
     print(f"[slurm node loss] detected by {rec['detected_by']}, kill to first step "

@@ -24,8 +24,6 @@ agent writes on its board (``Coordinator._agree``). Per round: O(nodes) requests
 
 from __future__ import annotations
 
-import time
-
 from deadpool.threads import wait_until
 
 
@@ -73,16 +71,11 @@ class BoardRounds:
         """The decision of the vote at ``step``: the coordinator pushes it once every node's
         record carries every local rank's vote (the next vote comes only after this rank read
         this one, so the board still holds it)."""
-        last = 0.0
-        while True:
-            g, s, k = self.board.decision
-            if g == self.generation and s == step:
-                return k
-            now = time.monotonic()
-            if now - last > 0.01:
-                abort_check()
-                last = now
-            time.sleep(0.0005)
+        def decided() -> bool:
+            g, s, _ = self.board.decision
+            return g == self.generation and s == step
+        wait_until(decided, every_s=0.001, between=abort_check)
+        return self.board.decision[2]
 
 
 def rounds_for(comm, store_factory):

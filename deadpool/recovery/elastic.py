@@ -137,20 +137,18 @@ class Regrow:
         full = ParallelDims.from_config(coord.configured["parallel"])
         need = full.world_size - coord.dims.world_size - len(coord.members.spares)
         self.slots = coord.launcher.add_slots(need, coord.gen + 1) if need > 0 else []
-        self.t_start = time.time()
         self.joined = Reports(coord.store, coord.seal, Keys.spare_ready, list(self.slots),
                               on_forged=lambda s: coord.log(
                                   f"[coordinator] slot {s}: join announcement without the job's "
                                   "secret refused"))
-        self.waiting = set(self.slots)
         if self.slots:
             coord.log(f"[coordinator] regrow: started {len(self.slots)} process(es) in slot(s) "
                       f"{self.slots}; training goes on while they warm up")
 
     def ready(self) -> bool:
-        self.waiting -= set(self.joined.poll())
-        for slot in sorted(self.waiting):
+        self.joined.poll()
+        for slot in self.joined.missing:
             if self.coord.launcher.poll(slot) is not None:
                 raise RuntimeError(f"a process started to regrow the job (slot {slot}) exited "
                                    "during start-up:\n" + self.coord.launcher.log_tail(slot))
-        return not self.waiting
+        return self.joined.complete

@@ -139,14 +139,17 @@ def write_state(coord, generation: int, action: str, decision, reason: str) -> P
                            on_forged=lambda r: coord.log(f"[coordinator] checkpoint report of rank "
                                                          f"{r} without the job's secret: ignored"))
 
+    by_slot = {s: r for r, s in p.assignments.items()}
+
     def written() -> bool:
         # the counter is only a hint (anyone can bump it): each rank's sealed report counts
         if int(coord.store.add(keys.checkpointed_count(), 0)) >= len(p.assignments):
             done.poll()
             if done.complete:
                 return True
-        for r, slot in p.assignments.items():  # a writer lost: its part never comes
-            if r not in done.got and coord.launcher.poll(slot) not in (None, 0):
+        for slot in coord.suspects():  # a writer lost: its part never comes
+            r = by_slot.get(slot)
+            if r is not None and r not in done.got and coord.launcher.poll(slot) not in (None, 0):
                 raise WriterLost(r, slot, f"rank {r} (slot {slot}) died while writing the state "
                                  f"of step {p.resume_step} to disk ({reason}); the newest "
                                  f"complete checkpoint under {coord.ft['checkpoint_dir']} is "

@@ -18,6 +18,16 @@ def client(port: int):
                          use_libuv=True)
 
 
+def shorten_timeouts(comm, timeout_s: float):
+    """Give a communicator's groups a short op timeout once they are connected. Tests that
+    abandon an op in flight need it (the process would wait for the op at exit), but connecting
+    under it is flaky on a loaded 2-core machine, where a peer's low-priority replication-group
+    thread can be held off for seconds."""
+    for group in comm.groups.values():
+        group.pg.set_timeout(timedelta(seconds=timeout_s))
+    return comm
+
+
 def run_threads(fn, n: int, timeout_s: float = 60.0) -> list:
     results, errors = [None] * n, [None] * n
 

@@ -13,7 +13,7 @@ from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor import shard
 from deadpool.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
-from tests.deadpool.helpers import client, master_store, run_threads
+from tests.deadpool.helpers import client, master_store, run_threads, shorten_timeouts
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=4, n_heads=4, ffn_mult=2, max_seq_len=8)
 SEED = 11
@@ -123,11 +123,11 @@ def test_a_stage_waiting_for_a_gradient_leaves_on_abort():
         pass
 
     def rank_fn(r):
-        # the abandoned receive stays in flight until the groups' timeout (5 s here, so that
-        # the process does not wait for it at exit); the groups stay referenced as a parked
-        # generation's do (deleting a group with an op in flight blocks)
-        comm = Communicator.build(Topology(dims, r, 5), client(master.port), poll_s=0.01,
-                                  timeout_s=5.0)
+        # the abandoned receive stays in flight until the groups' timeout (5 s once connected,
+        # so that the process does not wait for it at exit); the groups stay referenced as a
+        # parked generation's do (deleting a group with an op in flight blocks)
+        comm = shorten_timeouts(Communicator.build(Topology(dims, r, 5), client(master.port),
+                                                   poll_s=0.01), 5.0)
         KEPT.append(comm)
         stage = build_stage(TINY, SEED, pp_rank=r, pp=2, tp_rank=0, tp=1)
         x, y = batch(4)

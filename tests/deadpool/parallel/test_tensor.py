@@ -15,7 +15,7 @@ from deadpool.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
 from deadpool.parallel.stage import build_stage
 from deadpool.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
-from tests.deadpool.helpers import client, master_store, run_threads
+from tests.deadpool.helpers import client, master_store, run_threads, shorten_timeouts
 
 TP = 2
 MHA = dict(vocab_size=16, d_model=8, n_layers=1, n_heads=4, ffn_mult=2, max_seq_len=8)
@@ -191,9 +191,10 @@ def test_a_rank_blocked_in_a_tp_allreduce_leaves_on_abort():
     master = master_store()
 
     def rank_fn(r):
-        # the abandoned all-reduce stays in flight until the group's timeout (5 s: the process
-        # must not wait for it at exit); the group stays referenced, as a parked generation's
-        comm = tp_comm(master, r, generation=3, timeout_s=5.0)
+        # the abandoned all-reduce stays in flight until the group's timeout (5 s once
+        # connected: the process must not wait for it at exit); the group stays referenced, as
+        # a parked generation's
+        comm = shorten_timeouts(tp_comm(master, r, generation=3), 5.0)
         KEPT.append(comm)
         stage = build_stage(cfg, 0, pp_rank=0, pp=1, tp_rank=r, tp=TP)
         if r == 1:

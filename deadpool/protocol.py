@@ -40,6 +40,11 @@ class Keys:
     def status(self, rank: int) -> str:
         return f"{self._p}status/{rank}"
 
+    def node_status(self, node: int) -> str:
+        """Under node agents: the statuses of a node's ranks, gathered by its agent (sealed JSON
+        list of ``RankStatus`` texts, rewritten as more arrive)."""
+        return f"{self._p}status/node/{node}"
+
     def timing(self, rank: int) -> str:
         return f"{self._p}timing/{rank}"
 

@@ -10,6 +10,8 @@ generation's timings, final states). Checking each key in turn costs N round tri
     Reports                one kind of sealed per-rank report (``keys.status(r)`` ...) collected
                            incrementally: each poll asks only about the ranks still missing, reads
                            the new ones with one ``multi_get`` and keeps only what the job sealed
+    NodeReports            the same, from one sealed key per node that its agent rewrites as its
+                           ranks report (a JSON list of reports, each naming its ``rank``)
 
 A value that fails its seal (written by a process without the job's secret) is not accepted and
 its rank stays missing: the real report, which overwrites it, is still taken when it comes.
@@ -17,6 +19,7 @@ its rank stays missing: the real report, which overwrites it, is still taken whe
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 
 from deadpool.protocol import Seal
@@ -91,3 +94,41 @@ class Reports:
     @property
     def complete(self) -> bool:
         return not self.missing
+
+
+class NodeReports(Reports):
+    """``Reports`` gathered per node: ``key_of(node)`` holds the sealed JSON list of the reports
+    of that node's ranks so far (``agent.node.NodeAgent.check_statuses``). Each poll reads the
+    keys of the nodes that still owe a report; a report is taken only for a rank of that node
+    (``node_of(rank)``), so one node's record cannot speak for another's ranks. ``on_forged`` is
+    called with the node."""
+
+    def __init__(self, store, seal: Seal, key_of: Callable[[int], str], ranks: Iterable[int],
+                 node_of: Callable[[int], int], on_forged: Callable[[int], None] | None = None):
+        super().__init__(store, seal, key_of, ranks, on_forged)
+        self.node_of = node_of
+
+    def poll(self) -> dict[int, str]:
+        if not self.missing:
+            return self.got
+        nodes = sorted({self.node_of(r) for r in self.missing})
+        new = {}
+        for node, text in read(self.store, self.seal, {n: self.key_of(n) for n in nodes},
+                               on_forged=self._forged).items():
+            try:
+                reports = json.loads(text)
+            except ValueError:
+                continue
+            for report in reports:
+                try:
+                    rank = int(json.loads(report)["rank"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if self.node_of(rank) == node:
+                    new[rank] = report
+        want = set(self.missing)
+        new = {r: t for r, t in new.items() if r in want}
+        if new:
+            self.got.update(new)
+            self.missing = [r for r in self.missing if r not in new]
+        return self.got

@@ -8,8 +8,8 @@
 shared-memory board, following the coordinator's pushed events on its own blocking store
 connection, fetching each plan (a delta) once, writing its sealed record every
 ``ft.agent_interval_s``; the node's processes are fake (they beat into the board at each of the
-agent's ticks, write their status to the store after an abort, and see a plan one local poll
-after their agent has it). The coordinator is the real one with ``watchdog.NodeLiveness`` and
+agent's ticks, write their status next to the board after an abort, which their agent sends on
+in one key per node, and see a plan one local poll after their agent has it). The coordinator is the real one with ``watchdog.NodeLiveness`` and
 the real ``launcher.AgentLauncher`` minus process start-up (as under a remote launcher, a dead
 agent shows only as a silent record). An exit is the agent's ``waitpid`` returning; a silent
 node is an agent that stops. ``--protocol old`` is what follows:
@@ -238,8 +238,9 @@ def fake_process(host, port, secret, slots, world, rpn, periods, flags, stats, f
 class FakeNodes:
     """The fake nodes of one thread under node agents: per node a real ``NodeAgent`` (its real
     board in shared memory, record, pushed events on its own blocking store connection, plan
-    fetch) whose processes are fake: they beat into the board, write their status to the store
-    after an abort (as ``recovery.restore.report_status`` does) and count when the plan reached
+    fetch) whose processes are fake: they beat into the board, write their status next to it
+    after an abort (as ``recovery.restore.report_status`` does; their agent sends the node's on
+    in one key) and count when the plan reached
     them. A process checks the board every ``periods["plan"]`` (a local read, no store
     request): reactions are scheduled that much after the event."""
 
@@ -321,14 +322,18 @@ class FakeNodes:
         """The node's processes saw the board change."""
         agent = self.agents[node]
         by_slot = _by_slot(agent.plan)
-        if what == "abort":
+        if what == "abort":  # each process writes its status next to the board
+            from deadpool.agent.node import status_file
+
             for s in self._alive(node):
                 r = by_slot.get(s)
                 if r is not None and agent.ranks_gen[s] == g:
-                    keys = Keys(g)
                     status = RankStatus(r, s, STEP, [STEP], {self.ward.get(r, r): [STEP]})
-                    self.store.set(keys.status(r), self.seal.wrap(keys.status(r), status.to_json()))
+                    i = agent.index[s]
+                    status_file(agent.node_dir, g, i).write_text(status.to_json())
+                    agent.board.set_status(i, g)
                     agent.ranks_gen[s] = None
+            agent.check_statuses()  # (the agent's rounds thread: within a few ms)
             return
         n = 0  # (the processes decode the same text the agent decoded: its plan is theirs)
         for s in self._alive(node):

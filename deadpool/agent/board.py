@@ -11,7 +11,9 @@ value did)::
                                agent's own beat; the job's protected step and its latest
                                snapshot-interval decision (``deadpool.rounds``)
     one record per local slot  (the rank writes) pid, beat, progress count, step, phase, its
-                               newest replicated step and its latest interval vote;
+                               newest replicated step, its latest interval vote and the
+                               generation of the last status it wrote (the status itself is a
+                               file next to the board: ``agent.node.status_file``);
                                (the agent writes) fence
 
 A (generation, step) pair is packed into one word (``pack``), so it is read whole.
@@ -26,7 +28,7 @@ import mmap
 import os
 from pathlib import Path
 
-MAGIC = 0x4450_4E42_0002  # "DPNB" v2
+MAGIC = 0x4450_4E42_0003  # "DPNB" v3
 HEADER_WORDS = 16
 SLOT_WORDS = 24
 PHASE_BYTES = 64  # slot words 8-15
@@ -36,7 +38,7 @@ _MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECI
 # slot words
 _SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE, _REPLICATED, _VOTE = range(8)
 _PHASE_WORD = 8
-_VOTE_K = 16
+_VOTE_K, _STATUS = 16, 17
 _STEP_BITS = 40
 
 
@@ -86,7 +88,7 @@ class NodeBoard:
         for i, slot in enumerate(slots):
             base = HEADER_WORDS + SLOT_WORDS * i
             w[base + _SLOT] = slot
-            w[base + _STEP] = w[base + _REPLICATED] = w[base + _VOTE] = -1
+            w[base + _STEP] = w[base + _REPLICATED] = w[base + _VOTE] = w[base + _STATUS] = -1
         w[_MAGIC] = MAGIC  # last: a reader that sees the magic sees an initialised board
         w.release()
         return cls(path, mm)
@@ -207,6 +209,13 @@ class NodeBoard:
         b = self._base(index)
         g, s = unpack(int(self.words[b + _VOTE]))
         return g, s, int(self.words[b + _VOTE_K])
+
+    def set_status(self, index: int, generation: int) -> None:
+        """A local rank wrote its status for aborted generation ``generation`` (file first)."""
+        self.words[self._base(index) + _STATUS] = generation
+
+    def status_generation(self, index: int) -> int:
+        return int(self.words[self._base(index) + _STATUS])
 
     def fenced(self, index: int) -> bool:
         return bool(self.words[self._base(index) + _FENCE])

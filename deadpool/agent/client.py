@@ -5,7 +5,8 @@
     BoardHeartbeat      the heartbeat thread: beat and progress into the board, fences and the
                         coordinator's loss out of it (``heartbeat.Heartbeat``'s interface)
     NodeLink            plans, aborts, done / stop and the job's step, read from the board and
-                        the plan files the agent writes
+                        the plan files the agent writes; statuses after an abort, written to a
+                        file the agent forwards
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
                                   NODE_INDEX_ENV, NodeBoard)
-from deadpool.agent.node import plan_file
+from deadpool.agent.node import plan_file, status_file
 from deadpool.watchdog import Progress
 
 
@@ -40,6 +41,15 @@ class NodeLink:
         if self.board.plan_generation < generation:
             return None
         return plan_file(self.node_dir, generation).read_text()
+
+    def report_status(self, generation: int, text: str) -> None:
+        """This process's ``RankStatus`` for aborted generation ``generation``: the file, then
+        the board word the agent watches (it sends the node's statuses on together)."""
+        path = status_file(self.node_dir, generation, self.index)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        self.board.set_status(self.index, generation)
 
     def aborted(self, generation: int) -> bool:
         return self.board.abort_generation >= generation

@@ -18,10 +18,13 @@ or by the control-plane benchmark for thousands of simulated nodes::
     check_rounds()  every few milliseconds: the node's part of the ranks' agreements
                     (``deadpool.rounds``: the newest step all its ranks replicated, their
                     snapshot-interval vote) changed -> written at once, the coordinator woken;
-                    its results come back as ``protected`` / ``interval`` events for the board
+                    its results come back as ``protected`` / ``interval`` events for the board;
+                    and, after an abort, the statuses its ranks wrote (``status_file``) ->
+                    one sealed key per node (``Keys.node_status``), rewritten as more arrive
 
 What the node costs the store in steady state: one record per interval and one coordinator
-heartbeat read per second, whatever the number of its processes.
+heartbeat read per second, whatever the number of its processes; per recovery, a status write
+or two per node instead of one per rank.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ def node_key(node: int) -> str:
 
 def plan_file(node_dir: Path, generation: int) -> Path:
     return Path(node_dir) / f"plan-{generation}.wire"
+
+
+def status_file(node_dir: Path, generation: int, index: int) -> Path:
+    """Where the process of local record ``index`` writes its status after generation
+    ``generation`` was aborted (``agent.client.NodeLink.report_status``)."""
+    return Path(node_dir) / f"status-{generation}-{index}.json"
 
 
 class NodeAgent:
@@ -77,6 +86,8 @@ class NodeAgent:
         self._coord_checked = -1e9
         self.coordinator_lost = False
         self._rounds: tuple | None = None  # the node's part of the agreements last written
+        self._status_g = -1  # the aborted generation whose statuses are being gathered
+        self._statuses: dict[int, str] = {}  # local index -> its status text (that generation)
 
     # -- the periodic part ----------------------------------------------------------------------------
     def observe(self) -> None:
@@ -151,9 +162,36 @@ class NodeAgent:
         return replicated, vote
 
     def check_rounds(self) -> None:
-        """Write the record at once when the node's part of an agreement moved."""
+        """Write the record at once when the node's part of an agreement moved; forward the
+        statuses the local ranks wrote since the last check."""
         if self.fold() != self._rounds:
             self.publish(urgent=True)
+        self.check_statuses()
+
+    def check_statuses(self) -> None:
+        """Gather the statuses of the newest aborted generation its ranks reported: one sealed
+        key per node, rewritten with every status that arrived since (the coordinator reads
+        O(nodes) keys, not O(ranks))."""
+        new = False
+        for i in range(self.board.num_slots):
+            g = self.board.status_generation(i)
+            if g < self._status_g or (g == self._status_g and i in self._statuses):
+                continue
+            try:
+                text = status_file(self.node_dir, g, i).read_text()
+            except OSError:
+                continue  # (the rank writes the file before the word: cannot happen)
+            if g > self._status_g:  # a newer abort: the older generation's are no use
+                for old in self.node_dir.glob("status-*.json"):
+                    if int(old.name.split("-")[1]) < g:
+                        old.unlink(missing_ok=True)
+                self._status_g, self._statuses = g, {}
+            self._statuses[i] = text
+            new = True
+        if new:
+            key = Keys(self._status_g).node_status(self.node)
+            texts = [self._statuses[i] for i in sorted(self._statuses)]
+            self.store.set(key, self.seal.wrap(key, json.dumps(texts)))
 
     def check_coordinator(self, error: bool = False) -> None:
         """The coordinator's heartbeat advanced lately; else its processes save and exit."""

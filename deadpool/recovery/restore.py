@@ -42,6 +42,9 @@ def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> N
                     eng.local_steps() if worker.has_state and eng is not None else [],
                     eng.replica_steps() if eng is not None else {},
                     comm.group_counts() if comm is not None else {})
+    if worker.link is not None:  # through the node agent: one store write per node
+        worker.link.report_status(plan.generation, st.to_json())
+        return
     key = Keys(plan.generation).status(rank)
     worker.store.set(key, worker.seal.wrap(key, st.to_json()))
 

@@ -170,7 +170,7 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
     that reaches the store and finds the job's namespace (``list_keys``) forges every control
     key it can: job/stop and job/done, a finished count, an error count, a final state, a
     bad-source report, the dead rank's status and, once it is killed, its heartbeat; under node
-    agents also a node's record and the next pushed events (fences, a stop). The job
+    agents also a node's record, its statuses and the next pushed events (fences, a stop). The job
     must hot-swap exactly once and end bitwise equal to the failure-free run."""
     import threading
     from datetime import timedelta
@@ -218,6 +218,10 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
                                ("g0/status/1", '{"rank": 1, "slot": 1, "live_step": 99, '
                                                '"local_steps": [99], "replicas": {}}')):
                 raw.set(f"{ns}/{key}", auth.seal(other, value, context=key))
+            key = "g0/status/node/0"  # node agents: node 0's statuses, rank 1 live at step 99
+            raw.set(f"{ns}/{key}", auth.seal(other, json.dumps(
+                ['{"rank": 1, "slot": 1, "live_step": 99, "local_steps": [99], "replicas": {}}']),
+                context=key))
             raw.add(f"{ns}/g0/num_finished", 4)
             raw.add(f"{ns}/g0/num_errors", 1)
             # node agents: a record claiming slot 0 exited, and the next pushed events (fence

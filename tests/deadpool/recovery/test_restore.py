@@ -30,7 +30,7 @@ def worker(step=S, dirty=False, has_state=True, replica_of=None):
         eng.replicas[replica_of] = [Replica(replica_of, S, flat, encode_header(
             {"step": S, "layout": eng.layout_desc}), (0, 0), "unique")]
     tr = SimpleNamespace(step=step, dirty=dirty, engine=eng, header=lambda: {"step": step})
-    return SimpleNamespace(trainer=tr, has_state=has_state, store=dist.HashStore(), slot=9,
+    return SimpleNamespace(trainer=tr, has_state=has_state, store=dist.HashStore(), slot=9, link=None,
                            seal=Seal(None), parked=[], prev_comm=None, progress=Progress(),
                            injector=SimpleNamespace(fire=lambda step, phase: None))
 

@@ -37,9 +37,9 @@ NOT sealed yet (partial): the same agreements without agents, the store counters
 ``repl_done/<step>`` (a forged bump makes ranks believe a step protected early and drop older
 snapshots and replicas: it can cost a recovery its in-memory copies, never make it take a wrong
 state, since every transfer is checked against the checksum its sender took) and the snapshot
-interval votes (a forged vote changes how often ranks snapshot); ``ckpt_interval/``
-(trainer.py: how often ranks checkpoint), ``fault_fired/`` (fault injection, a testing aid), and
-the group rendezvous keys gloo writes itself.
+interval votes (a forged vote changes how often ranks snapshot); ``fault_fired/`` (fault
+injection, a testing aid), and the group rendezvous keys gloo writes itself. (The disk-checkpoint
+interval is agreed over the job's own process groups, not the store: ``grad_norm.global_max``.)
 
 Contracts: the secret must reach processes only through ``SECRET_ENV`` or a file named by
 ``SECRET_FILE_ENV`` that only its owner can read; it must never be written to job.json, a log or

@@ -63,10 +63,6 @@ class Keys:
     def repl_done(self, step: int) -> str:
         return f"{self._p}repl_done/{step}"
 
-    def checkpoint_interval(self, rank: int) -> str:
-        """A rank's proposed disk checkpoint interval (ft.persist_interval_steps=auto)."""
-        return f"{self._p}ckpt_interval/{rank}"
-
     def finished(self, rank: int) -> str:
         """A rank finished training in this generation (sealed; ``num_finished`` is only a hint)."""
         return f"{self._p}finished/{rank}"

@@ -41,7 +41,7 @@ from deadpool.lr_schedule import lr_at
 from deadpool import precision
 from deadpool.settings import num_microbatches
 from deadpool.parallel.data.zero import ZeroOptimizer
-from deadpool.parallel.grad_norm import clip_, global_grad_norm
+from deadpool.parallel.grad_norm import clip_, global_grad_norm, global_max
 from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor.layers import tp_replicated
@@ -49,7 +49,6 @@ from deadpool.rounds import rounds_for
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
 from deadpool.strategies import strategy_of, young_daly_steps
-from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
 
@@ -426,11 +425,8 @@ class Trainer:
                    int(write_s // max(step_s, 1e-9)) + 1 if ft.get("persist_async", True) else 1)
         # what this rank measured and proposed, in this step's metrics record
         self._proposal = {"proposed": mine, "cost_s": cost, "step_s": step_s, "write_s": write_s}
-        store, keys, world = comm.store, comm.keys, comm.topo.dims.world_size
-        store.set(keys.checkpoint_interval(self.rank), str(mine))
-        want = [keys.checkpoint_interval(r) for r in range(world)]
-        wait_until(lambda: store.check(want), every_s=0.002, between=comm.raise_if_aborted)
-        self.persist_every = max(int(store.get(k)) for k in want)
+        # the widest proposal, over the job's own groups (no store request, O(log) per rank)
+        self.persist_every = int(global_max(mine, comm, self.device))
         if self.rank == 0:
             print(f"[rank 0] checkpoint interval {self.persist_every} steps (Young/Daly: checkpoint "
                   f"{cost * 1e3:.1f} ms on the critical path, write {write_s * 1e3:.1f} ms, step "

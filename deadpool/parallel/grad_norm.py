@@ -21,6 +21,10 @@ pipeline's total is computed once on the last stage and sent back, and every (dp
 identical stage sums in the same order. So every rank takes the same decision on a non-finite
 norm (the trainer skips the step). Every op is waited with ``comm.wait``: abortable like the
 rest of the step. Sums are accumulated in float64.
+
+``global_max`` takes the same route with max for sum: the job-wide maximum of one number per
+rank (the disk-checkpoint interval every rank adopts, ``Trainer._decide_interval``), with no store
+request and no O(ranks) read on any rank.
 """
 
 from __future__ import annotations
@@ -28,22 +32,23 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from deadpool.parallel.pipeline.schedule import host_scalar
 
-__all__ = ["global_grad_norm", "clip_"]
+__all__ = ["global_grad_norm", "global_max", "clip_"]
 
 
-def _chain(total: torch.Tensor, comm) -> torch.Tensor:
-    """Sum ``total`` along this rank's pipeline (first to last stage) and hand the result back
-    to every stage."""
+def _chain(total: torch.Tensor, comm, combine=torch.add) -> torch.Tensor:
+    """Sum (``combine``) ``total`` along this rank's pipeline (first to last stage) and hand the
+    result back to every stage."""
     me = comm.topo.rank
     has = comm.has
     if has("pp_recv_fwd"):  # not the first stage: add what the stages before sent
         got = torch.empty_like(total)
         src = next(r for r in comm.group_ranks["pp_recv_fwd"] if r != me)
         comm.wait(comm.broadcast_async(got, "pp_recv_fwd", src))
-        total = got + total
+        total = combine(got, total)
     if has("pp_send_fwd"):  # not the last stage: pass it on, then receive the result back
         comm.wait(comm.broadcast_async(total, "pp_send_fwd", me))
         src = next(r for r in comm.group_ranks["pp_recv_bwd"] if r != me)
@@ -67,6 +72,18 @@ def global_grad_norm(grad_shard: torch.Tensor, runs: list[tuple[int, int]], comm
         sq = _chain(sq, comm)
         comm.sync()  # NCCL: the collectives above were queued on the stream (abortable wait)
     return host_scalar(sq) ** 0.5
+
+
+def global_max(value: float, comm, device="cpu") -> float:
+    """The largest ``value`` any rank of the job passed (every rank must call this at the same
+    point; exact for integers below 2**53). Abortable."""
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    for axis in ("dp", "tp"):
+        if comm.has(axis):
+            comm.allreduce(t, axis, op=dist.ReduceOp.MAX)
+    t = _chain(t, comm, torch.maximum)
+    comm.sync()
+    return host_scalar(t)
 
 
 def clip_(grad_shard: torch.Tensor, max_norm: float, norm: float) -> float:

@@ -1,6 +1,6 @@
 """The global gradient norm over dp2 x tp2 x pp2 (ranks as threads) against
-``torch.nn.utils.clip_grad_norm_`` on the single-process model, and the agreement of every rank
-on a non-finite norm."""
+``torch.nn.utils.clip_grad_norm_`` on the single-process model, the agreement of every rank
+on a non-finite norm, and the job-wide maximum over the same route."""
 
 import math
 
@@ -10,7 +10,7 @@ import torch
 from deadpool.comm import Communicator
 from deadpool.model import build_model
 from deadpool.parallel.data import ZeroOptimizer
-from deadpool.parallel.grad_norm import clip_, global_grad_norm
+from deadpool.parallel.grad_norm import clip_, global_grad_norm, global_max
 from deadpool.parallel.pipeline import run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor import shard
@@ -111,3 +111,18 @@ def test_every_rank_sees_a_non_finite_norm_from_one_rank(bad):
         assert math.isnan(norm) == math.isnan(bad)
     # clipping leaves a non-finite step's gradients alone (the trainer skips the update)
     assert all(torch.isfinite(g).all() for c, _, g, _, _ in results if c != {"pp": 1, "dp": 1, "tp": 0})
+
+
+@pytest.mark.parametrize("top", [0, 5, 7])
+def test_every_rank_gets_the_job_wide_maximum_over_dp_tp_and_the_pipeline(top):
+    """Each rank proposes a distinct number; the largest sits on one rank (first stage, a middle
+    one, the last), so a route that skipped an axis or a direction of the chain would miss it."""
+    torch.set_num_threads(1)
+    dims = ParallelDims(DP, TP, PP, ranks_per_node=DP * TP * PP)
+    master = master_store()
+
+    def rank_fn(r):
+        comm = Communicator.build(Topology(dims, r, 0), client(master.port), poll_s=0.01)
+        return global_max(100 if r == top else 10 + r, comm)
+
+    assert run_threads(rank_fn, dims.world_size) == [100.0] * dims.world_size

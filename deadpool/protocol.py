@@ -40,10 +40,11 @@ class Keys:
     def status(self, rank: int) -> str:
         return f"{self._p}status/{rank}"
 
-    def node_status(self, node: int) -> str:
-        """Under node agents: the statuses of a node's ranks, gathered by its agent (sealed JSON
-        list of ``RankStatus`` texts, rewritten as more arrive)."""
-        return f"{self._p}status/node/{node}"
+    def node_report(self, kind: str, node: int) -> str:
+        """Under node agents: the reports of one ``kind`` (status, timing, first_step, protected)
+        of a node's ranks, gathered by its agent (a sealed JSON object, rank -> the report's text,
+        rewritten as more arrive): the coordinator reads O(nodes) keys, not O(ranks)."""
+        return f"{self._p}{kind}/node/{node}"
 
     def timing(self, rank: int) -> str:
         return f"{self._p}timing/{rank}"

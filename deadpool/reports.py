@@ -11,7 +11,7 @@ generation's timings, final states). Checking each key in turn costs N round tri
                            incrementally: each poll asks only about the ranks still missing, reads
                            the new ones with one ``multi_get`` and keeps only what the job sealed
     NodeReports            the same, from one sealed key per node that its agent rewrites as its
-                           ranks report (a JSON list of reports, each naming its ``rank``)
+                           ranks report (a JSON object, rank -> report)
 
 A value that fails its seal (written by a process without the job's secret) is not accepted and
 its rank stays missing: the real report, which overwrites it, is still taken when it comes.
@@ -97,11 +97,11 @@ class Reports:
 
 
 class NodeReports(Reports):
-    """``Reports`` gathered per node: ``key_of(node)`` holds the sealed JSON list of the reports
-    of that node's ranks so far (``agent.node.NodeAgent.check_statuses``). Each poll reads the
-    keys of the nodes that still owe a report; a report is taken only for a rank of that node
-    (``node_of(rank)``), so one node's record cannot speak for another's ranks. ``on_forged`` is
-    called with the node."""
+    """``Reports`` gathered per node: ``key_of(node)`` holds the sealed JSON object, rank -> text,
+    of that node's ranks' reports so far (``agent.node.NodeAgent.check_reports``). Each poll
+    reads the keys of the nodes that still owe a report; a report is taken only for a rank of
+    that node (``node_of(rank)``), so one node's record cannot speak for another's ranks.
+    ``on_forged`` is called with the node."""
 
     def __init__(self, store, seal: Seal, key_of: Callable[[int], str], ranks: Iterable[int],
                  node_of: Callable[[int], int], on_forged: Callable[[int], None] | None = None):
@@ -111,23 +111,16 @@ class NodeReports(Reports):
     def poll(self) -> dict[int, str]:
         if not self.missing:
             return self.got
-        nodes = sorted({self.node_of(r) for r in self.missing})
+        want = set(self.missing)
+        nodes = sorted({self.node_of(r) for r in want})
         new = {}
         for node, text in read(self.store, self.seal, {n: self.key_of(n) for n in nodes},
                                on_forged=self._forged).items():
             try:
-                reports = json.loads(text)
-            except ValueError:
+                got = {int(r): t for r, t in json.loads(text).items()}
+            except (ValueError, AttributeError):
                 continue
-            for report in reports:
-                try:
-                    rank = int(json.loads(report)["rank"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if self.node_of(rank) == node:
-                    new[rank] = report
-        want = set(self.missing)
-        new = {r: t for r, t in new.items() if r in want}
+            new.update((r, t) for r, t in got.items() if r in want and self.node_of(r) == node)
         if new:
             self.got.update(new)
             self.missing = [r for r in self.missing if r not in new]

@@ -120,6 +120,14 @@ class Worker:
     def _set_sealed(self, key: str, text: str) -> None:
         self.store.set(key, self.seal.wrap(key, text))
 
+    def report(self, keys: Keys, kind: str, rank: int, text: str) -> None:
+        """A per-rank report for the coordinator's record of a recovery (``kind``: timing,
+        first_step): through the node agent when there is one, else a sealed store key."""
+        if self.link is not None:
+            self.link.report(keys.g, kind, rank, text)
+        else:
+            self._set_sealed(getattr(keys, kind)(rank), text)
+
     def open_store(self, timeout_s: float = 60.0):
         return connect(self.host, self.port, self.secret, timeout_s)
 
@@ -293,11 +301,11 @@ class Worker:
             # the rendezvous client is free again (an abandoned build or transfer keeps its own)
             self._idle_build_store = comm.build_store
             timing.ready = now()
-            self._set_sealed(keys.timing(rank), timing.to_json())
+            self.report(keys, "timing", rank, timing.to_json())
             if self.ft["snapshot"]:
                 tr.engine.start_replication(comm, self.open_store, first_step=tr.step)
             self.injector.fire(tr.step, "repl_restart")
-            tr.train(comm, on_first_step=lambda: self._set_sealed(keys.first_step(rank), repr(now())))
+            tr.train(comm, on_first_step=lambda: self.report(keys, "first_step", rank, repr(now())))
             self._set_sealed(keys.finished(rank), "1")  # the report; the counter only wakes
             self.store.add(keys.finished_count, 1)
             # wait for the whole job: a late failure elsewhere may still roll this rank back

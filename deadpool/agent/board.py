@@ -11,9 +11,9 @@ value did)::
                                agent's own beat; the job's protected step and its latest
                                snapshot-interval decision (``deadpool.rounds``)
     one record per local slot  (the rank writes) pid, beat, progress count, step, phase, its
-                               newest replicated step, its latest interval vote and the
-                               generation of the last status it wrote (the status itself is a
-                               file next to the board: ``agent.node.status_file``);
+                               newest replicated step, its latest interval vote and how many
+                               reports it wrote (each a file next to the board, which the agent
+                               sends on: ``agent.node.report_file``);
                                (the agent writes) fence
 
 A (generation, step) pair is packed into one word (``pack``), so it is read whole.
@@ -38,7 +38,7 @@ _MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECI
 # slot words
 _SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE, _REPLICATED, _VOTE = range(8)
 _PHASE_WORD = 8
-_VOTE_K, _STATUS = 16, 17
+_VOTE_K, _REPORTS = 16, 17
 _STEP_BITS = 40
 
 
@@ -88,7 +88,7 @@ class NodeBoard:
         for i, slot in enumerate(slots):
             base = HEADER_WORDS + SLOT_WORDS * i
             w[base + _SLOT] = slot
-            w[base + _STEP] = w[base + _REPLICATED] = w[base + _VOTE] = w[base + _STATUS] = -1
+            w[base + _STEP] = w[base + _REPLICATED] = w[base + _VOTE] = -1
         w[_MAGIC] = MAGIC  # last: a reader that sees the magic sees an initialised board
         w.release()
         return cls(path, mm)
@@ -210,12 +210,13 @@ class NodeBoard:
         g, s = unpack(int(self.words[b + _VOTE]))
         return g, s, int(self.words[b + _VOTE_K])
 
-    def set_status(self, index: int, generation: int) -> None:
-        """A local rank wrote its status for aborted generation ``generation`` (file first)."""
-        self.words[self._base(index) + _STATUS] = generation
+    def set_reports(self, index: int, n: int) -> None:
+        """A local rank wrote its ``n``-th report (the file first)."""
+        self.words[self._base(index) + _REPORTS] = n
 
-    def status_generation(self, index: int) -> int:
-        return int(self.words[self._base(index) + _STATUS])
+    def reports(self, index: int) -> int:
+        """How many reports a local rank wrote (``agent.node.report_file``)."""
+        return int(self.words[self._base(index) + _REPORTS])
 
     def fenced(self, index: int) -> bool:
         return bool(self.words[self._base(index) + _FENCE])

@@ -5,12 +5,13 @@
     BoardHeartbeat      the heartbeat thread: beat and progress into the board, fences and the
                         coordinator's loss out of it (``heartbeat.Heartbeat``'s interface)
     NodeLink            plans, aborts, done / stop and the job's step, read from the board and
-                        the plan files the agent writes; statuses after an abort, written to a
-                        file the agent forwards
+                        the plan files the agent writes; the rank's reports to the coordinator
+                        (status, timings, ...) written to files the agent sends on
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
                                   NODE_INDEX_ENV, NodeBoard)
-from deadpool.agent.node import plan_file, status_file
+from deadpool.agent.node import plan_file, report_file
 from deadpool.watchdog import Progress
 
 
@@ -29,6 +30,7 @@ class NodeLink:
         self.index = index
         self.board = NodeBoard.open(self.node_dir / "board")
         self.slot = self.board.slot_of(index)
+        self._lock = threading.Lock()
 
     @classmethod
     def attach(cls, environ=os.environ) -> "NodeLink | None":
@@ -42,14 +44,17 @@ class NodeLink:
             return None
         return plan_file(self.node_dir, generation).read_text()
 
-    def report_status(self, generation: int, text: str) -> None:
-        """This process's ``RankStatus`` for aborted generation ``generation``: the file, then
-        the board word the agent watches (it sends the node's statuses on together)."""
-        path = status_file(self.node_dir, generation, self.index)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-        self.board.set_status(self.index, generation)
+    def report(self, generation: int, kind: str, rank: int, text: str) -> None:
+        """Rank ``rank``'s report of ``kind`` (status, timing, first_step, protected) for the
+        coordinator: the file, then the board word the agent watches; the agent sends its
+        node's reports on together (``NodeAgent.check_reports``)."""
+        with self._lock:  # the training and replication threads both report
+            n = self.board.reports(self.index) + 1  # this process is the word's only writer
+            path = report_file(self.node_dir, self.index, n)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"g": generation, "kind": kind, "rank": rank, "text": text}))
+            os.replace(tmp, path)
+            self.board.set_reports(self.index, n)
 
     def aborted(self, generation: int) -> bool:
         return self.board.abort_generation >= generation

@@ -19,12 +19,13 @@ or by the control-plane benchmark for thousands of simulated nodes::
                     (``deadpool.rounds``: the newest step all its ranks replicated, their
                     snapshot-interval vote) changed -> written at once, the coordinator woken;
                     its results come back as ``protected`` / ``interval`` events for the board;
-                    and, after an abort, the statuses its ranks wrote (``status_file``) ->
-                    one sealed key per node (``Keys.node_status``), rewritten as more arrive
+                    and the reports its ranks wrote since (``report_file``: a status after an
+                    abort, a new generation's timings, ...) -> one sealed key per node, kind and
+                    generation (``Keys.node_report``), rewritten as more arrive
 
 What the node costs the store in steady state: one record per interval and one coordinator
-heartbeat read per second, whatever the number of its processes; per recovery, a status write
-or two per node instead of one per rank.
+heartbeat read per second, whatever the number of its processes; per recovery, a write or two
+per node and kind of report instead of one per rank.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ def plan_file(node_dir: Path, generation: int) -> Path:
     return Path(node_dir) / f"plan-{generation}.wire"
 
 
-def status_file(node_dir: Path, generation: int, index: int) -> Path:
-    """Where the process of local record ``index`` writes its status after generation
-    ``generation`` was aborted (``agent.client.NodeLink.report_status``)."""
-    return Path(node_dir) / f"status-{generation}-{index}.json"
+def report_file(node_dir: Path, index: int, n: int) -> Path:
+    """The ``n``-th report of the process of local record ``index`` (``agent.client.NodeLink
+    .report``): JSON ``{"g", "kind", "rank", "text"}``."""
+    return Path(node_dir) / f"report-{index}-{n}.json"
 
 
 class NodeAgent:
@@ -86,8 +87,8 @@ class NodeAgent:
         self._coord_checked = -1e9
         self.coordinator_lost = False
         self._rounds: tuple | None = None  # the node's part of the agreements last written
-        self._status_g = -1  # the aborted generation whose statuses are being gathered
-        self._statuses: dict[int, str] = {}  # local index -> its status text (that generation)
+        self._reports_read: dict[int, int] = {}  # local index -> reports sent on so far
+        self._reports: dict[tuple[int, str], dict[str, str]] = {}  # (g, kind) -> rank -> text
 
     # -- the periodic part ----------------------------------------------------------------------------
     def observe(self) -> None:
@@ -162,36 +163,37 @@ class NodeAgent:
         return replicated, vote
 
     def check_rounds(self) -> None:
-        """Write the record at once when the node's part of an agreement moved; forward the
-        statuses the local ranks wrote since the last check."""
+        """Write the record at once when the node's part of an agreement moved; send on the
+        reports the local ranks wrote since the last check."""
         if self.fold() != self._rounds:
             self.publish(urgent=True)
-        self.check_statuses()
+        self.check_reports()
 
-    def check_statuses(self) -> None:
-        """Gather the statuses of the newest aborted generation its ranks reported: one sealed
-        key per node, rewritten with every status that arrived since (the coordinator reads
-        O(nodes) keys, not O(ranks))."""
-        new = False
+    def check_reports(self) -> None:
+        """Send on the reports the local ranks wrote since the last check: one sealed key per
+        generation and kind, holding every local rank's report of it so far (rewritten when
+        one more arrives). Reports of generations two behind the newest are dropped."""
+        dirty = set()
         for i in range(self.board.num_slots):
-            g = self.board.status_generation(i)
-            if g < self._status_g or (g == self._status_g and i in self._statuses):
-                continue
-            try:
-                text = status_file(self.node_dir, g, i).read_text()
-            except OSError:
-                continue  # (the rank writes the file before the word: cannot happen)
-            if g > self._status_g:  # a newer abort: the older generation's are no use
-                for old in self.node_dir.glob("status-*.json"):
-                    if int(old.name.split("-")[1]) < g:
-                        old.unlink(missing_ok=True)
-                self._status_g, self._statuses = g, {}
-            self._statuses[i] = text
-            new = True
-        if new:
-            key = Keys(self._status_g).node_status(self.node)
-            texts = [self._statuses[i] for i in sorted(self._statuses)]
-            self.store.set(key, self.seal.wrap(key, json.dumps(texts)))
+            n, done = self.board.reports(i), self._reports_read.get(i, 0)
+            for k in range(done + 1, n + 1):
+                path = report_file(self.node_dir, i, k)
+                try:
+                    r = json.loads(path.read_text())
+                    path.unlink()
+                except (OSError, ValueError):
+                    continue  # (the rank writes the file before the word: not expected)
+                at = (int(r["g"]), str(r["kind"]))
+                self._reports.setdefault(at, {})[str(int(r["rank"]))] = r["text"]
+                dirty.add(at)
+            self._reports_read[i] = max(n, done)
+        for g, kind in sorted(dirty):
+            key = Keys(g).node_report(kind, self.node)
+            self.store.set(key, self.seal.wrap(key, json.dumps(self._reports[g, kind])))
+        if dirty:
+            newest = max(g for g, _ in self._reports)
+            for at in [at for at in self._reports if at[0] < newest - 1]:
+                del self._reports[at]
 
     def check_coordinator(self, error: bool = False) -> None:
         """The coordinator's heartbeat advanced lately; else its processes save and exit."""

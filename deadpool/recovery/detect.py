@@ -147,7 +147,8 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
     waiting = [r for r in ranks if r not in failed]
     if coord.events is not None:  # node agents gather their ranks' statuses: O(nodes) keys
         node_of = coord.launcher.node_of_slot
-        pending = reports.NodeReports(coord.store, coord.seal, keys.node_status, waiting,
+        pending = reports.NodeReports(coord.store, coord.seal,
+                                      lambda n: keys.node_report("status", n), waiting,
                                       lambda r: node_of.get(ranks.get(r)),
                                       on_forged=lambda n: _forged(coord, f"statuses of node {n}"))
     else:

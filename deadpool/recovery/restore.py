@@ -43,7 +43,7 @@ def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> N
                     eng.replica_steps() if eng is not None else {},
                     comm.group_counts() if comm is not None else {})
     if worker.link is not None:  # through the node agent: one store write per node
-        worker.link.report_status(plan.generation, st.to_json())
+        worker.link.report(plan.generation, "status", rank, st.to_json())
         return
     key = Keys(plan.generation).status(rank)
     worker.store.set(key, worker.seal.wrap(key, st.to_json()))

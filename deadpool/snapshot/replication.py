@@ -136,8 +136,11 @@ class Replicator(threading.Thread):
                 with self.engine._lock:
                     self.engine._protected = max(self.engine._protected, slot.step)
             if not self.protected_reported:
-                keys = self.comm.keys
-                key = keys.protected(self.comm.topo.rank)
-                store.set(key, self.comm.seal.wrap(key, repr(time.time())))  # sealed report,
-                store.add(keys.protected_count, 1)  # then the coordinator's wake-up hint
+                keys, rank, link = self.comm.keys, self.comm.topo.rank, self.comm.link
+                if link is not None:  # through the node agent (one key per node)
+                    link.report(keys.g, "protected", rank, repr(time.time()))
+                else:
+                    key = keys.protected(rank)
+                    store.set(key, self.comm.seal.wrap(key, repr(time.time())))  # sealed report,
+                    store.add(keys.protected_count, 1)  # then the coordinator's wake-up hint
                 self.protected_reported = True

@@ -232,10 +232,11 @@ def test_plans_go_out_as_deltas_and_a_reader_without_the_base_gets_the_full_form
     assert plan == p1
 
 
-def test_statuses_go_through_the_agent_one_sealed_key_per_node(tmp_path):
-    """After an abort each rank writes its status next to the board; the agent sends its node's
-    statuses on in one sealed key, rewritten as more arrive; the coordinator's ``NodeReports``
-    takes a status only from its rank's node record and only what the job sealed."""
+def test_reports_go_through_the_agent_one_sealed_key_per_node_and_kind(tmp_path):
+    """A rank's reports (its status after an abort, a new generation's timings...) are files
+    next to the board; the agent sends its node's on in one sealed key per generation and kind,
+    rewritten as more arrive; the coordinator's ``NodeReports`` takes a report only from its
+    rank's node and only what the job sealed."""
     from deadpool.protocol import RankStatus
     from deadpool.reports import NodeReports
 
@@ -246,27 +247,36 @@ def test_statuses_go_through_the_agent_one_sealed_key_per_node(tmp_path):
     links = [NodeLink(tmp_path, i) for i in range(2)]
     node_of = {0: 3, 1: 3, 2: 7}.get  # ranks 0, 1 on this node (3), rank 2 on node 7
     keys = Keys(2)
+
+    def key_of(n):
+        return keys.node_report("status", n)
+
+    def on_node(g=2, kind="status"):
+        key = Keys(g).node_report(kind, 3)
+        return json.loads(seal.unwrap(key, store.get(key)))
+
     forged = []
-    reports = NodeReports(store, seal, keys.node_status, [0, 1, 2], node_of, on_forged=forged.append)
+    reports = NodeReports(store, seal, key_of, [0, 1, 2], node_of, on_forged=forged.append)
     assert reports.poll() == {} and reports.missing == [0, 1, 2]
-    links[1].report_status(2, RankStatus(1, 5, 7, [7], {0: [7]}).to_json())
+    links[1].report(2, "status", 1, RankStatus(1, 5, 7, [7], {0: [7]}).to_json())
     agent.check_rounds()  # (the agent's rounds thread, every few ms)
-    assert len(json.loads(seal.unwrap(keys.node_status(3), store.get(keys.node_status(3))))) == 1
+    assert list(on_node()) == ["1"]
     assert sorted(reports.poll()) == [1] and reports.missing == [0, 2]
-    links[0].report_status(1, RankStatus(0, 4, 3, [3], {}).to_json())  # an older generation's
+    links[0].report(3, "timing", 0, '{"rank": 0}')  # another kind and generation: its own key
     agent.check_rounds()
-    assert len(json.loads(seal.unwrap(keys.node_status(3), store.get(keys.node_status(3))))) == 1
+    assert list(on_node()) == ["1"] and on_node(3, "timing") == {"0": '{"rank": 0}'}
     # a forged node-7 record, and node 3's sealed record claiming node 7's rank: neither is taken
-    store.set(keys.node_status(7), auth.seal(auth.new_secret(), json.dumps(
-        [RankStatus(2, 9, 99, [99], {}).to_json()]), context=keys.node_status(7)))
-    links[0].report_status(2, RankStatus(0, 4, 7, [7], {1: [7]}).to_json())
-    agent._statuses[9] = RankStatus(2, 9, 98, [98], {}).to_json()  # as if node 3 spoke for rank 2
+    store.set(key_of(7), auth.seal(auth.new_secret(), json.dumps(
+        {"2": RankStatus(2, 9, 99, [99], {}).to_json()}), context=key_of(7)))
+    links[0].report(2, "status", 0, RankStatus(0, 4, 7, [7], {1: [7]}).to_json())
+    links[1].report(2, "status", 2, RankStatus(2, 5, 98, [98], {}).to_json())
     agent.check_rounds()
+    assert sorted(on_node()) == ["0", "1", "2"]
     got = reports.poll()
     assert sorted(got) == [0, 1] and reports.missing == [2] and forged == [7]
     assert RankStatus.from_json(got[0]).replicas == {1: [7]}
-    # a newer abort: the older generation's files go, the new key starts empty of them
-    links[1].report_status(3, RankStatus(1, 5, 9, [9], {}).to_json())
+    assert not list(tmp_path.glob("report-*"))  # each file goes once it is sent on
+    # reports two generations behind the newest are dropped
+    links[1].report(4, "first_step", 1, "123.5")
     agent.check_rounds()
-    assert [p.name for p in sorted(tmp_path.glob("status-*.json"))] == ["status-3-1.json"]
-    assert len(json.loads(seal.unwrap(Keys(3).node_status(3), store.get(Keys(3).node_status(3))))) == 1
+    assert sorted(agent._reports) == [(3, "timing"), (4, "first_step")]

@@ -24,10 +24,15 @@ connections each, speaking the worker's store protocol (no torch, no training):
     every 10 ms                 a process waiting for a plan checks plan/<g> (every 10th poll
                                 also job/stop); an idle spare also reads job/step every 50 ms
     after an abort              write its sealed RankStatus, then wait for the next plan
+    every --snapshot-every-s    a training rank's snapshot agreements (``deadpool.rounds``):
+                                its replicated step (an ``add`` on ``repl_done/<step>``), and
+                                every 16th an interval vote (2 adds, 2 reads)
 
-Not modelled: the ~5 store ops per training step (progress line, snapshot interval votes,
-replication counters), group rendezvous and state transfer. A real rank opens five store
-connections; the fake ranks of one thread share one.
+Under ``--protocol new`` the same agreements go through the board: each node's ranks set their
+words, the agent writes its record at once, the coordinator pushes ``protected`` (and the vote's
+``interval``) as events every agent follows. Not modelled: the progress line (rank 0 only),
+group rendezvous and state transfer. A real rank opens five store connections; the fake ranks of
+one thread share one.
 
 Per N it measures, in order:
 
@@ -54,8 +59,8 @@ first one that does not survive are not run.
 
 Writes ``DIR/table.csv`` (``ranks, protocol, store_ops_per_s_per_rank, exit_detect_s,
 node_detect_s, plan_everywhere_s, coordinator_cpu_frac, dilation, survived``) and
-``DIR/runs.json``. Not modelled in either protocol: the ranks' per-step store requests (the
-progress line, snapshot interval votes, replication counters), group rendezvous and transfers.
+``DIR/runs.json``. Not modelled in either protocol: the progress line, group rendezvous and
+transfers.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ from deadpool.watchdog import NodeLiveness  # noqa: E402
 COLUMNS = ["ranks", "protocol", "store_ops_per_s_per_rank", "exit_detect_s", "node_detect_s",
            "plan_everywhere_s", "coordinator_cpu_frac", "dilation", "survived"]
 STEP = 10  # the step every fake rank is at
+VOTE_EVERY = 16  # snapshots between snapshot-interval votes (snapshot.schedule's default every)
 MAX_GEN = 3
 # per thread, in the shared stats array: requests, max lag, window seen, then per generation
 # (latest plan read time, number of processes that read it)
@@ -117,6 +123,8 @@ class FakeRanks:
             off = periods["hb"] * i / max(1, len(slots))
             self.heap.append((now + off, 0, slot))
             self.heap.append((now + off, 1, slot))
+            if periods["snap"]:
+                self.heap.append((now + periods["snap"], 2, slot))
         heapq.heapify(self.heap)
         for slot in slots:
             key = Keys.spare_ready(slot)
@@ -185,6 +193,23 @@ class FakeRanks:
             self._op()
         return self.periods["plan"]
 
+    def _snapshot(self, slot: int) -> None:
+        """A training rank's snapshot agreements through the store (``rounds.StoreRounds``):
+        its replicated step counted, and every ``VOTE_EVERY`` snapshots an interval vote."""
+        st = self.s[slot]
+        if st["wait"] is not None:
+            return
+        st["snap"] = st.get("snap", 0) + 1
+        keys = Keys(st["gen"])
+        self.store.add(keys.repl_done(st["snap"]), 1)
+        self._op()
+        if st["snap"] % VOTE_EVERY == 0:
+            self.store.add(keys.interval_vote(st["snap"], 1), 1)
+            self.store.add(keys.interval_voters(st["snap"]), 1)
+            self.store.add(keys.interval_voters(st["snap"]), 0)  # (one poll: all voted)
+            self.store.add(keys.interval_vote(st["snap"], 1), 0)
+            self._op(4)
+
     def _read_plan(self, g: int) -> None:
         if g < MAX_GEN:
             i = self.base + 3 + 2 * g
@@ -208,6 +233,9 @@ class FakeRanks:
                 if kind == 0:
                     self._beat(slot)
                     nxt = self.periods["hb"]
+                elif kind == 2:
+                    self._snapshot(slot)
+                    nxt = self.periods["snap"]
                 else:
                     nxt = self._watch(slot)
             except Exception:  # the store went away (the size is over)
@@ -270,6 +298,7 @@ class FakeNodes:
             self.agents[node], self.slots[node] = agent, slots
             agent.beats = {s: 0 for s in slots}
             agent.ranks_gen = {s: None for s in slots}  # generation a slot trains in (None: waits)
+            agent.snap_due, agent.snap_step = now + periods["snap"], 0
             agent.publish()
             for s in slots:
                 key = Keys.spare_ready(s)
@@ -296,6 +325,21 @@ class FakeNodes:
             phase = "forward" if agent.ranks_gen[s] is not None else "wait_plan"
             agent.board.write_beat(i, 1, agent.beats[s], agent.beats[s], STEP, phase)
         agent.tick()
+        now = time.monotonic()
+        if self.periods["snap"] and now >= agent.snap_due:
+            # the node's training ranks finished replicating their next snapshot (and every
+            # VOTE_EVERY snapshots voted an interval): their board words (rounds.BoardRounds),
+            # which the agent's rounds thread sends on within milliseconds
+            agent.snap_due = max(agent.snap_due + self.periods["snap"], now)
+            agent.snap_step += 1
+            for s in alive:
+                g = agent.ranks_gen[s]
+                if g is not None:
+                    i = agent.index[s]
+                    agent.board.set_replicated(i, g, agent.snap_step)
+                    if agent.snap_step % VOTE_EVERY == 0:
+                        agent.board.set_vote(i, g, agent.snap_step, 1)
+            agent.check_rounds()
         return True
 
     def follow(self, node, stop):
@@ -567,7 +611,8 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
     exit_req = ctx.Value("i", -1, lock=False)
     stop = ctx.Event()
     periods = {"hb": float(ft["heartbeat_interval_s"]), "poll": float(ft["collective_poll_s"]),
-               "plan": 0.01 * D, "spare": 0.05 * D, "agent": float(ft["agent_interval_s"])}
+               "plan": 0.01 * D, "spare": 0.05 * D, "agent": float(ft["agent_interval_s"]),
+               "snap": args.snapshot_every_s * D}
     live = events = None
     if protocol == "new":
         cfg["launcher"] = dict(cfg["launcher"], agents=True)
@@ -721,6 +766,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--dilation", default="1", help="1 | auto (N / 256) | one per size: 2,8,...")
     ap.add_argument("--phases", default="steady,exit,node")
+    ap.add_argument("--snapshot-every-s", type=float, default=1.0,
+                    help="a training rank replicates a snapshot this often (0: none)")
     ap.add_argument("--protocol", default="new,old",
                     help="old (every process polls the store) | new (node agents) | both")
     args = ap.parse_args(argv)

@@ -16,6 +16,7 @@ Messages, each a dataclass with its JSON form:
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -201,6 +202,12 @@ class Plan:
             if s == slot:
                 return r
         return None
+
+    @functools.cached_property
+    def slot_ranks(self) -> dict[int, int]:
+        """slot -> rank, built once per plan object (for a plan not changed after, as a decoded
+        one: node agents ask it for their few slots, and the plans they decode are shared)."""
+        return {s: r for r, s in self.assignments.items()}
 
 
 @dataclass

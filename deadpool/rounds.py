@@ -16,7 +16,8 @@ store, ``repl_done/<step>`` and the interval votes; O(ranks) requests per round,
 on one polls the store. The counters are not sealed (``auth.py``).
 
 ``BoardRounds`` (under a node agent): a rank writes its newest replicated step and its vote into
-its word of the node's board and reads the results from the board's header, with no store request.
+its word of the node's board, rings the agent's doorbell, and reads the results from the board's
+header, with no store request.
 The agent folds its ranks' words into its sealed node record (``agent.node``); the coordinator
 folds the nodes' (``watchdog.NodeLiveness``) and pushes each result as a sealed event, which every
 agent writes on its board (``Coordinator._agree``). Per round: O(nodes) requests, all sealed.
@@ -54,10 +55,11 @@ class StoreRounds:
 
 class BoardRounds:
     def __init__(self, link, generation: int):
-        self.board, self.index, self.generation = link.board, link.index, generation
+        self.link, self.board, self.index, self.generation = link, link.board, link.index, generation
 
     def replicated(self, step: int) -> bool:
         self.board.set_replicated(self.index, self.generation, step)
+        self.link.wake()
         return self.protected(step)
 
     def protected(self, step: int) -> bool:
@@ -66,6 +68,7 @@ class BoardRounds:
 
     def vote(self, step: int, interval: int) -> None:
         self.board.set_vote(self.index, self.generation, step, interval)
+        self.link.wake()
 
     def decision(self, step: int, levels: list[int], abort_check) -> int:
         """The decision of the vote at ``step``: the coordinator pushes it once every node's

@@ -5,6 +5,7 @@ wait, the plan key while waiting): one store thread then serves O(ranks) request
 saturates at a few thousand ranks. With agents (``launcher.agents=true``)::
 
     rank  --(shared memory: board.py)-->  node agent  --(one sealed record per interval)-->  store
+    rank  --(report files: status, timings)-->  node agent  --(one sealed key per kind)-->  store
     rank  <--(board flags, plan files)--  node agent  <--(pushed events: events.py)--------  coordinator
 
     board.py    the node's shared memory: beats and progress in, aborts, plans and flags out

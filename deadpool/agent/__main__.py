@@ -11,7 +11,8 @@ one ``NodeAgent``:
     main      tick every ft.agent_interval_s (record, coordinator heartbeat)
     beat      the agent's own beat on the board, apart from any store request
     events    follow the coordinator's pushed events (blocking store waits)
-    rounds    every few milliseconds, the ranks' agreement words (deadpool.rounds)
+    rounds    woken by the board's doorbell (or every 0.1 s): the ranks' agreement words
+              (deadpool.rounds) and their reports
     waiters   one per child: its exit is written at once (waitpid, milliseconds)
 
 It exits when every child has exited, after writing its last record.
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 from deadpool import auth
-from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, NodeBoard
+from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.groups import keepable_keys
@@ -42,7 +43,7 @@ from deadpool.protocol import Seal
 from deadpool.topology import ParallelDims
 
 PR_SET_PDEATHSIG = 1
-ROUNDS_POLL_S = 0.002  # how often the agent looks at its ranks' agreement words
+ROUNDS_IDLE_S = 0.1  # the agent looks at its ranks' words when its doorbell rings, or this often
 
 
 def node_slots(cfg: dict, node: int) -> list[int]:
@@ -162,6 +163,7 @@ def main(argv=None) -> int:
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True, mode=0o700)
     board = NodeBoard.create(where / "board", slots)
+    bell = Doorbell(where)  # before the children start: each opens it once
     procs: dict[int, object] = {}
     store = open_store()
     dims = ParallelDims.from_config(cfg["parallel"])
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
     threading.Thread(target=beat, daemon=True, name="agent-beat").start()
 
     def rounds():  # the ranks' agreements (deadpool.rounds): their words on the board, folded
-        while not stop.is_set():  # and written as soon as they move (a few board reads, no I/O)
+        while not stop.is_set():  # and written as soon as they move; their reports sent on
             with lock:
                 try:
                     agent.check_rounds()
@@ -230,7 +232,7 @@ def main(argv=None) -> int:
                     return
                 except Exception:  # a store hiccup: the main loop reconnects; try again later
                     pass
-            time.sleep(ROUNDS_POLL_S)
+            bell.wait(ROUNDS_IDLE_S)
 
     threading.Thread(target=rounds, daemon=True, name="agent-rounds").start()
     interval = float(ft.get("agent_interval_s", 0.25))

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
-                                  NODE_INDEX_ENV, NodeBoard)
+                                  NODE_INDEX_ENV, NodeBoard, open_doorbell, ring)
 from deadpool.agent.node import plan_file, report_file
 from deadpool.watchdog import Progress
 
@@ -31,6 +31,11 @@ class NodeLink:
         self.board = NodeBoard.open(self.node_dir / "board")
         self.slot = self.board.slot_of(index)
         self._lock = threading.Lock()
+        self._bell = open_doorbell(self.node_dir)
+
+    def wake(self) -> None:
+        """Ring the agent's doorbell: a word it must act on at once changed."""
+        ring(self._bell)
 
     @classmethod
     def attach(cls, environ=os.environ) -> "NodeLink | None":
@@ -55,6 +60,7 @@ class NodeLink:
             tmp.write_text(json.dumps({"g": generation, "kind": kind, "rank": rank, "text": text}))
             os.replace(tmp, path)
             self.board.set_reports(self.index, n)
+        self.wake()
 
     def aborted(self, generation: int) -> bool:
         return self.board.abort_generation >= generation

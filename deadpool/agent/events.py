@@ -8,9 +8,9 @@ must act on at once::
     {"kind": "fence", "slots": [...]}  SIGKILL these processes: declared dead, never to return
     {"kind": "done"} / {"kind": "stop"}
 
-An agent waits for the next event with a blocking ``TCPStore.wait`` on its own connection (the
-store answers when the key is set: no polling, no store work while nothing happens), reads it,
-acts, and waits for the next. A wait that times out (nothing happened for ``wait_s``) is retried
+An agent waits for the next event with a blocking ``get`` on its own connection (the store
+answers when the key is set: one request per event, no polling, no store work while nothing
+happens), acts, and waits for the next. A wait that times out (nothing happened for ``wait_s``) is retried
 on a fresh connection: after a timeout the old one may still receive the late answer.
 """
 
@@ -64,13 +64,15 @@ class EventFollower:
             key = event_key(self.i)
             if self.store is None:
                 self.store = self.open_store()
+                self.store.set_timeout(timedelta(seconds=self.wait_s))
             try:
-                self.store.wait([key], timedelta(seconds=self.wait_s))
+                raw = self.store.get(key)  # blocks until the key is set: one request per event
             except Exception:
                 self.store = None  # a timed-out client may still get the late reply: drop it
                 if not self._exists(key):
                     continue
-            text = self.seal.open(key, (self.store or self._fresh()).get(key))
+                raw = self.store.get(key)
+            text = self.seal.open(key, raw)
             if text is None:  # written by a process without the secret: the real event will
                 if self.on_forged is not None:  # overwrite it, so read the same key again
                     self.on_forged(self.i)

@@ -17,8 +17,8 @@ or by the control-plane benchmark for thousands of simulated nodes::
                     (``nodes/changed``, a hint it reads every loop)
     check_rounds()  every few milliseconds: the node's part of the ranks' agreements
                     (``deadpool.rounds``: the newest step all its ranks replicated, their
-                    snapshot-interval vote) changed -> written at once, the coordinator woken;
-                    its results come back as ``protected`` / ``interval`` events for the board;
+                    snapshot-interval vote) changed -> written at once (read by the coordinator
+                    within half an interval); its results come back as ``protected`` / ``interval`` events for the board;
                     and the reports its ranks wrote since (``report_file``: a status after an
                     abort, a new generation's timings, ...) -> one sealed key per node, kind and
                     generation (``Keys.node_report``), rewritten as more arrive
@@ -163,10 +163,12 @@ class NodeAgent:
         return replicated, vote
 
     def check_rounds(self) -> None:
-        """Write the record at once when the node's part of an agreement moved; send on the
-        reports the local ranks wrote since the last check."""
+        """Write the record at once when the node's part of an agreement moved (without waking
+        the coordinator: it reads every record each half interval anyway, and a wake per node
+        per snapshot would have it read them all at every node's snapshot); send on the reports
+        the local ranks wrote since the last check."""
         if self.fold() != self._rounds:
-            self.publish(urgent=True)
+            self.publish()
         self.check_reports()
 
     def check_reports(self) -> None:
@@ -255,7 +257,7 @@ class NodeAgent:
         tmp.write_text(text)
         os.replace(tmp, path)  # a reader sees the whole plan or none
         self.plan, self.plan_generation = plan, g
-        self.assigned = {s for s in plan.assignments.values() if s in self.index}
+        self.assigned = {s for s in self.slots if s in plan.slot_ranks}
         for s in self.assigned:  # every process starts the new generation's clock
             self.live.reset_progress(s)
         self.board.publish_plan(g)

@@ -4,6 +4,7 @@ coordinator's reading of records (NodeLiveness) and the pushed event log."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -50,6 +51,27 @@ def test_board_carries_beats_up_and_flags_down_between_two_mappings(tmp_path):
     assert rank_side.fenced(0) and not rank_side.fenced(1)
     with pytest.raises(IndexError):
         rank_side.read_beat(2)
+
+
+def test_the_doorbell_wakes_the_agent_at_once_and_only_when_rung(tmp_path):
+    from deadpool.agent.board import Doorbell, open_doorbell, ring
+
+    assert open_doorbell(tmp_path) is None  # no agent yet: ringing is a no-op
+    ring(None)
+    bell = Doorbell(tmp_path)
+    t0 = time.monotonic()
+    assert not bell.wait(0.05) and time.monotonic() - t0 >= 0.05  # no writer open: no wake
+    link_fd = open_doorbell(tmp_path)
+    assert not bell.wait(0.05)  # a writer that has not rung: still no wake
+    for _ in range(100_000):  # rings beyond the FIFO's capacity are dropped, not blocking
+        ring(link_fd)
+    assert bell.wait(1.0) and not bell.wait(0.01)  # every pending ring consumed by one wake
+    threading.Timer(0.05, ring, args=(link_fd,)).start()
+    t0 = time.monotonic()
+    assert bell.wait(5.0) and time.monotonic() - t0 < 1.0
+    os.close(link_fd)
+    assert not bell.wait(0.05)  # the last rank gone: still no spurious wake (the agent's writer)
+    bell.close()
 
 
 def test_a_file_that_is_not_a_board_is_refused(tmp_path):

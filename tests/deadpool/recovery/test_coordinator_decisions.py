@@ -230,3 +230,30 @@ def test_keys_of_finished_generations_are_deleted_and_the_key_count_stays_flat(t
         assert Keys.plan_full(g) in left and Keys.plan_full(g - 2) not in left
         assert Keys(g).timing(0) in left  # the running generation's keys stay
     assert counts[1:] == [counts[1]] * (len(counts) - 1), counts
+
+
+def test_each_recovery_goes_out_as_a_delta_against_the_plan_every_reader_holds(tmp_path):
+    """Two recoveries in a row: each plan is a delta that a reader holding the plan before it
+    decodes to the coordinator's membership (the coordinator must not change a plan it wrote,
+    else the next delta names a base no reader holds and every reader reads the full form)."""
+    from deadpool.protocol import Plan
+    from deadpool.protocol_wire import decode_plan
+
+    coord = coordinator(tmp_path, ["ft.num_spares=2", "ft.status_timeout_s=5"])
+    ranks = dict(coord.members.ranks)
+    coord.write_plan(Plan(0, "train", ranks, 0, {r: Source("live", r) for r in ranks}))
+    held, _ = fetch_plan(coord.store, coord.seal, 0, None)
+    for g, dead in ((0, 1), (1, 2)):
+        for s in range(6):
+            beat(coord, s, g + 1)
+        for r, slot in coord.members.ranks.items():  # survivors: live at step 8, each holding
+            if r != dead:                             # its ring predecessor's replica
+                coord.store.set(Keys(g).status(r), RankStatus(r, slot, 8, [7, 8],
+                                                              {(r - 1) % 4: [7, 8]}).to_json())
+        coord.launcher.exited[coord.members.ranks[dead]] = -9
+        coord.recover({dead: "exit"}, 10.0 + g)
+        text = coord.store.get(Keys.plan(g + 1)).decode()
+        assert json.loads(text)["form"] == "delta"
+        held = decode_plan(text, held, coord._group_keys)  # no BaseMismatch
+        assert held.assignments == coord.members.ranks and held.generation == g + 1
+    assert held.assignments == {0: 0, 1: 4, 2: 5, 3: 3}

@@ -357,7 +357,7 @@ class Coordinator:
                    reason=f"ranks {sorted(need)} given to slots {spares_used}", keep_groups=keep,
                    layout=self.layout)
         self.write_plan(nxt)
-        self.members.ranks = dict(assignments)  # a copy: the plan written stays the next delta's base
+        self.members.ranks = dict(assignments)  # a copy: the plan stays the next delta's base
         self.members.generation = g + 1
         for slot in assignments.values():  # every process starts the new generation's clock
             self.live.reset_progress(slot)

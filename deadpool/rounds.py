@@ -55,7 +55,8 @@ class StoreRounds:
 
 class BoardRounds:
     def __init__(self, link, generation: int):
-        self.link, self.board, self.index, self.generation = link, link.board, link.index, generation
+        self.link, self.board, self.index = link, link.board, link.index
+        self.generation = generation
 
     def replicated(self, step: int) -> bool:
         self.board.set_replicated(self.index, self.generation, step)

@@ -15,13 +15,14 @@ or by the control-plane benchmark for thousands of simulated nodes::
     on_exit(slot)   a local process exited (seen by the process's waiter thread within
                     milliseconds): written at once, and the coordinator woken
                     (``nodes/changed``, a hint it reads every loop)
-    check_rounds()  every few milliseconds: the node's part of the ranks' agreements
-                    (``deadpool.rounds``: the newest step all its ranks replicated, their
-                    snapshot-interval vote) changed -> written at once (read by the coordinator
-                    within half an interval); its results come back as ``protected`` / ``interval`` events for the board;
-                    and the reports its ranks wrote since (``report_file``: a status after an
-                    abort, a new generation's timings, ...) -> one sealed key per node, kind and
-                    generation (``Keys.node_report``), rewritten as more arrive
+    check_rounds()  when a rank rings the board's doorbell: the node's part of the ranks'
+                    agreements (``deadpool.rounds``: the newest step all its ranks replicated,
+                    their snapshot-interval vote) changed -> written at once (the coordinator
+                    reads it within half an interval); the results come back as ``protected``
+                    / ``interval`` events for the board. And the reports its ranks wrote since
+                    (``report_file``: a status after an abort, a new generation's timings, ...)
+                    -> one sealed key per node, kind and generation (``Keys.node_report``),
+                    rewritten as more arrive
 
 What the node costs the store in steady state: one record per interval and one coordinator
 heartbeat read per second, whatever the number of its processes; per recovery, a write or two
@@ -89,6 +90,7 @@ class NodeAgent:
         self._rounds: tuple | None = None  # the node's part of the agreements last written
         self._reports_read: dict[int, int] = {}  # local index -> reports sent on so far
         self._reports: dict[tuple[int, str], dict[str, str]] = {}  # (g, kind) -> rank -> text
+        self._unsent: set[tuple[int, str]] = set()  # (g, kind) changed since its key was written
 
     # -- the periodic part ----------------------------------------------------------------------------
     def observe(self) -> None:
@@ -175,7 +177,6 @@ class NodeAgent:
         """Send on the reports the local ranks wrote since the last check: one sealed key per
         generation and kind, holding every local rank's report of it so far (rewritten when
         one more arrives). Reports of generations two behind the newest are dropped."""
-        dirty = set()
         for i in range(self.board.num_slots):
             n, done = self.board.reports(i), self._reports_read.get(i, 0)
             for k in range(done + 1, n + 1):
@@ -187,15 +188,18 @@ class NodeAgent:
                     continue  # (the rank writes the file before the word: not expected)
                 at = (int(r["g"]), str(r["kind"]))
                 self._reports.setdefault(at, {})[str(int(r["rank"]))] = r["text"]
-                dirty.add(at)
+                self._unsent.add(at)
             self._reports_read[i] = max(n, done)
-        for g, kind in sorted(dirty):
+        if not self._unsent:
+            return
+        newest = max(g for g, _ in self._reports)
+        for at in [at for at in self._reports if at[0] < newest - 1]:
+            del self._reports[at]
+            self._unsent.discard(at)
+        for g, kind in sorted(self._unsent):  # a store error leaves the rest for the next check
             key = Keys(g).node_report(kind, self.node)
             self.store.set(key, self.seal.wrap(key, json.dumps(self._reports[g, kind])))
-        if dirty:
-            newest = max(g for g, _ in self._reports)
-            for at in [at for at in self._reports if at[0] < newest - 1]:
-                del self._reports[at]
+            self._unsent.discard((g, kind))
 
     def check_coordinator(self, error: bool = False) -> None:
         """The coordinator's heartbeat advanced lately; else its processes save and exit."""

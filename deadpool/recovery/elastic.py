@@ -117,7 +117,7 @@ def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
                {r: Source("disk", r, dir=step_dir) for r in assignments},
                reason=f"in-place regroup at dp={dp}", layout=layout)
     coord.write_plan(nxt)
-    coord.members.ranks = dict(assignments)  # a copy: the plan written stays the next delta's base
+    coord.members.ranks = dict(assignments)  # a copy: the plan stays the next delta's base
     coord.members.spares = left
     coord.members.generation = train_gen
     for slot in assignments.values():

@@ -277,6 +277,18 @@ class Coordinator:
             except Exception:
                 pass
 
+    def rank_reports(self, keys: Keys, kind: str, ranks, on_forged) -> reports.Reports:
+        """The ranks' sealed reports of ``kind`` (status, timing, first_step, protected): under
+        node agents from one key per node (``reports.NodeReports``), else one per rank.
+        ``on_forged(who)`` names what failed its seal ("rank 3", "node 1")."""
+        if self.events is None:
+            return reports.Reports(self.store, self.seal, getattr(keys, kind), ranks,
+                                   on_forged=lambda r: on_forged(f"rank {r}"))
+        node_of, slots = self.launcher.node_of_slot, self.members.ranks
+        return reports.NodeReports(self.store, self.seal, lambda n: keys.node_report(kind, n),
+                                   ranks, lambda r: node_of.get(slots.get(r)),
+                                   on_forged=lambda n: on_forged(f"node {n}"))
+
     def lost(self, slot: int) -> bool:
         """The process of ``slot`` stopped beating (or stopped, where the launcher can tell)."""
         return self.live.beat_lost(slot, self.launcher.is_stopped)

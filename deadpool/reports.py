@@ -12,6 +12,7 @@ generation's timings, final states). Checking each key in turn costs N round tri
                            the new ones with one ``multi_get`` and keeps only what the job sealed
     NodeReports            the same, from one sealed key per node that its agent rewrites as its
                            ranks report (a JSON object, rank -> report)
+    send(...)              a rank's side: its report through its node agent, else its sealed key
 
 A value that fails its seal (written by a process without the job's secret) is not accepted and
 its rank stays missing: the real report, which overwrites it, is still taken when it comes.
@@ -23,6 +24,17 @@ import json
 from collections.abc import Callable, Iterable
 
 from deadpool.protocol import Seal
+
+
+def send(store, seal: Seal, link, keys, kind: str, rank: int, text: str) -> None:
+    """Rank ``rank``'s report of ``kind`` (status, timing, first_step, protected) for the
+    coordinator: through its node agent when it has one (``link``: ``agent.client.NodeLink``,
+    one key per node), else the sealed key ``getattr(keys, kind)(rank)``."""
+    if link is not None:
+        link.report(keys.g, kind, rank, text)
+    else:
+        key = getattr(keys, kind)(rank)
+        store.set(key, seal.wrap(key, text))
 
 
 def present(store, keys: list[str]) -> list[str]:

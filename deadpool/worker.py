@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deadpool import auth, nccl_env
+from deadpool import auth, nccl_env, reports
 from deadpool.agent.client import BoardHeartbeat, NodeLink
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator, resolve_backend
@@ -121,12 +121,8 @@ class Worker:
         self.store.set(key, self.seal.wrap(key, text))
 
     def report(self, keys: Keys, kind: str, rank: int, text: str) -> None:
-        """A per-rank report for the coordinator's record of a recovery (``kind``: timing,
-        first_step): through the node agent when there is one, else a sealed store key."""
-        if self.link is not None:
-            self.link.report(keys.g, kind, rank, text)
-        else:
-            self._set_sealed(getattr(keys, kind)(rank), text)
+        """A per-rank report for the coordinator (``reports.send``)."""
+        reports.send(self.store, self.seal, self.link, keys, kind, rank, text)
 
     def open_store(self, timeout_s: float = 60.0):
         return connect(self.host, self.port, self.secret, timeout_s)

@@ -367,17 +367,14 @@ class FakeNodes:
         agent = self.agents[node]
         by_slot = _by_slot(agent.plan)
         if what == "abort":  # each process writes its status next to the board
-            from deadpool.agent.node import report_file
+            from deadpool.agent.client import write_report
 
             for s in self._alive(node):
                 r = by_slot.get(s)
                 if r is not None and agent.ranks_gen[s] == g:
                     status = RankStatus(r, s, STEP, [STEP], {self.ward.get(r, r): [STEP]})
-                    i = agent.index[s]  # (as agent.client.NodeLink.report)
-                    n = agent.board.reports(i) + 1
-                    report_file(agent.node_dir, i, n).write_text(json.dumps(
-                        {"g": g, "kind": "status", "rank": r, "text": status.to_json()}))
-                    agent.board.set_reports(i, n)
+                    write_report(agent.board, agent.node_dir, agent.index[s], g, "status", r,
+                                 status.to_json())
                     agent.ranks_gen[s] = None
             agent.check_reports()  # (the agent's rounds thread: within a few ms)
             return

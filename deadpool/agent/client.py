@@ -20,8 +20,18 @@ from pathlib import Path
 
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
                                   NODE_INDEX_ENV, NodeBoard, open_doorbell, ring)
-from deadpool.agent.node import plan_file, report_file
+from deadpool.agent.node import plan_file, report_file, write_whole
 from deadpool.watchdog import Progress
+
+
+def write_report(board, node_dir: Path, index: int, generation: int, kind: str, rank: int,
+                 text: str) -> None:
+    """Local record ``index``'s next report: its file (``agent.node.report_file``), then its
+    count on the board (the process of that record is the count's only writer)."""
+    n = board.reports(index) + 1
+    write_whole(report_file(node_dir, index, n),
+                json.dumps({"g": generation, "kind": kind, "rank": rank, "text": text}))
+    board.set_reports(index, n)
 
 
 class NodeLink:
@@ -54,12 +64,7 @@ class NodeLink:
         coordinator: the file, then the board word the agent watches; the agent sends its
         node's reports on together (``NodeAgent.check_reports``)."""
         with self._lock:  # the training and replication threads both report
-            n = self.board.reports(self.index) + 1  # this process is the word's only writer
-            path = report_file(self.node_dir, self.index, n)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"g": generation, "kind": kind, "rank": rank, "text": text}))
-            os.replace(tmp, path)
-            self.board.set_reports(self.index, n)
+            write_report(self.board, self.node_dir, self.index, generation, kind, rank, text)
         self.wake()
 
     def aborted(self, generation: int) -> bool:

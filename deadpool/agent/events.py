@@ -10,8 +10,9 @@ must act on at once::
 
 An agent waits for the next event with a blocking ``get`` on its own connection (the store
 answers when the key is set: one request per event, no polling, no store work while nothing
-happens), acts, and waits for the next. A wait that times out (nothing happened for ``wait_s``) is retried
-on a fresh connection: after a timeout the old one may still receive the late answer.
+happens), acts, and waits for the next. A wait that times out (nothing happened for
+``wait_s``) is retried on a fresh connection: after a timeout the old one may still receive the
+late answer.
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ class EventFollower:
         while stop is None or not stop.is_set():
             key = event_key(self.i)
             if self.store is None:
-                self.store = self.open_store()
-                self.store.set_timeout(timedelta(seconds=self.wait_s))
+                self._fresh()
             try:
                 raw = self.store.get(key)  # blocks until the key is set: one request per event
             except Exception:
@@ -84,6 +84,7 @@ class EventFollower:
 
     def _fresh(self):
         self.store = self.open_store()
+        self.store.set_timeout(timedelta(seconds=self.wait_s))  # a blocking get waits this long
         return self.store
 
     def _exists(self, key: str) -> bool:

@@ -50,6 +50,13 @@ def node_key(node: int) -> str:
     return f"node/{node}"
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees all of ``text`` or no file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def plan_file(node_dir: Path, generation: int) -> Path:
     return Path(node_dir) / f"plan-{generation}.wire"
 
@@ -256,10 +263,7 @@ class NodeAgent:
         # fetched once per node; its processes get the same wire text (a delta of a few hundred
         # bytes), which each decodes against the plan it holds (NodeLink.plan_text)
         plan, text = fetch_plan(self.store, self.seal, g, self.plan, self.group_keys, self.decode)
-        path = plan_file(self.node_dir, g)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)  # a reader sees the whole plan or none
+        write_whole(plan_file(self.node_dir, g), text)
         self.plan, self.plan_generation = plan, g
         self.assigned = {s for s in self.slots if s in plan.slot_ranks}
         for s in self.assigned:  # every process starts the new generation's clock

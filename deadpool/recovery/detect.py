@@ -144,16 +144,8 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
     ranks, launcher = coord.members.ranks, coord.launcher
     deadline = time.time() + float(coord.ft["status_timeout_s"])
     statuses: dict[int, RankStatus] = {}
-    waiting = [r for r in ranks if r not in failed]
-    if coord.events is not None:  # node agents gather their ranks' statuses: O(nodes) keys
-        node_of = coord.launcher.node_of_slot
-        pending = reports.NodeReports(coord.store, coord.seal,
-                                      lambda n: keys.node_report("status", n), waiting,
-                                      lambda r: node_of.get(ranks.get(r)),
-                                      on_forged=lambda n: _forged(coord, f"statuses of node {n}"))
-    else:
-        pending = reports.Reports(coord.store, coord.seal, keys.status, waiting,
-                                  on_forged=lambda r: _forged(coord, f"status for rank {r}"))
+    pending = coord.rank_reports(keys, "status", [r for r in ranks if r not in failed],
+                                 lambda who: _forged(coord, f"status for {who}"))
     by_slot = {s: r for r, s in ranks.items()}
     while True:
         coord.read_heartbeats()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+from deadpool import reports
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator
 from deadpool.errors import CollectiveError, CorruptState
@@ -42,11 +43,8 @@ def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> N
                     eng.local_steps() if worker.has_state and eng is not None else [],
                     eng.replica_steps() if eng is not None else {},
                     comm.group_counts() if comm is not None else {})
-    if worker.link is not None:  # through the node agent: one store write per node
-        worker.link.report(plan.generation, "status", rank, st.to_json())
-        return
-    key = Keys(plan.generation).status(rank)
-    worker.store.set(key, worker.seal.wrap(key, st.to_json()))
+    reports.send(worker.store, worker.seal, worker.link, Keys(plan.generation), "status", rank,
+                 st.to_json())
 
 
 def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimings) -> None:

@@ -16,7 +16,7 @@ Breakdown (seconds; ``t_kill`` is the injected fault's time when known, else the
 from __future__ import annotations
 
 from deadpool.protocol import UNSET, Keys, RankTimings, RecoveryRecord
-from deadpool.reports import NodeReports, Reports
+from deadpool.reports import Reports
 
 INTERRUPTED = "interrupted by another failure"
 
@@ -83,19 +83,11 @@ def _reports(coord, rec: RecoveryRecord, keys: Keys, ranks: list[int]) -> dict[s
     """The record's per-rank reports (timing, first step, protected), kept across calls."""
     held = coord.record_reports
     if held is None or held[0] is not rec:
-        def forged(kind, of="rank"):
-            return lambda r: coord.log(f"[coordinator] {kind} report of {of} {r} without the "
-                                       f"job's secret: ignored")
-        kinds = ("timing", "first_step", "protected")
-        if coord.events is not None:  # node agents gather them: O(nodes) keys per poll
-            node_of, slots = coord.launcher.node_of_slot, coord.members.ranks
-            held = (rec, {kind: NodeReports(
-                coord.store, coord.seal, lambda n, kind=kind: keys.node_report(kind, n), ranks,
-                lambda r: node_of.get(slots.get(r)), on_forged=forged(kind, "node"))
-                for kind in kinds})
-        else:
-            held = (rec, {kind: Reports(coord.store, coord.seal, getattr(keys, kind), ranks,
-                                        on_forged=forged(kind)) for kind in kinds})
+        def forged(kind):
+            return lambda who: coord.log(f"[coordinator] {kind} report of {who} without the "
+                                         f"job's secret: ignored")
+        held = (rec, {kind: coord.rank_reports(keys, kind, ranks, forged(kind))
+                      for kind in ("timing", "first_step", "protected")})
         coord.record_reports = held
     return held[1]
 

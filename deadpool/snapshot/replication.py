@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from deadpool import reports
 from deadpool.groups import repl_name
 from deadpool.rounds import rounds_for
 from deadpool.snapshot.buffers import Replica
@@ -136,11 +137,9 @@ class Replicator(threading.Thread):
                 with self.engine._lock:
                     self.engine._protected = max(self.engine._protected, slot.step)
             if not self.protected_reported:
-                keys, rank, link = self.comm.keys, self.comm.topo.rank, self.comm.link
-                if link is not None:  # through the node agent (one key per node)
-                    link.report(keys.g, "protected", rank, repr(time.time()))
-                else:
-                    key = keys.protected(rank)
-                    store.set(key, self.comm.seal.wrap(key, repr(time.time())))  # sealed report,
-                    store.add(keys.protected_count, 1)  # then the coordinator's wake-up hint
+                keys, comm = self.comm.keys, self.comm
+                reports.send(store, comm.seal, comm.link, keys, "protected", comm.topo.rank,
+                             repr(time.time()))
+                if comm.link is None:  # the coordinator's wake-up hint, after the sealed report
+                    store.add(keys.protected_count, 1)
                 self.protected_reported = True

@@ -239,6 +239,12 @@ def _regroup_in_place(coord, generation: int, decision, rec: RecoveryRecord, dea
             coord.launcher.fence([e.slot])
             dead = dead | {e.rank}
             decision = plan.decide(coord, {r: st for r, st in statuses.items() if r not in dead})
+            # the lost writer's copy may be older (its buddy's replica of an earlier step): the
+            # record names the step and sources the job really resumes from
+            rec.update(resume_step=decision.resume_step,
+                       steps_recomputed=decision.steps_recomputed,
+                       sources={str(r): s.describe() for r, s in sorted(decision.sources.items())
+                                if s.kind != "live"})
             generation = coord.gen + 1
             continue
         coord.grow_at = _grow_time(coord) if dp < int(coord.configured["parallel"]["dp"]) else None

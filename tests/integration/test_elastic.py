@@ -38,6 +38,13 @@ def _same_processes(run, slots, before: int, after: int) -> None:
         assert b and a and len(b | a) == 1, (slot, pids[slot])
 
 
+def _first_step(run, generation: int) -> int:
+    """The step the job resumed from in ``generation``: one before the first step logged in it."""
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if r["generation"] == generation]
+    return min(steps) - 1
+
+
 def _final(run):
     return {f.name: torch.load(f) for f in sorted((run / "final").glob("rank*.pt"))}
 
@@ -234,7 +241,8 @@ def test_a_writer_killed_while_the_shrink_writes_its_checkpoint_is_planned_aroun
     # no spare: rank 1 killed at step 6; while the survivors write the in-place regroup's
     # checkpoint, rank 3 (which holds no copy anyone needs) is killed before writing its part.
     # The coordinator plans again from what the survivors reported, without rank 3's replica
-    # too: dp4 -> dp2 from the same step, ranks 0 and 2 in their own processes
+    # too: dp4 -> dp2, ranks 0 and 2 in their own processes, from the step of rank 3's newest
+    # replica (the step of the failure, or one before while its snapshot was still in flight)
     events = ("faults.events=[{rank: 1, step: 6, phase: mid_step, kind: kill},"
               "{rank: 3, step: 1, phase: checkpoint, kind: kill}]")
     run, s = _train(tmp_path, "elastic", ["ft=elastic", events])
@@ -243,4 +251,5 @@ def test_a_writer_killed_while_the_shrink_writes_its_checkpoint_is_planned_aroun
     assert rec["dropped_dp"] == [1, 3] and rec["elastic"] == "in_place"
     assert sorted(_final(run)) == ["rank0.pt", "rank1.pt"]
     _same_processes(run, [0, 2], 0, rec["generation"])
+    assert _first_step(run, rec["generation"]) == rec["resume_step"] in (5, 6), rec
     _equals_narrower_from(tmp_path, run, rec["resume_step"], 2)

@@ -20,6 +20,10 @@ It exits when every child has exited, after writing its last record.
 
 from __future__ import annotations
 
+import time
+
+T_EXEC = time.time()  # this process's interpreter is up (the start of a child it forks, too)
+
 import argparse
 import ctypes
 import hashlib
@@ -30,7 +34,7 @@ import signal
 import sys
 import tempfile
 import threading
-import time
+from functools import partial
 from pathlib import Path
 
 from deadpool import auth
@@ -38,7 +42,7 @@ from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoa
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.groups import keepable_keys
-from deadpool.launcher import job_env, local_rank, sigkill, start_worker
+from deadpool.launcher import fork_worker, job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
 from deadpool.topology import ParallelDims
 
@@ -176,10 +180,14 @@ def main(argv=None) -> int:
     env = job_env(secret)
     env[NODE_DIR_ENV] = str(where)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    # launcher.fork_workers: the children are forks of this process (no thread runs yet), each
+    # saving an interpreter start and a torch import; else each is a new interpreter
+    fork = bool(cfg["launcher"].get("fork_workers"))
     for i, slot in enumerate(slots):
-        procs[slot], _ = start_worker(run_dir, job_json, slot, child_env(env, i, external),
-                                      bool(cfg["launcher"].get("share_gpu")),
-                                      preexec_fn=_die_with_parent, keep_local_rank=external)
+        start = partial(fork_worker, t_exec=T_EXEC) if fork else start_worker
+        procs[slot], _ = start(run_dir, job_json, slot, child_env(env, i, external),
+                               bool(cfg["launcher"].get("share_gpu")),
+                               preexec_fn=_die_with_parent, keep_local_rank=external)
     print(f"[agent {args.node}] started slots {slots} (board {where})", flush=True)
     stop = threading.Event()
 

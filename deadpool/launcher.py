@@ -15,6 +15,7 @@ each child's environment only, ``ExternalLauncher`` seals the fences it writes w
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import signal
@@ -30,6 +31,8 @@ import torch
 from deadpool import auth, nccl_env
 from deadpool.protocol import Keys
 from deadpool.topology import ParallelDims
+
+PR_SET_NAME = 15  # prctl(2)
 
 
 def local_rank(slot: int, num_devices: int | None = None) -> int:
@@ -89,7 +92,8 @@ def fork_worker(run_dir: Path, job_json: Path, slot: int, env: dict, share_gpu: 
 
     log, local_env = _worker_log_env(run_dir, slot, env, share_gpu, keep_local_rank)
     argv = ["--job", str(job_json), "--slot", str(slot)]
-    return fork_main(worker.main, argv, log, local_env, preexec_fn, t_exec, worker), log
+    return fork_main(worker.main, argv, log, local_env, preexec_fn, t_exec, worker,
+                     name=f"dp-slot{slot}"), log
 
 
 class ForkedProcess:
@@ -130,13 +134,14 @@ class ForkedProcess:
 
 
 def fork_main(main, argv: list[str], log: Path, env: dict, preexec_fn=None,
-              t_exec: float | None = None, module=None) -> ForkedProcess:
+              t_exec: float | None = None, module=None, name: str = "") -> ForkedProcess:
     """Fork this process and run ``main(argv)`` in the child as ``python -m`` would run it in a
     new interpreter: stdout and stderr appended to ``log``, no descriptor of the parent's kept,
     ``env`` as its whole environment, a session of its own (or ``preexec_fn``), default signal
     handlers; an exception is printed and exits 1, ``SystemExit`` exits with its code, and the
     child never returns into the caller's code. ``module.T_EXEC`` (the worker's start time) is set
-    to ``t_exec``.
+    to ``t_exec``. Its command line stays the parent's; ``name`` becomes its process name (``ps
+    -o comm``, ``/proc/<pid>/comm``, 15 characters at most).
 
     Refused in a process that runs a second Python thread: the child would hold a copy of every
     lock as it was at the fork. Objects the parent holds are frozen out of the child's garbage
@@ -171,6 +176,8 @@ def fork_main(main, argv: list[str], log: Path, env: dict, preexec_fn=None,
                     signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if name:
+            _set_process_name(name)
         os.environ.clear()
         os.environ.update(env)
         if module is not None:
@@ -191,6 +198,13 @@ def fork_main(main, argv: list[str], log: Path, env: dict, preexec_fn=None,
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _set_process_name(name: str) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _close_descriptors_from(low: int) -> None:

@@ -13,8 +13,9 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 # Jobs the tests compose fork their processes from their node agents (launcher.fork_workers):
 # an interpreter start and a torch import saved per process, about half of the suite's CPU time on
-# 2 cores. The default (a new interpreter per process) runs in the tests that start jobs through
-# the command line (test_experiments, the demo) and in test_launcher's twin of a hot swap.
+# 2 cores. The default (a new interpreter per process) runs in test_agents (which finds processes
+# by command line) and wherever a job starts from the command line: test_experiments, test_slurm,
+# the verify test in test_hotswap.
 FORKED = ["launcher.fork_workers=true"]
 
 

@@ -21,8 +21,10 @@ from tests.conftest import compose_train
 pytestmark = pytest.mark.slow
 
 # dp4 on nodes of 2 slots: node 0 = ranks 0, 1; node 1 = ranks 2, 3; spares on nodes 2 (and 3)
+# each process a new interpreter (launcher.fork_workers=false, the default; the other tests fork)
 BASE = ["model=tiny", "parallel=dp4", "parallel.ranks_per_node=2", "num_steps=20",
-        "launcher.agents=true", "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
+        "launcher.agents=true", "launcher.fork_workers=false", "ft.replication_chunk_mb=0.5",
+        "log_every_steps=0"]
 quiet = lambda *a, **k: None  # noqa: E731
 
 

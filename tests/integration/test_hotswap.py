@@ -141,8 +141,10 @@ def test_verify_against_failure_free_says_equal_and_exits_0_or_says_different_an
                                 f"hydra.run.dir={tmp_path / 'ok'}"],
                         capture_output=True, text=True, timeout=280)
     assert ok.returncode == 0 and "failure-free run of the same seed: EQUAL" in ok.stdout, ok.stdout
+    # (the first run starts each process as a new interpreter, the default; this one forks them)
     bad = subprocess.run(base + ["faults=kill_3d_two_ranks_swapped", "faults.events.0.step=4",
-                                 "faults.events.1.step=4", f"hydra.run.dir={tmp_path / 'bad'}"],
+                                 "faults.events.1.step=4", "launcher.fork_workers=true",
+                                 f"hydra.run.dir={tmp_path / 'bad'}"],
                          capture_output=True, text=True, timeout=280)
     assert bad.returncode == 1 and "DIFFERENT" in bad.stdout, bad.stdout
 

@@ -87,6 +87,15 @@ def reusable_groups(counts: dict[int, dict[str, list[int]]], members: dict[str, 
     return keep
 
 
+def layout_group_keys(cfg: dict, layout: dict) -> list[str]:
+    """``keepable_keys`` of the configured job ``cfg`` at a plan's ``layout`` (``Plan.layout``:
+    an in-place elastic width; empty at the configured one)."""
+    from deadpool.recovery.elastic import layout_cfg  # (recovery imports this module)
+
+    c = layout_cfg(cfg, layout)
+    return keepable_keys(ParallelDims.from_config(c["parallel"]), c["ft"]["buddy_policy"])
+
+
 def keepable_keys(dims: ParallelDims, buddy_policy: str) -> list[str]:
     """The keys of the groups a recovery can keep (``reusable_groups`` never keeps replication
     or transfer groups): what a plan's ``keep_groups`` is a subset of, on the wire

@@ -41,7 +41,7 @@ from deadpool import auth
 from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
-from deadpool.groups import keepable_keys
+from deadpool.groups import layout_group_keys
 from deadpool.launcher import fork_worker, job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
 from deadpool.topology import ParallelDims
@@ -170,10 +170,9 @@ def main(argv=None) -> int:
     bell = Doorbell(where)  # before the children start: each opens it once
     procs: dict[int, object] = {}
     store = open_store()
-    dims = ParallelDims.from_config(cfg["parallel"])
     agent = NodeAgent(args.node, board, store, seal, ft, where,
                       kill=lambda slot: sigkill(procs.get(slot)),
-                      group_keys=keepable_keys(dims, ft["buddy_policy"]))
+                      group_keys=partial(layout_group_keys, cfg))
     lock = threading.Lock()  # the store client and the agent's state are shared by the threads
     with lock:
         agent.publish()

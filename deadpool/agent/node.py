@@ -71,13 +71,17 @@ class NodeAgent:
     def __init__(self, node: int, board: NodeBoard, store, seal: Seal, ft: dict, node_dir: Path,
                  kill=None, group_keys=None, decode=None, clock=time.monotonic):
         """``kill(slot)``: SIGKILL a local process; ``group_keys``: ``groups.keepable_keys`` of
-        the layout (plans on the wire may list kept groups as their complement)."""
+        the layout (plans on the wire may list kept groups as their complement), or a function
+        of a plan's layout (``Plan.layout``) giving them: the agent then follows an in-place
+        width change and decodes the next plans as deltas at the new width."""
         self.node, self.board, self.store, self.seal = node, board, store, seal
         self.node_dir = Path(node_dir)
         self.slots = [board.slot_of(i) for i in range(board.num_slots)]
         self.index = {s: i for i, s in enumerate(self.slots)}
         self.kill = kill or (lambda slot: None)
-        self.group_keys = group_keys
+        self._keys_for = group_keys if callable(group_keys) else None
+        self.group_keys = group_keys({}) if callable(group_keys) else group_keys
+        self._layout: dict = {}  # the layout of the plan held ({}: the configured width)
         self.decode = decode  # protocol_wire.decode_plan (the benchmark shares one per process)
         self.clock = clock
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
@@ -263,6 +267,8 @@ class NodeAgent:
         # fetched once per node; its processes get the same wire text (a delta of a few hundred
         # bytes), which each decodes against the plan it holds (NodeLink.plan_text)
         plan, text = fetch_plan(self.store, self.seal, g, self.plan, self.group_keys, self.decode)
+        if self._keys_for is not None and plan.layout != self._layout:  # an in-place reshape
+            self._layout, self.group_keys = plan.layout, self._keys_for(plan.layout)
         write_whole(plan_file(self.node_dir, g), text)
         self.plan, self.plan_generation = plan, g
         self.assigned = {s for s in self.slots if s in plan.slot_ranks}

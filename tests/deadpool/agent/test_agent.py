@@ -302,3 +302,59 @@ def test_reports_go_through_the_agent_one_sealed_key_per_node_and_kind(tmp_path)
     links[1].report(4, "first_step", 1, "123.5")
     agent.check_rounds()
     assert sorted(agent._reports) == [(3, "timing"), (4, "first_step")]
+
+
+def test_an_agent_follows_an_in_place_width_change_and_reads_the_next_plans_as_deltas(tmp_path):
+    """Plans may list the kept groups as their complement against the layout's group keys. An
+    agent given those keys as a function of the layout (as ``deadpool.agent`` does) takes the
+    new width's keys with the reshape's plan and decodes the next delta; one holding the
+    configured width's keys would read every later plan in full."""
+    from functools import partial
+
+    from deadpool.groups import layout_group_keys
+    from deadpool.recovery.elastic import layout_at
+    from tests.conftest import compose_train
+
+    class Recording:  # the store, noting which keys the agent reads
+        def __init__(self, store):
+            self.store, self.got = store, []
+
+        def get(self, key):
+            self.got.append(key)
+            return self.store.get(key)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    cfg = compose_train(["model=tiny", "parallel=dp2_tp2_pp2"], tmp_path)
+    keys = partial(layout_group_keys, cfg)
+    narrow = layout_at(cfg, 1)  # dp2 x tp2 x pp2 -> dp1: the groups of data-parallel index 1 go
+    assert set(keys(narrow)) != set(keys({}))
+    master = master_store()
+    store = auth.namespaced(client(master.port), SECRET)
+    seal = Seal(SECRET)
+    p0 = _plan(0, {r: r for r in range(8)})
+    p1 = Plan(1, "train", {r: r for r in range(4)}, 5, {r: Source("live", r) for r in range(4)},
+              layout=narrow)
+    keep = keys(narrow)[1:]  # all but one: on the wire as a one-key complement
+    p2 = Plan(2, "train", {0: 0, 1: 1, 2: 8, 3: 3}, 7, {r: Source("live", r) for r in range(4)},
+              keep_groups=keep, layout=narrow)
+    publish_plan(store, seal, p0, None, keys({}))
+    publish_plan(store, seal, p1, p0, keys(narrow))
+    publish_plan(store, seal, p2, p1, keys(narrow))
+    assert '"except"' in seal.unwrap(Keys.plan(2), store.get(Keys.plan(2)))
+
+    def agent(group_keys, where):
+        where.mkdir()
+        rec = Recording(store)
+        board = NodeBoard.create(where / "board", [0])
+        return NodeAgent(0, board, rec, seal, FT, where, group_keys=group_keys), rec
+
+    follows, rec = agent(keys, tmp_path / "follows")
+    fixed, rec_fixed = agent(keys({}), tmp_path / "fixed")
+    for a in (follows, fixed):
+        for g in (0, 1, 2):
+            a._take_plan(g)
+        assert a.plan == p2
+    assert Keys.plan_full(2) not in rec.got  # the delta, decoded at the new width
+    assert Keys.plan_full(2) in rec_fixed.got  # the configured width's keys: the full form

@@ -3,6 +3,7 @@ checked against a failure-free run of the same seed.
 
     python experiments/fault_campaign.py [--trials 50] [--seed 0] [--spares 2] [--steps 24]
                                          [--out experiments/results/runtime/campaign]
+                                         [--override KEY=VALUE ...]
 
 Each trial draws one to three faults: a kind (SIGKILL, SIGSTOP, exception, a training-thread hang
 with the heartbeat alive, corrupted replica bytes), a target (a rank, or a warm spare's launch
@@ -81,13 +82,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--trial_timeout_s", type=float, default=240)
     ap.add_argument("--out", default="experiments/results/runtime/campaign")
+    ap.add_argument("--override", nargs="*", default=[],
+                    help="config overrides for every run, e.g. launcher.fork_workers=true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = ["model=tiny", "parallel=dp4", f"num_steps={args.steps}", "log_every_steps=0",
             "ft.replication_chunk_mb=0.5", "ft.progress_timeout_s=3", "ft.status_timeout_s=4",
-            "ft.persist_interval_steps=4", "ft.on_no_spare=checkpoint_and_stop"]
+            "ft.persist_interval_steps=4", "ft.on_no_spare=checkpoint_and_stop", *args.override]
     rows = []
     with tempfile.TemporaryDirectory(prefix="deadpool-campaign-") as tmp:
         ref = Path(tmp) / "ref"

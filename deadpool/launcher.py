@@ -3,7 +3,8 @@
 ``LocalLauncher`` starts every worker and warm spare as a child process of the coordinator on this
 machine, so process exit is observable (``poll``) and a hung process can be fenced (SIGKILL).
 ``AgentLauncher`` starts one node agent per (simulated) node instead, each the parent of its
-node's processes. Under Slurm srun starts the processes (experiments/slurm/): with node agents
+node's processes (new interpreters, or with ``launcher.fork_workers`` forks of the agent:
+``fork_worker``). Under Slurm srun starts the processes (experiments/slurm/): with node agents
 (``launcher.agents``) ``ExternalAgentLauncher`` knows the nodes but holds no process, and learns
 and fences through the agents' records and the event log; without them ``ExternalLauncher`` has
 no handles: failures are seen through heartbeats and collective errors only, and fencing is a
@@ -146,8 +147,8 @@ def fork_main(main, argv: list[str], log: Path, env: dict, preexec_fn=None,
     Refused in a process that runs a second Python thread: the child would hold a copy of every
     lock as it was at the fork. Objects the parent holds are frozen out of the child's garbage
     collector, so no finalizer of the parent's runs there (one could close a descriptor the
-    child has reused). Why not ``multiprocessing``'s fork start: its child skips nothing of the
-    above but gives the agent no ``Popen`` to wait on and takes over stdin and exit handling."""
+    child has reused). Why not ``multiprocessing``'s fork start: it gives the agent's waiter
+    threads no ``Popen`` to wait on, and its child replaces stdin and exits on its own terms."""
     if threading.active_count() > 1:
         raise RuntimeError(f"fork_main: this process runs {threading.active_count()} threads; "
                            "a fork would copy locks another thread may hold (fork before any "

@@ -357,8 +357,7 @@ class Coordinator:
             return
         assignments, need, spares_used = plan.assign_spares(self)
         rec.spare_slot = timeline.one_or_list(spares_used)
-        rec.sources = {str(r): s.describe() for r, s in sorted(decision.sources.items())
-                       if s.kind != "live"}
+        rec.sources = decision.described_sources()
         if len(assignments) < self.dims.world_size:
             fallbacks.no_spare(self, g + 1, decision, rec, set(failed), t_detect, statuses)
             return

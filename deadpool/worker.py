@@ -38,7 +38,7 @@ from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
 from deadpool.faults import FaultInjector
-from deadpool.groups import keepable_keys
+from deadpool.groups import layout_group_keys
 from deadpool.heartbeat import Heartbeat
 from deadpool.protocol import Keys, Plan, RankTimings, Seal, now
 from deadpool.protocol_wire import BaseMismatch, decode_plan, fetch_plan
@@ -167,8 +167,8 @@ class Worker:
     def _take_plan(self, generation: int, text: str | None = None) -> Plan:
         """Decode plan ``generation`` (the wire text the node's agent handed over, or the store's)
         against the plan held; from the store's full form if that is not its base."""
-        if self._group_keys is None:
-            self._group_keys = keepable_keys(self.dims, self.ft["buddy_policy"])
+        if self._group_keys is None:  # (the same keys as the node agent's: its layout's)
+            self._group_keys = layout_group_keys(self.configured, self.layout)
         plan = None
         if text is not None:
             try:

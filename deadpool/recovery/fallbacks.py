@@ -243,8 +243,7 @@ def _regroup_in_place(coord, generation: int, decision, rec: RecoveryRecord, dea
             # record names the step and sources the job really resumes from
             rec.update(resume_step=decision.resume_step,
                        steps_recomputed=decision.steps_recomputed,
-                       sources={str(r): s.describe() for r, s in sorted(decision.sources.items())
-                                if s.kind != "live"})
+                       sources=decision.described_sources())
             generation = coord.gen + 1
             continue
         coord.grow_at = _grow_time(coord) if dp < int(coord.configured["parallel"]["dp"]) else None

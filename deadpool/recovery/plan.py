@@ -55,6 +55,10 @@ class RecoveryDecision:
     reason: str = ""
     lost: list[int] = field(default_factory=list)  # ranks with no copy at any step
 
+    def described_sources(self) -> dict[str, str]:
+        """What a recovery record names: rank -> where its state comes from, live ones left out."""
+        return {str(r): s.describe() for r, s in sorted(self.sources.items()) if s.kind != "live"}
+
 
 def _has_own(st: RankStatus | None, step: int) -> bool:
     return st is not None and (st.live_step == step or step in st.local_steps)

@@ -20,11 +20,15 @@ BASE = ["model=tiny", "parallel=dp4", "num_steps=14", "log_every_steps=0",
 quiet = lambda *a, **k: None  # noqa: E731
 
 
+def _rows(run) -> list[dict]:
+    """The job's metrics lines: one per step and rank."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def _pids(run) -> dict[int, dict[int, set[int]]]:
     """slot -> generation -> the PIDs that logged a step for that slot in that generation."""
     out: dict[int, dict[int, set[int]]] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in _rows(run):
         out.setdefault(r["slot"], {}).setdefault(r["generation"], set()).add(r["pid"])
     return out
 
@@ -40,9 +44,7 @@ def _same_processes(run, slots, before: int, after: int) -> None:
 
 def _first_step(run, generation: int) -> int:
     """The step the job resumed from in ``generation``: one before the first step logged in it."""
-    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-             if r["generation"] == generation]
-    return min(steps) - 1
+    return min(r["step"] for r in _rows(run) if r["generation"] == generation) - 1
 
 
 def _final(run):
@@ -148,7 +150,7 @@ def test_two_spares_three_failures_shrink_then_regrow_in_place(tmp_path):
     new = [slot for slot in pids if slot > 5]
     assert len(new) == 1 and set(pids[new[0]]) == {grow["generation"]}, pids
     assert sorted(_final(run)) == [f"rank{r}.pt" for r in range(4)]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run)
     assert max(r["step"] for r in rows) == steps
     # the reference, built without the run under test: failure-free at dp=4 to the shrink's step
     # S (the hot swaps before it change nothing), dp=3 with the global batch kept from S to the

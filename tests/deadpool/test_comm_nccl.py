@@ -136,19 +136,25 @@ def test_a_collective_posted_on_an_aborted_group_raises_aborted_on_every_rank(
 
 class StallGather(fake_nccl.Script):
     """The second ZeRO all-gather never completes on either dp rank (a peer died inside it);
-    rank 0 announces the abort then, and each rank goes on waiting only once its watcher has
-    aborted its group (the race in which the abort lands before the waiting rank looks)."""
+    rank 0 announces the abort once both ranks have posted it (else a rank still on its way
+    would find its group aborted at the post, a different path), and each rank goes on waiting
+    only once its watcher has aborted its group (the race in which the abort lands before the
+    waiting rank looks)."""
 
     def __init__(self):
         self.master = None
+        self.posted = set()
 
     def stall(self, prefix, rank, name, n):
         return name == "_allgather_base" and n == 2
 
     def on_stall(self, group):
-        if group.rank == 0:
-            announce_abort(client(self.master.port), Seal(None), Keys(0), "rank 1 lost mid-gather")
+        self.posted.add(group.rank)
         t0 = time.monotonic()
+        if group.rank == 0:
+            while len(self.posted) < 2 and time.monotonic() - t0 < 10:
+                time.sleep(0.002)
+            announce_abort(client(self.master.port), Seal(None), Keys(0), "rank 1 lost mid-gather")
         while not group.aborted and time.monotonic() - t0 < 10:
             time.sleep(0.002)
 

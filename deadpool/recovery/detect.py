@@ -26,6 +26,7 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
 
     ``({}, t)`` means the generation must be aborted although no rank is known dead (a
     collective broke, or every rank is stuck waiting on the others)."""
+    coord.read_counters()
     coord.read_heartbeats()
     members = coord.members
     failed: dict[int, str] = {}
@@ -92,7 +93,7 @@ def _collective_error(coord, keys: Keys) -> bool:
     ``num_errors`` is only a hint of when to look (anyone reaching the store can bump it): the
     reports are read when it changes, and a bump with no sealed report behind it steers nothing.
     """
-    n = int(coord.store.add(keys.num_errors, 0))
+    n = coord.counter(keys.num_errors)
     g, seen, confirmed = coord.error_hint
     if g == keys.g and n == seen:
         return confirmed

@@ -133,14 +133,18 @@ class SnapshotSchedule:
 
     def wanted(self) -> int:
         """The smallest level that both covers this rank's snapshot cycle and keeps its measured
-        cost under the target (narrowing only with a 2x margin, so the choice does not flap)."""
+        cost under the target, narrowing only with a 2x margin and by one level per vote, so the
+        choice does not flap: at a wide interval the cost rests on few active steps spread over
+        many more steps than the quiet ones (a host whose speed drifts biases it), and one low
+        reading must not send the job back to the narrowest interval at once (seen: 8 -> 1 in an
+        80-step job after a probe). Widening jumps as far as needed."""
         if not self._steps:
             return self.base
         step = statistics.median(self._steps)
         need = self.margin * statistics.median(self._cycles) / step if self._cycles else 1
         cost = self.overhead() if self.target is not None else None
         for k in self.levels:
-            if k < need:
+            if k < need or k < self.interval // 2:
                 continue
             if cost is not None:
                 o = cost * self.interval / k  # per-snapshot cost spread over k steps

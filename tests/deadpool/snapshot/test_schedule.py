@@ -55,7 +55,12 @@ def test_measured_cost_widens_until_under_target_and_narrows_with_margin():
     s3 = SnapshotSchedule(1, 8, overhead_target=0.02)
     s3.interval = 4
     feed(s3, active=0.1002, quiet=0.100, cycle=0.02)
-    assert s3.wanted() == 1  # the cost vanished: back to every step
+    assert s3.wanted() == 2  # the cost vanished: narrower, one level per vote
+    s3.interval = 2
+    assert s3.wanted() == 1  # still nothing: back to every step
+    feed(s3, active=0.1002, quiet=0.100, cycle=0.25)  # a cycle of 3.1 steps: widening jumps
+    s3.interval = 1
+    assert s3.wanted() == 4
     s4 = SnapshotSchedule(1, 8, overhead_target=0.02)
     feed(s4, active=0.2, n=20)  # no quiet step measured: cost unknown, cycle fits
     assert s4.overhead() is None and s4.wanted() == 1

@@ -19,7 +19,7 @@ demo: $(STAMP)
 # the invariants first, then the outcomes (-m results: measured or simulated results checked
 # against targets), reported apart; both run in CI
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not results" tests
+	$(PY) -m pytest -q -m "not results" --durations=15 tests
 	@echo "== outcomes, not invariants (-m results): measured and simulated results against their targets =="
 	$(PY) -m pytest -q -m results tests
 

@@ -106,3 +106,22 @@ def test_bench_overhead_quick_runs_end_to_end(tmp_path):
     (on,) = res["runs"]["on"]
     assert on["bytes_per_snapshot"] > 0 and on["param_gather_s"] > 0
     assert (tmp_path / "2" / "fp32" / "on-0" / "metrics.jsonl").exists()
+
+
+def test_cpu_share_finds_a_busy_process_and_its_threads():
+    """cpu_share reads /proc: a child spinning one thread shows up with its cores used."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                             "while time.time() - t < 20: pass", "cpu-share-probe"])
+    try:
+        out = subprocess.run([sys.executable, str(root / "experiments" / "cpu_share.py"),
+                              "--after", "0.3", "--for", "1", "--match", "cpu-share-probe"],
+                             check=True, capture_output=True, text=True, timeout=60).stdout
+    finally:
+        spin.kill()
+        spin.wait()
+    row = next(line for line in out.splitlines() if line.split()[0] == str(spin.pid))
+    assert float(row.split("cores")[0].split()[-1]) > 0.2, out  # a spinning thread, shared host
+    assert out.splitlines()[-1].split()[0] == "all", out

@@ -213,7 +213,7 @@ class Coordinator:
 
     def _read_nodes(self, force: bool) -> None:
         """Under node agents: every node's record, once per half agent interval or at once when
-        an agent bumped ``nodes/changed`` (a process exited). One request per loop otherwise."""
+        an agent bumped ``nodes/changed`` (a process exited; read with the loop's other counters)."""
         hint = self.counter(NODES_CHANGED)
         if not force and hint == self._nodes_hint and \
                 self._tick - self._last_read < float(self.ft["agent_interval_s"]) / 2:

@@ -63,7 +63,9 @@ def test_spare_takes_any_position_and_state_matches_failure_free(reference, tmp_
     (rec,) = summary["recoveries"]
     assert rec["failed_rank"] == rank and rec["spare_slot"] == 8
     assert rec["outcome"] == "hot-swapped"
-    assert 0 <= rec["steps_recomputed"] <= 1  # at most the interrupted step
+    # the interrupted step and, on a loaded host, at most one snapshot still replicating (three
+    # local slots: the engine blocks the step rather than fall further behind)
+    assert 0 <= rec["steps_recomputed"] <= 2
     assert rec["build_s"] >= 0                 # the spare's build of its rank's stage (0: pre-built)
     equal, why = compare_final_states(tmp_path, reference[0])
     assert equal, why

@@ -93,7 +93,7 @@ def test_shrink_equals_training_at_the_reduced_width_from_the_same_step(tmp_path
     (rec,) = s["recoveries"]
     assert rec["outcome"] == "shrunk to dp=3" and rec["dropped_dp"] == [1]
     assert rec["elastic"] == mode
-    assert rec["steps_recomputed"] <= 1 and rec["load_s"] >= 0
+    assert rec["steps_recomputed"] <= 2 and rec["load_s"] >= 0  # one snapshot may still replicate
     assert sorted(_final(run)) == ["rank0.pt", "rank1.pt", "rank2.pt"]
     if mode == "in_place":  # ranks 0, 2, 3 went on as ranks 0, 1, 2 in their own processes
         assert "exec_s" not in rec and rec["checkpoint_s"] >= 0
@@ -141,7 +141,7 @@ def test_two_spares_three_failures_shrink_then_regrow_in_place(tmp_path):
                                             "regrown to dp=4"], recs
     shrink, grow = recs[2], recs[3]
     assert shrink["elastic"] == grow["elastic"] == "in_place"
-    assert shrink["dropped_dp"] == [3] and shrink["steps_recomputed"] <= 1
+    assert shrink["dropped_dp"] == [3] and shrink["steps_recomputed"] <= 2
     # the shrink: ranks 0, 1, 2 (slots 0, 4, 5 after the hot swaps) train on in their processes
     _same_processes(run, [0, 4, 5], recs[1]["generation"], shrink["generation"])
     # the regrow: the same three processes, plus one started for it (a slot never used before)

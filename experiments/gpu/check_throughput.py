@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,7 +50,7 @@ def flops_per_token(cfg: dict, params: int, seq_len: int) -> float:
 def deadpool_command(args, snapshot: bool, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "deadpool.train", f"model={args.model}", "device=cuda",
             "parallel.dp=1", "ft.num_spares=0", "precision=bf16", f"batch_size={args.batch_size}",
-            f"seq_len={args.seq_len}", f"num_steps={args.steps}", "log_every_steps=0",
+            f"seq_len={args.seq_len}", f"num_steps={args.steps}", "log_every_steps=8",
             f"ft.snapshot={str(snapshot).lower()}", f"hydra.run.dir={run_dir}", *args.overrides]
 
 
@@ -83,26 +85,47 @@ def plain(args, cfg: dict) -> dict:
 
 
 def deadpool_run(args, snapshot: bool, root: Path) -> dict:
+    """One DeadPool arm, bounded by ``--timeout-s``: on timeout the job's process group is killed
+    and the steps it logged are kept (``timed_out``), with the tail of its output."""
     run_dir = root / f"deadpool_snapshot_{'on' if snapshot else 'off'}"
     cmd = deadpool_command(args, snapshot, run_dir)
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    timed_out = False
+    try:
+        output, _ = p.communicate(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(p.pid, signal.SIGKILL)
+        output, _ = p.communicate()
+    wall = time.perf_counter() - t0
     rows = []
     if (run_dir / "metrics.jsonl").exists():
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in sorted(rows, key=lambda r: r["step"])]
-    return {"command": " ".join(cmd[1:]), "returncode": p.returncode, "step_s": times,
+    rows = sorted((r for r in rows if "step_time_s" in r), key=lambda r: r["step"])
+    return {"command": " ".join(cmd[1:]).replace(str(root), "TMP"), "returncode": p.returncode,
+            "timed_out": timed_out, "wall_s": wall, "step_s": [r["step_time_s"] for r in rows],
             "snapshots": sum(1 for r in rows if r.get("snapshot")),
-            "tail": (p.stdout + p.stderr)[-1500:] if p.returncode else ""}
+            "snapshot_interval": [r.get("snapshot_interval") for r in rows],
+            "blocked_s": [r.get("snapshot_blocked_s") for r in rows],
+            "tail": output.replace(str(root), "TMP")[-3000:]}
 
 
 def summarize(res: dict, args, fpt: float) -> dict:
-    steady = res["step_s"][args.warmup:]
-    if not steady:
-        return dict(res, tokens_per_s=None, mfu=None)
-    med = statistics.median(steady)
-    tps = args.batch_size * args.seq_len / med
-    return dict(res, median_step_s=med, tokens_per_s=tps,
-                mfu=tps * fpt / (args.peak_tflops * 1e12))
+    """Median step and tokens/s after ``--warmup`` and over the last ``--settled`` steps (the
+    adaptive snapshot schedule's later decisions in force)."""
+    out = dict(res)
+    for name, steady in (("", res["step_s"][args.warmup:]),
+                         ("settled_", res["step_s"][-args.settled:] if len(res["step_s"]) >= args.steps else [])):
+        if not steady:
+            out.update({f"{name}median_step_s": None, f"{name}tokens_per_s": None, f"{name}mfu": None})
+            continue
+        med = statistics.median(steady)
+        tps = args.batch_size * args.seq_len / med
+        out.update({f"{name}median_step_s": med, f"{name}tokens_per_s": tps,
+                    f"{name}mfu": tps * fpt / (args.peak_tflops * 1e12)})
+    return out
 
 
 def main() -> None:
@@ -111,8 +134,10 @@ def main() -> None:
     ap.add_argument("--model", default="gpt_1b")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--settled", type=int, default=8,
+                    help="also report the last N steps (the schedule's vote of step 32 rules from 40)")
     ap.add_argument("--peak-tflops", type=float, default=989.4)
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--dry-run", action="store_true")
@@ -156,14 +181,17 @@ def main() -> None:
             key = f"deadpool_snapshot_{'on' if snap else 'off'}"
             out[key] = summarize(deadpool_run(args, snap, Path(tmp)), args, fpt)
             write_json(path, out)
+    base = out["plain"]
     for k in ("plain", "deadpool_snapshot_off", "deadpool_snapshot_on"):
         r = out[k]
-        print(f"{k:24s} tokens/s {r.get('tokens_per_s') or 0:10.0f}  MFU {r.get('mfu') or 0:.3f}  "
-              f"median step {r.get('median_step_s') or 0:.3f} s")
-    base = out["plain"].get("tokens_per_s")
-    for k in ("deadpool_snapshot_off", "deadpool_snapshot_on"):
-        if base and out[k].get("tokens_per_s"):
-            out[k]["vs_plain"] = out[k]["tokens_per_s"] / base
+        for w in ("", "settled_"):
+            if base.get(f"{w}tokens_per_s") and r.get(f"{w}tokens_per_s"):
+                r[f"{w}vs_plain"] = r[f"{w}tokens_per_s"] / base[f"{w}tokens_per_s"]
+        print(f"{k:24s} tokens/s {r.get('tokens_per_s') or 0:8.0f} MFU {r.get('mfu') or 0:.3f} "
+              f"median step {r.get('median_step_s') or 0:.3f} s | last {args.settled}: tokens/s "
+              f"{r.get('settled_tokens_per_s') or 0:8.0f} MFU {r.get('settled_mfu') or 0:.3f} "
+              f"vs plain {r.get('settled_vs_plain') or 0:.3f}"
+              + (" TIMED OUT" if r.get("timed_out") else ""))
     write_json(path, out)
 
 

@@ -100,9 +100,10 @@ def deadpool_run(args, snapshot: bool, root: Path) -> dict:
         os.killpg(p.pid, signal.SIGKILL)
         output, _ = p.communicate()
     wall = time.perf_counter() - t0
-    rows = []
-    if (run_dir / "metrics.jsonl").exists():
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # metrics.jsonl is merged at the job's end; a killed job leaves its ranks' files
+    files = [run_dir / "metrics.jsonl"] if (run_dir / "metrics.jsonl").exists() else \
+        sorted((run_dir / "metrics").glob("slot*.jsonl"))
+    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
     rows = sorted((r for r in rows if "step_time_s" in r), key=lambda r: r["step"])
     return {"command": " ".join(cmd[1:]).replace(str(root), "TMP"), "returncode": p.returncode,
             "timed_out": timed_out, "wall_s": wall, "step_s": [r["step_time_s"] for r in rows],

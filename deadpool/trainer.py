@@ -107,6 +107,7 @@ class Trainer:
         self.skip_nonfinite = bool(cfg.get("skip_nonfinite_steps", True))
         self.skipped_steps = 0  # steps whose update a non-finite gradient norm skipped (state)
         self.norm_runs: list[tuple[int, int]] = []  # what this rank counts of the norm (build)
+        self.build_phases: dict[str, float] = {}
         self.metrics = open(metrics_path, "a", buffering=1)
         self.publish_progress = publish_progress or (lambda line: None)
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
@@ -131,6 +132,7 @@ class Trainer:
         # master shard are the same function of the seed)
         self.stage = self.stage.to(self.dtype)
         self.params = list(self.stage.parameters())
+        t_stage = time.perf_counter()
         par = cfg["parallel"]
         # Weight decay on matrices only (linear layers and the embedding), none on the RMSNorm
         # weights (1-D): decaying a norm gain pulls it toward 0, i.e. shrinks the activations,
@@ -152,6 +154,7 @@ class Trainer:
                 if coords["tp"] > 0 and tp_replicated(n)}
         self.norm_runs = self.opt.owned_runs(lambda p: id(p) not in once)
         state = self.opt.state_tensors()
+        t_opt = time.perf_counter()
         # shared tensors (equal across the data-parallel group) first: see snapshot/layout.py.
         # With dp == 1 nothing is shared: every byte is unique to the rank. Under bf16 with ZeRO
         # the bf16 parameters are shared and the fp32 master shard is unique (zero.py).
@@ -175,7 +178,12 @@ class Trainer:
         self.coords = coords
         self.dims = dims
         self.drawn = init
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        # where a build's seconds go (the worker logs them at start-up): the stage drawn on the
+        # host and moved, the optimizer's master/moment buffers, the snapshot buffers (pinned)
+        self.build_phases = {"stage": t_stage - t0, "optimizer": t_opt - t_stage,
+                             "snapshot_buffers": t1 - t_opt}
+        return t1 - t0
 
     # -- state ------------------------------------------------------------------------------------
     @property

@@ -59,6 +59,7 @@ rebuilt, on NCCL every group is (all were aborted).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -83,6 +84,23 @@ BACKENDS = ("auto", "gloo", "nccl")
 # dead peer); a process that has this many alive stops taking ranks (``Communicator.build``)
 MAX_ABANDONED_HELPERS = 8
 _abandoned: list[threading.Thread] = []
+
+
+# The interpreter is exiting: the abort watchers stop (``_stop_watchers``). A daemon thread still
+# inside the store client's C++ code when the interpreter finalizes is unwound there, and the
+# process dies with "terminate called without an active exception" (seen at the end of a test
+# session whose store server had gone, a watcher polling it). The workers leave with os._exit,
+# which runs no atexit hook and finalizes nothing; this is for processes that exit normally.
+_exiting = threading.Event()
+_watchers: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_watchers(bound_s: float = 2.0) -> None:
+    _exiting.set()
+    deadline = time.monotonic() + bound_s
+    for t in list(_watchers):
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def abandoned_helpers() -> int:
@@ -244,7 +262,7 @@ class Communicator:
             wait = poll
             while True:
                 comm = ref()
-                if comm is None or lost.is_set():
+                if comm is None or lost.is_set() or _exiting.is_set():
                     return
                 if parked.is_set():
                     break
@@ -261,6 +279,7 @@ class Communicator:
         self._watcher = threading.Thread(target=watch, daemon=True,
                                          name=f"abort-watcher-g{self.topo.generation}")
         self._watcher.start()
+        _watchers.add(self._watcher)
         return self._watcher
 
     def _on_device(self, name: str) -> bool:

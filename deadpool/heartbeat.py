@@ -38,6 +38,7 @@ class Heartbeat(threading.Thread):
         self.progress = progress
         self.seal = seal
         self.coordinator_lost = threading.Event()
+        self.stopped = threading.Event()  # stop(): a process going on without beating (tests)
         self.seen_coordinator = False
         self.store = open_store()
         self.beat()  # the coordinator reads every process's heartbeat from the start
@@ -51,7 +52,7 @@ class Heartbeat(threading.Thread):
         fence = Keys.fence(self.slot)
         n, last_coord, t_coord = 0, -1, time.monotonic()
         seen = False  # the coordinator's key exists (then it always does: one round trip, not two)
-        while True:
+        while not self.stopped.is_set():
             n += 1
             try:
                 if self.store is None:
@@ -70,7 +71,11 @@ class Heartbeat(threading.Thread):
                 self.store = None
             if time.monotonic() - t_coord > self.coordinator_timeout_s:
                 self.coordinator_lost.set()
-            time.sleep(self.interval_s)
+            self.stopped.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
 
     def _coordinator_beat(self) -> int | None:
         """The coordinator's beat count, None unless the job sealed it."""

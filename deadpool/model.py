@@ -40,7 +40,9 @@ The model has no dropout or any other random op, so recomputation replays nothin
 from __future__ import annotations
 
 import math
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import torch
@@ -145,6 +147,26 @@ def swiglu_activation(gate: torch.Tensor, up: torch.Tensor, recompute: bool) -> 
     if recompute and torch.is_grad_enabled():
         return checkpoint(_silu_mul, gate, up, use_reentrant=False)
     return _silu_mul(gate, up)
+
+
+def init_threads() -> int:
+    """Threads drawing the initial parameters: the cores this process may run on, at most 8 (each
+    thread holds one full parameter while it draws it). The count changes no bit (each parameter
+    has its own generator); on one core, 20-30 s of a 1.4 B-parameter rank's start-up."""
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def draw_params(items, seed: int, keep=lambda name, full: full) -> None:
+    """Copy ``keep(name, init_param(name, shape, seed))`` into the parameter of each
+    ``(name, param, shape)`` in ``items``, ``init_threads()`` at a time (the kernels drop
+    the GIL): the same bits as one after another."""
+    def one(item):
+        name, p, shape = item
+        with torch.no_grad():  # per thread
+            p.copy_(keep(name, init_param(name, shape, seed)))
+
+    with ThreadPoolExecutor(init_threads(), thread_name_prefix="init") as pool:
+        list(pool.map(one, items))
 
 
 def init_param(name: str, shape, seed: int) -> torch.Tensor:
@@ -286,9 +308,7 @@ def build_model(model_cfg, seed: int, device: str = "cpu",
     cfg = model_config(model_cfg)
     with torch.random.fork_rng(devices=[]):  # the modules' default init must not move the global RNG
         model = GPT(cfg, activation_checkpointing)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(init_param(name, p.shape, seed))
+    draw_params([(n, p, p.shape) for n, p in model.named_parameters()], seed)
     return model.to(device)
 
 

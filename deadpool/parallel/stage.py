@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from deadpool.model import (GPT, RMSNorm, check_activation_checkpointing, init_param, model_config,
+from deadpool.model import (GPT, RMSNorm, check_activation_checkpointing, draw_params, model_config,
                             rotary_tables, run_block)
 from deadpool.parallel.tensor.layers import (ColumnParallelLinear, ParallelBlock,
                                              VocabParallelEmbedding, shard)
@@ -109,7 +109,6 @@ def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp
     with torch.device("meta"):
         full_shapes = {n: p.shape for n, p in GPT(cfg).named_parameters()}
     stage = StageModel(cfg, **kw)
-    with torch.no_grad():
-        for name, p in stage.named_parameters():
-            p.copy_(shard(name, init_param(name, full_shapes[name], seed), tp_rank, tp, cfg))
+    draw_params([(n, p, full_shapes[n]) for n, p in stage.named_parameters()], seed,
+                keep=lambda name, full: shard(name, full, tp_rank, tp, cfg))
     return stage.to(device)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from deadpool.model import (apply_rotary, build_model, model_config, rotary_tables)
+from deadpool.model import (apply_rotary, build_model, init_param, model_config, rotary_tables)
 
 GQA = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_mult=2,
            max_seq_len=16)
@@ -163,3 +163,16 @@ def test_activation_checkpointing_is_off_without_grad_and_refuses_unknown_modes(
                            build_model(GQA, 0)(x, y))
     with pytest.raises(ValueError, match="activation_checkpointing must be one of"):
         build_model(GQA, 0, activation_checkpointing="some")
+
+
+def test_the_threaded_init_draws_the_bits_of_a_serial_one(monkeypatch):
+    import deadpool.model as model
+
+    cfg = {"vocab_size": 96, "d_model": 32, "n_layers": 3, "n_heads": 4, "ffn_mult": 4, "max_seq_len": 16}
+    monkeypatch.setattr(model, "init_threads", lambda: 4)
+    threaded = build_model(cfg, seed=7)
+    serial = {n: init_param(n, p.shape, 7) for n, p in threaded.named_parameters()}
+    for n, p in threaded.named_parameters():
+        assert torch.equal(p, serial[n]), n
+    # each parameter its own draw: a wrong pairing of generator and tensor would show here
+    assert not torch.equal(serial["blocks.0.attn.qkv.weight"][:8], serial["blocks.1.attn.qkv.weight"][:8])

@@ -278,6 +278,7 @@ def test_a_forged_or_replayed_coordinator_heartbeat_does_not_hide_its_loss():
         time.sleep(0.01)
     assert hb.coordinator_lost.is_set()
     assert JOB.unwrap(Keys.heartbeat(0), store.get(Keys.heartbeat(0))).split()[0].isdigit()
+    hb.stop()
 
 
 def test_a_forged_join_announcement_is_not_counted_as_a_warm_process(tmp_path):

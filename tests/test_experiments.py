@@ -108,6 +108,32 @@ def test_bench_overhead_quick_runs_end_to_end(tmp_path):
     assert (tmp_path / "2" / "fp32" / "on-0" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
+def test_gpu_throughput_check_runs_end_to_end_on_cpu(tmp_path):
+    """GPU check 4's machinery on a small CPU job (the GPU runs are rare: the script must work
+    the first time there): both DeadPool arms are stopped once their last step is logged, their
+    steps and start-up are read from the ranks' files, and the plain arm is timed beside them."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "experiments" / "gpu" / "check_throughput.py"),
+                    str(tmp_path), "--device", "cpu", "--model", "tiny", "--batch-size", "2",
+                    "--seq-len", "32", "--steps", "12", "--warmup", "2", "--settled", "4",
+                    "--timeout-s", "150"], check=True, cwd=root, timeout=400,
+                   env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL)
+    res = json.loads((tmp_path / "check_throughput.json").read_text())
+    assert len(res["plain"]["step_s"]) == 12 and res["plain"]["tokens_per_s"] > 0
+    for arm, snapshots in (("deadpool_snapshot_off", False), ("deadpool_snapshot_on", True)):
+        r = res[arm]
+        assert not r["timed_out"], r["tail"]
+        assert len(r["step_s"]) == 12 and r["settled_tokens_per_s"] > 0, r["tail"]
+        assert (r["snapshots"] > 0) == snapshots
+        assert r["launch_to_first_step_s"] > 0 and "start-up" in r["startup_line"]
+        assert r["settled_vs_plain"] > 0
+
+
 def test_cpu_share_finds_a_busy_process_and_its_threads():
     """cpu_share reads /proc: a child spinning one thread shows up with its cores used."""
     import subprocess

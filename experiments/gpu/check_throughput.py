@@ -2,7 +2,8 @@
 snapshots off and on, next to the same model in plain PyTorch on the same GPU.
 
     python experiments/gpu/check_throughput.py OUT_DIR [--model gpt_1b] [--batch-size 8]
-        [--seq-len 1024] [--steps 30] [--warmup 10] [--peak-tflops 989.4] [--dry-run]
+        [--seq-len 1024] [--steps 48] [--warmup 10] [--settled 8] [--peak-tflops 989.4]
+        [--timeout-s 240] [--device cuda|cpu] [--dry-run]
 
 plain     the model of ``deadpool.model`` (same init), fp32 parameters, fused AdamW, bf16
           autocast, the loss read every step (``loss.item()``): what a user writes without
@@ -10,13 +11,15 @@ plain     the model of ``deadpool.model`` (same init), fp32 parameters, fused Ad
 deadpool  ``python -m deadpool.train`` with one rank (``parallel.dp=1``), ``precision=bf16`` (bf16
           parameters, fp32 master weights and moments), ``ft.snapshot=false`` and ``true`` (the
           defaults otherwise: node agent, watchdog, adaptive snapshot schedule); step times from
-          its metrics (``step_time_s``)
+          its metrics (``step_time_s``). Each job is stopped once its last step is logged (the
+          exit writes every rank's full state); launch to first step is reported apart.
 
 Tokens/s = batch x seq_len / median step time over the steps after ``--warmup``. MFU =
 tokens/s x FLOPs per token / peak, FLOPs per token = 6 x parameters + 12 x layers x d_model x
 seq_len (forward and backward, attention scores included; the embedding's lookups counted as
 matmuls, a slight over-count). ``--peak-tflops``: dense bf16 of an H100 SXM (989.4). Writes
-OUT_DIR/check_throughput.json. ``--dry-run`` (no GPU): the commands and the FLOP count only.
+OUT_DIR/check_throughput.json. ``--dry-run`` (no GPU): the commands and the FLOP count only;
+``--device cpu`` (with a small model): a smoke run of the whole check (``tests/test_experiments.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def flops_per_token(cfg: dict, params: int, seq_len: int) -> float:
 
 
 def deadpool_command(args, snapshot: bool, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "deadpool.train", f"model={args.model}", "device=cuda",
+    return [sys.executable, "-m", "deadpool.train", f"model={args.model}", f"device={args.device}",
             "parallel.dp=1", "ft.num_spares=0", "precision=bf16", f"batch_size={args.batch_size}",
             f"seq_len={args.seq_len}", f"num_steps={args.steps}", "log_every_steps=8",
             f"ft.snapshot={str(snapshot).lower()}", f"hydra.run.dir={run_dir}", *args.overrides]
@@ -59,17 +62,19 @@ def plain(args, cfg: dict) -> dict:
 
     from deadpool.model import build_model
 
+    dev = args.device
     torch.manual_seed(0)
-    model = build_model(cfg, seed=1234, device="cuda")
+    model = build_model(cfg, seed=1234, device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=True)
+                            fused=dev == "cuda")
     vocab = cfg["vocab_size"]
     times = []
     for step in range(args.steps):
-        x = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), device="cuda")
-        torch.cuda.synchronize()
+        x = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), device=dev)
+        if dev == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16):
             logits = model(x[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab),
                                                      x[:, 1:].reshape(-1))
@@ -80,33 +85,65 @@ def plain(args, cfg: dict) -> dict:
         times.append(time.perf_counter() - t0)
     params = sum(p.numel() for p in model.parameters())
     del model, opt
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return {"step_s": times, "params": params}
 
 
-def deadpool_run(args, snapshot: bool, root: Path) -> dict:
-    """One DeadPool arm, bounded by ``--timeout-s``: on timeout the job's process group is killed
-    and the steps it logged are kept (``timed_out``), with the tail of its output."""
-    run_dir = root / f"deadpool_snapshot_{'on' if snapshot else 'off'}"
-    cmd = deadpool_command(args, snapshot, run_dir)
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    timed_out = False
-    try:
-        output, _ = p.communicate(timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(p.pid, signal.SIGKILL)
-        output, _ = p.communicate()
-    wall = time.perf_counter() - t0
-    # metrics.jsonl is merged at the job's end; a killed job leaves its ranks' files
+def _metrics(run_dir: Path) -> list[dict]:
+    """Rank 0's step rows: metrics.jsonl is merged at the job's end, before that (or in a job
+    killed early) the ranks' own files hold them."""
     files = [run_dir / "metrics.jsonl"] if (run_dir / "metrics.jsonl").exists() else \
         sorted((run_dir / "metrics").glob("slot*.jsonl"))
-    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
-    rows = sorted((r for r in rows if "step_time_s" in r), key=lambda r: r["step"])
-    return {"command": " ".join(cmd[1:]).replace(str(root), "TMP"), "returncode": p.returncode,
-            "timed_out": timed_out, "wall_s": wall, "step_s": [r["step_time_s"] for r in rows],
+    rows = []
+    for f in files:
+        for line in f.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if "step_time_s" in r and r.get("rank", 0) == 0:
+                rows.append(r)
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def deadpool_run(args, snapshot: bool, root: Path) -> dict:
+    """One DeadPool arm. The job is stopped (its process group killed) once rank 0 logged the
+    last step: what is measured is training, not the job's exit (writing every rank's final
+    state, 20 GB for gpt_1b, outlasted a 170 s bound on the GPU). ``--timeout-s`` bounds the
+    rest (``timed_out``: the steps logged by then are kept, with the output's tail)."""
+    run_dir = root / f"deadpool_snapshot_{'on' if snapshot else 'off'}"
+    cmd = deadpool_command(args, snapshot, run_dir)
+    t0 = time.time()
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        timed_out = False
+        while p.poll() is None:
+            if _metrics(run_dir)[-1:] and _metrics(run_dir)[-1]["step"] >= args.steps:
+                break
+            if time.time() - t0 > args.timeout_s:
+                timed_out = True
+                break
+            time.sleep(0.5)
+        ended_itself = p.poll() is not None
+        if not ended_itself:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        out.seek(0)
+        output = out.read()
+    rows = _metrics(run_dir)
+    # rank 0's own log (the console shows progress lines only as sampled, every 0.1 s)
+    startup = [line for f in sorted((run_dir / "logs").glob("slot*.log"))
+               for line in f.read_text(errors="replace").splitlines()
+               if line.startswith("[rank 0] start-up")]
+    return {"command": " ".join(cmd[1:]).replace(str(root), "TMP"),
+            "returncode": p.returncode if ended_itself else None, "timed_out": timed_out,
+            "wall_s": time.time() - t0,
+            # launch to rank 0's first logged step (the row's wall-clock time, end of step 1)
+            "launch_to_first_step_s": rows[0]["t"] - t0 if rows else None,
+            "startup_line": startup[0] if startup else None,
+            "step_s": [r["step_time_s"] for r in rows],
             "snapshots": sum(1 for r in rows if r.get("snapshot")),
             "snapshot_interval": [r.get("snapshot_interval") for r in rows],
             "blocked_s": [r.get("snapshot_blocked_s") for r in rows],
@@ -141,6 +178,7 @@ def main() -> None:
                     help="also report the last N steps (the schedule's vote of step 32 rules from 40)")
     ap.add_argument("--peak-tflops", type=float, default=989.4)
     ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the check itself")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--skip-plain", action="store_true", help="DeadPool arms only")
     # building a 1.4 B model's stage on the host (each parameter drawn from its own generator)

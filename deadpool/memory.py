@@ -245,13 +245,17 @@ def check_fits(cfg: dict) -> None:
     on the safe side. Otherwise nothing is checked.
     """
     p, ft = cfg["parallel"], cfg.get("ft", {})
+    snapshots = bool(ft.get("snapshot", True))
     mem = {k: v for k, v in (cfg.get("memory") or {}).items() if v is not None}  # null: not given
     mb = num_microbatches(cfg)
     cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
     est = estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),
                    microbatches=mb, precision=cfg.get("precision", "fp32"),
                    activation_checkpointing=cfg.get("activation_checkpointing", "none"),
-                   grad_reduce_dtype=cfg.get("grad_reduce_dtype", "fp32"), num_local_slots=int(ft.get("num_local_slots", 3)),
+                   grad_reduce_dtype=cfg.get("grad_reduce_dtype", "fp32"),
+                   # without snapshots no slot is allocated, and no ward's replica is received
+                   num_local_slots=int(ft.get("num_local_slots", 3)) if snapshots else 0,
+                   replica_buffers=2 if snapshots else 0,
                    replicate=ft.get("replicate", "unique"), replicas=int(ft.get("replicas", 1)),
                    persist=bool(ft.get("persist_interval_steps")),
                    overhead_gb=0.25 if cpu and not mem else 1.0)

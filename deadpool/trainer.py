@@ -166,6 +166,7 @@ class Trainer:
             device=self.device, fault_hook=self.injector.fire,
             background_nice=int(ft["snapshot_nice"]), verify=ft["replica_verify"],
             num_shared=len(shared), replicate=ft.get("replicate", "unique"),
+            allocate_slots=self.snapshots_on,
             max_bytes_per_s=(float(ft["replication_max_mb_per_s"]) * 2**20
                              if ft.get("replication_max_mb_per_s") else None))
         if self.persist_every or self.persist_auto:

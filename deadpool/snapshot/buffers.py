@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class Slot:
-    flat: torch.Tensor
+    flat: torch.Tensor | None  # None: not allocated yet (written once a snapshot takes the slot)
     step: int = -1
     header: bytes = b""
     crc: tuple = (0, 0)  # checksum of the shared region, of the unique region

@@ -66,7 +66,7 @@ def transfer(eng, comm, sends: list[tuple], recvs: list[tuple], step: int):
     got = None
     if recvs:
         buf = torch.empty(eng.layout.nbytes, dtype=torch.uint8,
-                          pin_memory=eng.slots[0].flat.is_pinned())
+                          pin_memory=eng.pinned)
         crc, header = [0, 0], b""
         for src, owner, region in recvs:
             got_step, hdr, c, got_region = recv_state(

@@ -94,6 +94,23 @@ def test_what_is_replicated_and_kept_on_the_host():
     assert e2["host_per_rank"]["local_ring"] == h["local_ring"] and e2["gpu"] == g
 
 
+def test_the_job_check_counts_no_snapshot_memory_without_snapshots():
+    from deadpool.memory import check_fits
+    from tests.conftest import compose_train
+
+    big = ["model=llama_7b", "parallel=dp4", "memory.host_gb_per_node=0.001"]
+    with pytest.raises(ValueError, match="local ring") as on:
+        check_fits(compose_train(big, "unused"))
+    check_fits(compose_train(big + ["ft=none"], "unused"))  # no snapshots, no checkpoints
+    with pytest.raises(ValueError, match="local ring") as off:  # its checkpoint copy only
+        check_fits(compose_train(big + ["ft=checkpoint_restart"], "unused"))
+    ring = lambda msg: float(msg.split("local ring ")[1].split()[0])  # noqa: E731
+    replicas = lambda msg: float(msg.split("+ replicas ")[1].split()[0])  # noqa: E731
+    persist = lambda msg: float(msg.split("+ persist ")[1].split()[0].rstrip("),"))  # noqa: E731
+    assert ring(str(on.value)) > 1 and replicas(str(on.value)) > 0
+    assert ring(str(off.value)) == 0 and replicas(str(off.value)) == 0 and persist(str(off.value)) > 0
+
+
 def test_the_job_check_counts_ft_replicas():
     from deadpool.memory import check_fits
     from tests.conftest import compose_train

@@ -45,6 +45,16 @@ def test_every_step_is_counted_logged_and_snapshotted(tmp_path):
     assert tr.header()["step"] == STEPS
 
 
+def test_without_snapshots_the_trainer_holds_no_snapshot_ring(tmp_path):
+    tr, comm = trainer(tmp_path, extra=["ft=none"])  # snapshot_now(): as after a recovery
+    tr.train(comm)
+    assert tr.step == STEPS
+    assert sum(s.flat is not None for s in tr.engine.slots) == 1  # the one snapshot_now wrote
+    fresh, _ = trainer(tmp_path, "fresh", extra=["ft.snapshot=false"])
+    assert fresh.engine.slots[0].flat is not None  # snapshot_now: allocated on use
+    assert all(s.flat is None for s in fresh.engine.slots[1:])
+
+
 def test_a_rollback_to_a_snapshot_replays_to_the_same_bits(tmp_path):
     tr, comm = trainer(tmp_path)
     tr.train(comm)

@@ -55,6 +55,22 @@ def test_snapshot_is_consistent_and_restore_rolls_back_exactly():
         eng.restore_local(7)
 
 
+def test_unallocated_slots_are_allocated_on_first_use_only():
+    model, opt = make_state(0)
+    eng = SnapshotEngine(state_tensors(model, opt), num_local_slots=3, allocate_slots=False)
+    assert all(s.flat is None for s in eng.slots)  # a job without snapshots holds no ring
+    train_one_step(model, opt, 1)
+    before = {n: t.clone() for n, t in state_tensors(model, opt)}
+    eng.snapshot(1, {"step": 1})
+    eng.drain()
+    assert sum(s.flat is not None for s in eng.slots) == 1 and eng.local_steps() == [1]
+    train_one_step(model, opt, 2)
+    assert eng.restore_local(1)["step"] == 1
+    for n, t in state_tensors(model, opt):
+        assert torch.equal(before[n], t), n
+    eng.close()
+
+
 def test_backpressure_never_overwrites_a_slot_being_replicated():
     model, opt = make_state(0)
     eng = SnapshotEngine(state_tensors(model, opt), num_local_slots=2)

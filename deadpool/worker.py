@@ -346,15 +346,14 @@ class Worker:
         took about 70 s to start (experiments/results/gpu/2026-11-26-h200)."""
         marks = [("imports", timing.imported), ("build", timing.built), ("groups", timing.rebuilt),
                  ("state", timing.ready), ("first step", first_step)]
+        phases = self.trainer.build_phases
+        detail = {"build": " (" + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()) + ")"
+                  } if phases else {}
         parts, last = [], timing.exec
         for name, t in marks:
-            if t is None:
-                continue
-            parts.append(f"{name} {t - last:.1f}")
-            if name == "build" and self.trainer.build_phases:
-                parts[-1] += " (" + ", ".join(f"{k} {v:.1f}" for k, v in
-                                              self.trainer.build_phases.items()) + ")"
-            last = t
+            if t is not None:
+                parts.append(f"{name} {t - last:.1f}{detail.get(name, '')}")
+                last = t
         line = f"[rank {rank}] start-up {first_step - timing.exec:.1f} s: " + ", ".join(parts)
         print(line, flush=True)
         if rank == 0:

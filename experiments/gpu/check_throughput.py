@@ -120,7 +120,7 @@ def deadpool_run(args, snapshot: bool, root: Path) -> dict:
                              start_new_session=True)
         timed_out = False
         while p.poll() is None:
-            if _metrics(run_dir)[-1:] and _metrics(run_dir)[-1]["step"] >= args.steps:
+            if any(r["step"] >= args.steps for r in _metrics(run_dir)[-1:]):
                 break
             if time.time() - t0 > args.timeout_s:
                 timed_out = True

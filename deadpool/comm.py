@@ -71,7 +71,7 @@ import torch.distributed as dist
 
 from deadpool.auth import AuthError
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost, PassThrough
-from deadpool.protocol import Keys, Seal, announce_abort
+from deadpool.protocol import Keys, Seal, announce_abort, wake_coordinator
 from deadpool.threads import run_in_thread
 from deadpool.groups import rank_groups
 from deadpool.topology import Topology
@@ -526,6 +526,7 @@ class Communicator:
         key = self.keys.error(self.topo.rank)
         self.store.set(key, self.seal.wrap(key, msg[:500]))  # sealed before the hint is bumped
         self.store.add(self.keys.num_errors, 1)
+        wake_coordinator(self.store)
         # Waking every survivor now is cheaper than waiting for the coordinator to confirm.
         announce_abort(self.store, self.seal, self.keys,
                        f"collective error on rank {self.topo.rank}: {msg[:200]}")

@@ -22,7 +22,7 @@ from deadpool.coordinator import Coordinator
 from deadpool.data import check_data
 from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
-from deadpool.agent.events import EventLog
+from deadpool.agent.events import EventLog, WakeListener
 from deadpool.launcher import AgentLauncher, ExternalAgentLauncher, ExternalLauncher, LocalLauncher
 from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
@@ -235,10 +235,11 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
     job_json.write_text(json.dumps(cfg, indent=1))
     n_workers = ParallelDims.from_config(cfg["parallel"]).world_size
     slots = list(range(n_workers + int(cfg["ft"]["num_spares"])))
-    live = events = None
+    live = events = waker = None
     if uses_agents(cfg):
         ft = cfg["ft"]
         events = EventLog(store, Seal(secret))
+        waker = WakeListener(lambda: auth.open_store(cfg["launcher"]["host"], master.port, secret))
         local = cfg["launcher"]["name"] == "local"
         launcher = (AgentLauncher if local else ExternalAgentLauncher)(
             run_dir, job_json, secret, cfg, None, events)
@@ -264,7 +265,7 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
         log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{master.port}; waiting for "
             f"{len(slots)} processes (job file {job_json})")
     coord = Coordinator(cfg, store, launcher, log=log, secret=secret, restart=restart, live=live,
-                        events=events)
+                        events=events, waker=waker)
     try:
         coord.run()
     except JobFailed as e:

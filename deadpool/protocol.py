@@ -126,6 +126,14 @@ class Keys:
     COORD_HB = "coord/hb"  # the coordinator's heartbeat: a counter workers watch advance
     PROGRESS = "job/progress"  # rank 0's latest progress line
     JOB_STOP = "job/stop"
+    COORD_WAKE = "coord/wake"  # set to wake the coordinator's loop (unsealed: it only wakes it)
+
+
+def wake_coordinator(store) -> None:
+    """Wake the coordinator's loop now (``agent.events.WakeListener``). Bump the hint it must
+    see first (``nodes/changed``, the generation's error count): a wake-up carries nothing, the
+    loop reads the hints it woke for."""
+    store.set(Keys.COORD_WAKE, b"")
 
 
 def announce_abort(store, seal: "Seal", keys: Keys, reason: str) -> None:

@@ -13,6 +13,12 @@ answers when the key is set: one request per event, no polling, no store work wh
 happens), acts, and waits for the next. A wait that times out (nothing happened for
 ``wait_s``) is retried on a fresh connection: after a timeout the old one may still receive the
 late answer.
+
+The other direction is a wake-up only: whoever bumps a hint the coordinator's loop must act on at
+once (an agent after a local process exited, a rank after a broken collective) then sets
+``coord/wake``; the coordinator's ``WakeListener`` is blocked on that key, so its loop sleeps
+until woken or until its next timed duty (reading the node records every half agent interval)
+instead of turning every 10 ms.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import threading
 import time
 from datetime import timedelta
 
-from deadpool.protocol import Seal
+from deadpool.protocol import Keys, Seal, wake_coordinator
 
 
 def event_key(i: int) -> str:
@@ -90,3 +96,62 @@ class EventFollower:
     def _exists(self, key: str) -> bool:
         """After a failed wait: is the store there at all (raises if not) and the key set?"""
         return self._fresh().check([key])
+
+
+class WakeListener:
+    """Coordinator side of ``coord/wake``: a thread on its own store connection blocks on the key
+    (a blocking ``get``: the store answers when it is set), deletes it and sets an event the loop
+    waits on with a timeout (``wait``).
+
+    No wake-up is lost: a writer bumps its hint before setting the key, and the thread deletes
+    the key before it sets the event, the loop clears the event before reading the hints; so a
+    hint bumped after that read leaves the key set (or the event set) for the next wait, and a
+    wake-up seen twice costs one spare turn of the loop. ``open_store()`` makes a fresh client:
+    a blocking get holds its connection, so it cannot share the loop's. Its timeout is long (a
+    timed-out get logs a warning and needs a fresh connection): the loop's own timeout does the
+    periodic work. ``stop`` wakes the thread by setting the key itself and joins it, so no thread
+    is left inside the store client when the interpreter exits."""
+
+    def __init__(self, open_store, wait_s: float = 86400.0):
+        self.open_store, self.wait_s = open_store, wait_s
+        self.woken = threading.Event()
+        self.wakeups = 0  # wake-ups seen (tests; the loop's turns are its timeouts plus these)
+        self._stop = threading.Event()
+        self._store = None
+        self._thread = threading.Thread(target=self._listen, name="coordinator-wake", daemon=True)
+
+    def start(self) -> "WakeListener":
+        self._store = self.open_store()  # connect before the caller goes on: no wake-up is
+        self._store.set_timeout(timedelta(seconds=self.wait_s))  # missed while it connects
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a wake-up or ``timeout`` seconds; True if woken. Clears the wake-up."""
+        woken = self.woken.wait(timeout)
+        self.woken.clear()
+        return woken
+
+    def stop(self, store) -> None:
+        """Stop the thread (``store``: any client of the job's store, to set the key with)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            try:
+                wake_coordinator(store)
+            except Exception:  # the store is gone: so is the thread's connection
+                pass
+            self._thread.join(timeout=2.0)
+
+    def _listen(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._store is None:
+                    self._store = self.open_store()
+                    self._store.set_timeout(timedelta(seconds=self.wait_s))
+                self._store.get(Keys.COORD_WAKE)
+                self._store.delete_key(Keys.COORD_WAKE)
+                self.wakeups += 1
+            except Exception:  # timed out, or the store went away: a fresh connection, once the
+                self._store = None  # loop had a turn (the late answer may still come on the old)
+                self._stop.wait(0.1)
+            self.woken.set()

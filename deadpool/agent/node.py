@@ -14,7 +14,7 @@ or by the control-plane benchmark for thousands of simulated nodes::
                     SIGKILL the named local processes; done / stop -> board flags
     on_exit(slot)   a local process exited (seen by the process's waiter thread within
                     milliseconds): written at once, and the coordinator woken
-                    (``nodes/changed``, a hint it reads every loop)
+                    (``nodes/changed``, a hint it reads every loop, then ``coord/wake``)
     check_rounds()  when a rank rings the board's doorbell: the node's part of the ranks'
                     agreements (``deadpool.rounds``: the newest step all its ranks replicated,
                     their snapshot-interval vote) changed -> written at once (the coordinator
@@ -38,7 +38,7 @@ from pathlib import Path
 
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.launcher import process_stopped
-from deadpool.protocol import Keys, Plan, Seal
+from deadpool.protocol import Keys, Plan, Seal, wake_coordinator
 from deadpool.protocol_wire import fetch_plan
 from deadpool.watchdog import IDLE, PEER_WAIT, Liveness
 
@@ -148,6 +148,7 @@ class NodeAgent:
         self.store.set(key, self.seal.wrap(key, self.record()))
         if urgent:
             self.store.add(NODES_CHANGED, 1)
+            wake_coordinator(self.store)
 
     def tick(self) -> None:
         self.observe()

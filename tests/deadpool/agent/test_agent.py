@@ -13,9 +13,9 @@ import pytest
 from deadpool import auth
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, NodeBoard
 from deadpool.agent.client import BoardHeartbeat, NodeLink
-from deadpool.agent.events import EventFollower, EventLog, event_key
+from deadpool.agent.events import EventFollower, EventLog, WakeListener, event_key
 from deadpool.agent.node import NODES_CHANGED, NodeAgent, node_key
-from deadpool.protocol import Keys, Plan, Seal, Source
+from deadpool.protocol import Keys, Plan, Seal, Source, wake_coordinator
 from deadpool.protocol_wire import decode_plan, fetch_plan, publish_plan
 from deadpool.watchdog import NodeLiveness, Progress
 from tests.deadpool.helpers import client, master_store
@@ -126,6 +126,7 @@ def test_agent_record_is_one_sealed_line_naming_only_what_is_wrong(tmp_path):
     agent.on_exit(1, -9)  # an exit is written at once and wakes the coordinator
     detail = json.loads(seal.unwrap(node_key(3), store.get(node_key(3))).split(" ", 5)[5])
     assert detail["exit"] == {"1": -9} and int(store.add(NODES_CHANGED, 0)) == n0 + 1
+    assert store.check([Keys.COORD_WAKE])  # and the coordinator's loop is woken (after the hint)
 
 
 def test_agent_applies_pushed_events_to_its_board_and_processes(tmp_path):
@@ -234,6 +235,37 @@ def test_events_are_followed_in_order_with_blocking_waits_and_forgeries_are_skip
     assert not t.is_alive()
     assert got == [{"kind": "abort", "g": 0}, {"kind": "plan", "g": 1}, {"kind": "done"}]
     assert forged and set(forged) == {1}
+
+
+def test_the_coordinator_sleeps_until_woken_and_no_wake_up_is_lost():
+    """The coordinator's loop waits on ``WakeListener`` (its own connection, blocked on
+    ``coord/wake``) instead of turning every 10 ms: a wake-up ends the wait at once, a wait with
+    none runs to its timeout, a wake-up set while the loop was busy (or before the listener
+    connected) ends the next wait at once, and stop leaves no thread behind."""
+    master = master_store()
+    store = auth.namespaced(client(master.port), SECRET)
+    other = auth.namespaced(client(master.port), SECRET)  # a writer: an agent, a rank
+    wake_coordinator(other)  # before the listener started: not lost
+    waker = WakeListener(lambda: auth.namespaced(client(master.port), SECRET)).start()
+    t0 = time.monotonic()
+    assert waker.wait(5.0) and time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    assert not waker.wait(0.3)  # nothing happened: the timeout (the loop's timed duties)
+    assert time.monotonic() - t0 >= 0.29
+    def later():
+        time.sleep(0.2)
+        wake_coordinator(other)
+    threading.Thread(target=later, daemon=True).start()
+    t0 = time.monotonic()
+    assert waker.wait(5.0) and 0.15 < time.monotonic() - t0 < 1.5  # woken, not timed out
+    wake_coordinator(other)  # while the loop is busy elsewhere: the next wait returns at once
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    assert waker.wait(5.0) and time.monotonic() - t0 < 0.5
+    assert not waker.wait(0.2)  # the key was consumed: no spurious turn
+    assert waker.wakeups == 3
+    waker.stop(store)
+    assert not waker._thread.is_alive()
 
 
 def test_plans_go_out_as_deltas_and_a_reader_without_the_base_gets_the_full_form():

@@ -69,8 +69,10 @@ class Worker:
         self.link = NodeLink.attach()
         self.plan_held: Plan | None = None  # the last plan read (the next comes as a delta on it)
         self._group_keys: list[str] | None = None
-        if self.link is not None:
-            self.heartbeat = BoardHeartbeat(self.link, self.ft["heartbeat_interval_s"], self.progress,
+        if self.link is not None:  # the agent reads the board every agent interval: beating
+            # twice per interval is as fresh as it can see (not every heartbeat_interval_s)
+            every = max(float(self.ft["heartbeat_interval_s"]), float(self.ft["agent_interval_s"]) / 2)
+            self.heartbeat = BoardHeartbeat(self.link, every, self.progress,
                                             float(self.ft["node_timeout_s"]))
         else:
             self.heartbeat = Heartbeat(lambda: self.open_store(timeout_s=2.0), slot,

@@ -88,6 +88,8 @@ def test_matches_single_process_adamw_and_state_layout(n, shard, adamw, bucket):
         for p, q in zip(params, ref_params):
             assert same(p, q)
         assert torch.all(opt.flat_params[opt.numel:] == 0)  # padding stays zero
+        # gloo: each bucket reached its owner by all-to-all (an inbox per owned bucket)
+        assert sorted(opt._inbox) == sorted(lo for lo, _ in opt._owned) and bool(opt._owned) == shard
 
     # state: shared tensors identical on every rank; unique shards tile the reference state
     states = [opt.state_tensors() for _, opt in results]
@@ -204,9 +206,10 @@ def test_grads_accumulate_into_the_flat_buffer_and_dp1_matches_adamw():
 
 
 def test_gloo_reduce_scatter_ignores_the_wait_timeout():
-    """Why gradients are reduced to their owner with ``reduce`` (zero.py): a polled wait on gloo's
-    reduce-scatter blocks until the op ends (here: until the silent peer's group is gone), while
-    a reduce's, an all-gather's or a broadcast's polled wait returns after the slice. If this starts failing,
+    """Why gradients go to their owner by ``reduce`` or all-to-all (zero.py): a polled wait on
+    gloo's reduce-scatter blocks until the op ends (here: until the silent peer's group is gone),
+    while a reduce's, an all-to-all's, an all-gather's or a broadcast's polled wait returns after
+    the slice. If this starts failing,
     torch made gloo's reduce-scatter pollable. Ordered by events, not by elapsed time: the peer
     stays silent until the first two waits have returned (or 60 s), then leaves."""
     master = master_store()
@@ -228,6 +231,9 @@ def test_gloo_reduce_scatter_ignores_the_wait_timeout():
         for name, post in [("all_gather", lambda: pg._allgather_base(torch.ones(8), torch.ones(4))),
                            ("reduce", lambda: pg.reduce([torch.ones(8)], opts)),
                            ("broadcast", lambda: pg.broadcast([torch.ones(8)], bopts)),
+                           ("to_owner", lambda: pg.alltoall_base(  # a bucket to owner 1 (gloo)
+                               torch.ones(0), torch.ones(4), [0, 0], [0, 4],
+                               dist.AllToAllOptions())),
                            ("reduce_scatter",
                             lambda: pg._reduce_scatter_base(torch.ones(4), torch.ones(8)))]:
             if name == "reduce_scatter":
@@ -241,6 +247,7 @@ def test_gloo_reduce_scatter_ignores_the_wait_timeout():
     ended = run_threads(rank_fn, 2)[0]
     assert ended["all_gather"] < left["t"] and ended["reduce"] < left["t"]
     assert ended["broadcast"] < left["t"]  # the overlapped parameter gather's op
+    assert ended["to_owner"] < left["t"]  # the gradient buckets' op on gloo
     assert ended["reduce_scatter"] >= left["t"]
 
 

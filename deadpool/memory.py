@@ -155,13 +155,18 @@ def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: in
 
 
 def state_bytes(numel: int, dp: int, sharded: bool, precision: str = "fp32",
-                grad_reduce_dtype: str = "fp32") -> dict:
+                grad_reduce_dtype: str = "fp32", grad_inbox: bool = False) -> dict:
     """``{"params", "grads", "optimizer"}`` bytes of a rank holding ``numel`` parameters, as
     ``ZeroOptimizer`` allocates them: flat buffers padded to a multiple of dp, the AdamW state
-    (and the fp32 master copy under bf16) of its shard when ``sharded``, plus the step counter."""
+    (and the fp32 master copy under bf16) of its shard when ``sharded``, plus the step counter;
+    with ``grad_inbox`` (gloo, sharded, dp > 1) the owned buckets' inboxes: one more reduction
+    buffer."""
     b = PRECISIONS[precision]
     padded = -(-numel // dp) * dp
-    grad = b["grad"] + (4 if precision == "bf16" and grad_reduce_dtype == "fp32" else 0)
+    fp32_reduce = precision == "bf16" and grad_reduce_dtype == "fp32"
+    grad = b["grad"] + (4 if fp32_reduce else 0)
+    if grad_inbox and sharded and dp > 1:
+        grad += 4 if fp32_reduce else b["grad"]
     return {"params": padded * b["param"], "grads": padded * grad,
             "optimizer": (padded // dp if sharded else padded) * b["optim"] + _STEP_BYTES}
 
@@ -170,7 +175,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
              precision: str = "fp32", activation_checkpointing: str = "none",
              grad_reduce_dtype: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
              replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0,
-             replicas: int = 1) -> dict:
+             replicas: int = 1, grad_inbox: bool = False) -> dict:
     """Memory of the worst rank of a layout, in bytes.
 
     ``batch_size`` is sequences per data-parallel rank per step, split into ``microbatches``.
@@ -179,7 +184,9 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     total}, "host_per_node", "ranks_per_node", "replicated_per_step"}``; ``stage`` is the worst
     rank's pipeline stage. ``replicas`` (``ft.replicas``): each rank holds that many wards'
     replicas and sends its own that many times (``replicated_per_step``: bytes sent per
-    snapshot, all buddies together).
+    snapshot, all buddies together). ``grad_inbox`` (gloo): a sharded optimizer's gradient
+    buckets reach their owner by all-to-all, into one more reduction buffer's worth of inboxes
+    (``parallel/data/zero.py``, Collectives), counted in ``grads``.
     """
     if int(replicas) < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -197,7 +204,8 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     best = None
     for s in range(pp):
         n = stage_params(model_cfg, tp, pp, s)
-        gpu = {**state_bytes(n, dp, dims.optimizer_sharded, precision, grad_reduce_dtype),
+        gpu = {**state_bytes(n, dp, dims.optimizer_sharded, precision, grad_reduce_dtype,
+                             grad_inbox),
                "activations": stage_activations(model_cfg, tp, pp, s, micro_bs=micro_bs,
                                                 seq_len=seq_len, microbatches=int(microbatches),
                                                 act_bytes=act_bytes, mode=activation_checkpointing),
@@ -258,7 +266,10 @@ def check_fits(cfg: dict) -> None:
                    replica_buffers=2 if snapshots else 0,
                    replicate=ft.get("replicate", "unique"), replicas=int(ft.get("replicas", 1)),
                    persist=bool(ft.get("persist_interval_steps")),
-                   overhead_gb=0.25 if cpu and not mem else 1.0)
+                   overhead_gb=0.25 if cpu and not mem else 1.0,
+                   # gloo: a CPU run sized for this machine (a memory section sizes GPUs: NCCL)
+                   grad_inbox=cfg.get("backend", "auto") == "gloo" or (
+                       cfg.get("backend", "auto") == "auto" and cpu and not mem))
     g, h = est["gpu"], est["host_per_rank"]
     micro_tokens = int(cfg["batch_size"]) // mb * int(cfg["seq_len"])
     layout = f"dp{p['dp']} x tp{p['tp']} x pp{p['pp']}"

@@ -72,6 +72,23 @@ def test_sharding_over_dp_divides_optimizer_memory_by_dp():
         assert estimate(m, dict(p, zero=True), **kw)["gpu"]["params"] * 2 == pytest.approx(full, rel=1e-6)
 
 
+@pytest.mark.parametrize("precision,reduce,inbox_bytes", [("fp32", "fp32", 4), ("bf16", "fp32", 4),
+                                                         ("bf16", "bf16", 2)])
+def test_gloo_counts_the_gradient_inboxes(precision, reduce, inbox_bytes):
+    """On gloo a sharded optimizer's buckets reach their owner by all-to-all into inboxes worth
+    one more reduction buffer (zero.py: one per owned bucket, dp x the bucket); none at dp=1 or
+    unsharded. ``test_zero.py`` checks the built optimizer's inboxes hold that many elements."""
+    m = _load("model", "tiny")
+    kw = dict(batch_size=8, seq_len=64, microbatches=1, precision=precision,
+              grad_reduce_dtype=reduce)
+    n = stage_params(m, 1, 1, 0)
+    for dp, zero, counted in ((4, True, True), (1, True, False), (4, False, False)):
+        p = dict(dp=dp, tp=1, pp=1, zero=zero)
+        extra = (estimate(m, p, grad_inbox=True, **kw)["gpu"]["grads"]
+                 - estimate(m, p, **kw)["gpu"]["grads"])
+        assert extra == (-(-n // dp) * dp * inbox_bytes if counted else 0)
+
+
 def test_what_is_replicated_and_kept_on_the_host():
     m = _load("model", "llama_13b")
     kw = dict(batch_size=4, seq_len=2048, microbatches=4, num_local_slots=3, replica_buffers=3)

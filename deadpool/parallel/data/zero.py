@@ -51,10 +51,10 @@ chunk of the output), so no staging buffers are needed. How a bucket reaches its
   gloo  an uneven all-to-all in which only the owner receives: every rank's copy of the bucket
         lands in the owner's inbox (``dp`` x the bucket, one buffer per owned bucket: together
         one more copy of the reduction buffer), which the owner sums in rank order after the
-        wait (``reduce_grads``). Measured with 4 ranks on 2 cores, a 4.7 MB buffer in 4 shards:
-        9.3 ms and 3.5 ms of CPU per rank, against 15.4 ms and 6.5 ms for gloo's ``reduce`` (as
-        much as a whole DDP all-reduce, 13-15 ms), which made ZeRO-1's gradient sync plus
-        parameter all-gather 1.5-1.7x DDP's all-reduce on gloo.
+        wait (``reduce_grads``). gloo's ``reduce`` of the buckets alone cost as much as DDP's
+        whole all-reduce; with the all-to-all, gradient sync plus parameter all-gather against
+        DDP's all-reduce, 4 ranks on 2 cores, 4.7 MB: 1.22x wall, 1.13x CPU, where ``reduce``
+        gave 1.77x and 1.69x (``experiments/bench_grad_sync.py``).
 
 Why not ``reduce_scatter``: on gloo (torch 2.13) it is emulated by all-reduces and its work's
 ``wait(timeout)`` ignores the timeout (it blocks until the group's own timeout when a peer

@@ -90,6 +90,7 @@ def test_matches_single_process_adamw_and_state_layout(n, shard, adamw, bucket):
         assert torch.all(opt.flat_params[opt.numel:] == 0)  # padding stays zero
         # gloo: each bucket reached its owner by all-to-all (an inbox per owned bucket)
         assert sorted(opt._inbox) == sorted(lo for lo, _ in opt._owned) and bool(opt._owned) == shard
+        assert sum(t.numel() for t in opt._inbox.values()) == (opt.padded_numel if shard else 0)
 
     # state: shared tensors identical on every rank; unique shards tile the reference state
     states = [opt.state_tensors() for _, opt in results]

@@ -65,7 +65,7 @@ interval.
 
 After an abort the op is abandoned, not cancelled (see ``deadpool.comm``). On NCCL, parking the
 communicator aborts it. On gloo an abandoned op can in principle still complete later (only if
-every peer of the group posts it) and write its output (``flat_grads``' owned shard, or
+every peer of the group posts it) and write its output (an owned bucket's inbox, or
 ``flat_params``); recovery must not rely on those buffers until the old generation's ops are
 done or its peers are known to be gone.
 

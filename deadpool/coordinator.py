@@ -436,7 +436,7 @@ class Coordinator:
         loop 0.033, the store server 0.010) to 0.011."""
         self.wait_warm()
         poll = 0.01  # detection latency of a process exit; the store round trips it costs
-        idle = float(self.ft["agent_interval_s"]) / 2 if self.waker is not None else poll
+        idle = float(self.ft["agent_interval_s"]) / 2  # under node agents, with nothing to wake it
         while True:
             found = detect.failures(self)
             if found is not None:

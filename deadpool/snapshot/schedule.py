@@ -9,18 +9,26 @@ most ``ft.max_snapshot_lag_steps``):
   snapshot call until its copy and replication (to every buddy) are done. Otherwise the next snapshot would block
   the training thread waiting for a buffer.
 - **cost** (``ft.snapshot_overhead_target``, e.g. 0.02): the slowdown of steps during which
-  snapshot work runs ("active") against steps during which none does ("quiet"), scaled to ``k``,
-  must stay under the target. When no core is idle (a CPU box) snapshots are not free; on a GPU
-  node whose host cores idle while the GPU computes, the cost measures ~0 and ``k`` stays ``base``.
-  With ``k = base`` there are no quiet steps, so the job skips ``probe`` (3) snapshots (a
-  *probe*) to measure them; the protection lag then grows by ``probe``. Probes end just before a
-  vote (below), early and then backing off, so a short job settles too: with the defaults
-  (``every = 16``, ``probe_every = 64``) steps 13-15, 29-31, 61-63, then 3 steps before every
-  multiple of ``probe_every``. A probe yields 2-3 quiet steps and a cost needs ``min_quiet`` (4),
-  so the vote of step 32 is the first that knows it, in force from step 40. The first ``warmup``
-  steps of a generation are not measured. The cost is the slowdown of active steps over quiet
-  ones times the share of active steps outside probes, i.e. what snapshots cost at the current
-  interval.
+  snapshot work runs ("active") against the steps around them during which none does ("quiet"),
+  scaled to ``k``, must stay under the target. When no core is idle (a CPU box) snapshots are not
+  free; on a GPU node whose host cores idle while the GPU computes, the cost measures ~0 and ``k``
+  stays ``base``. With ``k = base`` there are no quiet steps, so the job skips ``probe`` (3)
+  snapshots (a *probe*) to measure them; the protection lag then grows by ``probe``. Probes end
+  just before a vote (below), early and then backing off, so a short job settles too: with the
+  defaults (``every = 16``, ``probe_every = 64``) steps 13-15, 29-31, 61-63, then 3 steps before
+  every multiple of ``probe_every``. The first ``warmup`` steps of a generation are not measured.
+
+  Each active step is compared with the quiet steps at most ``reach`` (4) steps from it (their
+  median), so a host whose speed drifts over seconds (a shared CPU box: ±10 % between runs a
+  minute apart) does not read as cost; the cost is the median of these paired slowdowns times
+  the share of active steps outside probes, i.e. what snapshots cost at the current interval. It
+  needs ``min_quiet`` (4) quiet steps and as many pairs, so the vote of step 32 is the first that
+  knows it (two probes), in force from step 40. The interval is chosen on the cost's upper
+  bound, the median plus ``z`` (2) standard errors: a snapshot kept every step must be shown to
+  be cheap. The two mistakes do not cost alike: a wider interval than needed costs a few more
+  steps recomputed after a failure, a narrower one costs every step's speed. On a steady GPU
+  node the bound is within a fraction of a percent of the median; on a noisy CPU host it widens
+  the interval until more probes narrow the bound.
 
 The cost is protection lag: after a failure up to ``k`` (during a probe, ``k`` + its length)
 steps are recomputed. When even the widest interval cannot hide the cycle, the engine blocks
@@ -49,7 +57,7 @@ class SnapshotSchedule:
     def __init__(self, base: int, max_lag: int, every: int = 16, margin: float = 1.25,
                  adaptive: bool = True, overhead_target: float | None = None,
                  probe_every: int = 64, probe: int = 3, window: int = 16, min_quiet: int = 4,
-                 warmup: int = 2):
+                 warmup: int = 2, reach: int = 4, history: int = 64, z: float = 2.0):
         if base < 1:
             raise ValueError("ft.snapshot_interval_steps must be >= 1")
         self.levels = [base]
@@ -75,14 +83,15 @@ class SnapshotSchedule:
         while end < probe_every:
             self._early_ends.append(end)
             end *= 2
-        self.warmup = warmup
+        self.warmup, self.reach, self.z = warmup, reach, z
         self._seen = 0  # steps observed in this generation (the first `warmup` are not measured)
+        self._observed = 0  # steps observed in all
         self.interval = base
         self._steps: deque = deque(maxlen=window)
         self._share: deque = deque(maxlen=window)  # active or not, steps outside probes
         self._cycles: deque = deque(maxlen=window)
-        self._active: deque = deque(maxlen=window)
-        self._quiet: deque = deque(maxlen=window)
+        # (observation, time, active) of the last `history` measured steps: the paired cost's input
+        self._hist: deque = deque(maxlen=history)
         self._rounds = None  # the generation's agreements (deadpool.rounds): votes and decisions
         self._voted: set[int] = set()
 
@@ -112,28 +121,55 @@ class SnapshotSchedule:
         None: counted as outside probes. The first ``warmup`` steps of a generation (lazy
         allocations, a recovery's first step) are not measured."""
         self._seen += 1
+        self._observed += 1  # over generations: a recovery's repeated step numbers stay apart
         if self._seen <= self.warmup:
             return
         self._steps.append(step_s)
-        (self._active if active else self._quiet).append(step_s)
+        self._hist.append((self._observed, step_s, active))
         if step is None or not self.probing(step - 1):
             self._share.append(active)
         if cycle_s:
             self._cycles.append(cycle_s)
 
+    def _paired(self) -> list[float]:
+        """Each active step's slowdown against the median of the quiet steps within ``reach``."""
+        quiet = [(i, t) for i, t, active in self._hist if not active]
+        out = []
+        for i, t, active in self._hist:
+            near = [q for j, q in quiet if abs(j - i) <= self.reach] if active else None
+            if near:
+                base = statistics.median(near)
+                out.append((t - base) / base)
+        return out
+
+    def _cost(self) -> tuple[float, float] | None:
+        """(median, upper bound) of the measured slowdown at the current interval; None: too
+        few quiet steps or pairs."""
+        n_quiet = sum(1 for _, _, active in self._hist if not active)
+        pairs = self._paired()
+        if n_quiet < self.min_quiet or len(pairs) < self.min_quiet:
+            return None
+        mid = statistics.median(pairs)
+        # standard error of a median from the median absolute deviation (robust to one slow step)
+        mad = statistics.median(abs(p - mid) for p in pairs)
+        se = 1.2533 * 1.4826 * mad / len(pairs) ** 0.5
+        # the share of steps with snapshot work at this interval (probes would lower it)
+        share = sum(self._share) / len(self._share) if self._share else 1.0
+        return max(0.0, mid * share), max(0.0, (mid + self.z * se) * share)
+
     def overhead(self) -> float | None:
         """Measured slowdown of training by snapshots at the current interval (None: unknown)."""
-        if len(self._quiet) < self.min_quiet or len(self._active) < self.min_quiet:
-            return None
-        q = statistics.median(self._quiet)
-        # the share of steps with snapshot work at this interval (probes would lower it)
-        share = (sum(self._share) / len(self._share) if self._share
-                 else len(self._active) / (len(self._active) + len(self._quiet)))
-        return max(0.0, (statistics.median(self._active) - q) / q * share)
+        cost = self._cost()
+        return None if cost is None else cost[0]
+
+    def overhead_bound(self) -> float | None:
+        """Its upper bound (median + ``z`` standard errors), on which the interval is chosen."""
+        cost = self._cost()
+        return None if cost is None else cost[1]
 
     def wanted(self) -> int:
         """The smallest level that both covers this rank's snapshot cycle and keeps its measured
-        cost under the target, narrowing only with a 2x margin and by one level per vote, so the
+        cost (its upper bound) under the target, narrowing only with a 2x margin and by one level per vote, so the
         choice does not flap: at a wide interval the cost rests on few active steps spread over
         many more steps than the quiet ones (a host whose speed drifts biases it), and one low
         reading must not send the job back to the narrowest interval at once (seen: 8 -> 1 in an
@@ -142,7 +178,7 @@ class SnapshotSchedule:
             return self.base
         step = statistics.median(self._steps)
         need = self.margin * statistics.median(self._cycles) / step if self._cycles else 1
-        cost = self.overhead() if self.target is not None else None
+        cost = self.overhead_bound() if self.target is not None else None
         for k in self.levels:
             if k < need or k < self.interval // 2:
                 continue

@@ -1,6 +1,8 @@
 """The snapshot schedule: which interval a rank wants from what it measured, and the vote that
 makes every rank of a job snapshot the same steps."""
 
+import math
+
 import pytest
 
 from deadpool.protocol import Keys
@@ -96,13 +98,15 @@ def test_ranks_adopt_the_widest_wanted_interval_at_the_next_decision():
         assert seen[15:] == [8] * 9
 
 
-def train(s, steps, store, world=1, step_s=0.100, slowdown=0.10, cycle_s=0.05):
+def train(s, steps, store, world=1, step_s=0.100, slowdown=0.10, cycle_s=0.05, host=None):
     """Drive ``s`` as the trainer does: the snapshot taken after step t runs during step t + 1,
-    which it slows by ``slowdown``. Returns the interval in force after each step."""
+    which it slows by ``slowdown``; ``host(t)``: the host's speed factor at step t (drift).
+    Returns the interval in force after each step."""
     s.start(StoreRounds(store, Keys(5), world))
     running, seen = False, []
     for t in range(1, steps + 1):
-        dt = step_s * (1 + slowdown) if running else step_s
+        base = step_s * (host(t) if host else 1.0)
+        dt = base * (1 + slowdown) if running else base
         took = s.due(t)
         s.end_of_step(t, lambda: None)
         s.observe(dt, running, cycle_s if running else None, step=t)
@@ -156,3 +160,38 @@ def test_ranks_agree_at_the_default_decision_steps():
 
     for seen in run_threads(rank_fn, n):
         assert seen == [1] * 39 + [8] * 9
+
+
+def test_a_drifting_host_neither_hides_a_costly_snapshot_nor_delays_the_widening():
+    """The host's speed swings by +-10 % over 40 steps (a shared CPU box); a snapshot slows the
+    step it runs in by 6 % (6 % at k = 1, 3 times the target). Comparing the probes' quiet
+    steps with the active steps next to them cancels the drift, at every phase of the swing; a
+    cost read from medians of quiet and active steps far apart (the previous estimator) left
+    the job at every step until step 56 or later at 4 of these 12 phases."""
+    master = master_store()
+    for i in range(12):
+        def host(t, i=i):
+            return 1 + 0.10 * math.sin(2 * math.pi * t / 40 + i * math.pi / 6)
+        seen = train(SnapshotSchedule(1, 8, overhead_target=0.02), 64, client(master.port),
+                     slowdown=0.06, host=host)
+        assert seen[39] >= 4 and seen[55] == 8, (i, seen[39], seen[55])
+
+
+def test_the_interval_is_chosen_on_the_upper_bound_of_the_cost():
+    """Equal median slowdowns, one measured steadily and one with a spread: the steady one keeps
+    every step, the uncertain one widens until its bound fits under the target."""
+    steady = SnapshotSchedule(1, 8, overhead_target=0.02, history=40, warmup=0)
+    noisy = SnapshotSchedule(1, 8, overhead_target=0.02, history=40, warmup=0)
+    spread = [0.00, 0.04, -0.04, 0.08, -0.08]  # around a median of 2 %, halved by the active share
+    for i in range(20):
+        steady.observe(0.102, True, 0.01)
+        steady.observe(0.100, False, None)
+        noisy.observe(0.100 * (1.02 + spread[i % 5]), True, 0.01)
+        noisy.observe(0.100, False, None)
+    assert steady.overhead() == pytest.approx(0.01) == steady.overhead_bound()
+    assert noisy.overhead() == pytest.approx(0.01)
+    # the median's standard error from its absolute deviation: 1.2533 x 1.4826 x 0.04 / sqrt(20)
+    se = 1.2533 * 1.4826 * 0.04 / 20 ** 0.5
+    assert noisy.overhead_bound() == pytest.approx((0.02 + 2 * se) / 2)
+    assert steady.wanted() == 1
+    assert noisy.wanted() == 2  # bound 2.7 % at k = 1, 1.3 % at k = 2

@@ -92,6 +92,7 @@ class Worker:
         self.run_dir = run_dir
         self.backend = resolve_backend(cfg["device"], cfg.get("backend", "auto"))
         self.has_state = False  # holds a rank's state (live step meaningful)
+        self._idle_faults = any(e.phase == "idle" for e in self.injector.events)
         self._idle_build_store = None
         self.prev_comm: Communicator | None = None  # the last aborted generation's (groups kept)
         # every parked communicator stays referenced for the life of the process: its groups
@@ -161,10 +162,13 @@ class Worker:
                 step = self._job_step()
                 if step is not None:
                     self.injector.fire(int(step), "idle")
-            # one store round trip per 10 ms: an idle spare shares cores with training ranks
-            # (TCPStore.wait with a timeout would block instead, but a timed-out wait leaves the
-            # client's socket expecting a reply it no longer reads)
-            time.sleep(0.01)
+            if self.link is not None:
+                # the agent rings this process's waker after each plan and flag: block on it,
+                # bounded for what nothing rings (the job's step, for an idle-phase fault)
+                self.link.sleep(0.05 if self._idle_faults else 0.5)
+            else:
+                # one store round trip per 10 ms: an idle spare shares cores with training ranks
+                time.sleep(0.01)
 
     def _take_plan(self, generation: int, text: str | None = None) -> Plan:
         """Decode plan ``generation`` (the wire text the node's agent handed over, or the store's)

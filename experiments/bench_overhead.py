@@ -137,7 +137,13 @@ def details(res: dict, lo: int, hi: int) -> dict:
 
 
 def spread(v: list[float]) -> str:
-    return f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
+    """Median (range); from 5 repeats on also the interquartile range, which one repeat taken
+    in a slow patch of the host does not move."""
+    text = f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f}"
+    if len(v) >= 5:
+        q1, _, q3 = statistics.quantiles(v, n=4)
+        text += f"; IQR {q1:.3f}-{q3:.3f}"
+    return text + ")"
 
 
 def main() -> None:
@@ -216,7 +222,7 @@ def main() -> None:
 
 def report(entry: dict, windows: dict, repeats: int) -> None:
     print(f"\n== {entry['ranks']} ranks + {entry['spares']} spare(s), {entry['precision']}, "
-          f"{repeats} interleaved repeats: step time ratio, median (range over repeats)")
+          f"{repeats} interleaved repeats: step time ratio, median (range over repeats; from 5, IQR)")
     for w, (lo, hi) in windows.items():
         ew = entry["windows"][w]
         cells = "  ".join(f"{k} {spread(v)}" for k, v in ew["ratios"].items())

@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 
 from deadpool import auth
-from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard
+from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard, waker_name
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.groups import layout_group_keys
@@ -168,11 +168,13 @@ def main(argv=None) -> int:
     where.mkdir(parents=True, mode=0o700)
     board = NodeBoard.create(where / "board", slots)
     bell = Doorbell(where)  # before the children start: each opens it once
+    wakers = [Doorbell(where, waker_name(i)) for i in range(len(slots))]  # each child's
     procs: dict[int, object] = {}
     store = open_store()
     agent = NodeAgent(args.node, board, store, seal, ft, where,
                       kill=lambda slot: sigkill(procs.get(slot)),
-                      group_keys=partial(layout_group_keys, cfg))
+                      group_keys=partial(layout_group_keys, cfg),
+                      wake=lambda: [w.ring() for w in wakers])
     lock = threading.Lock()  # the store client and the agent's state are shared by the threads
     with lock:
         agent.publish()

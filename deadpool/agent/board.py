@@ -24,6 +24,9 @@ the store; its heartbeat is a few word writes, where it used to be three store r
 The other direction has a doorbell (``Doorbell``, a FIFO next to the board): after changing a word
 the agent must act on at once (a replicated step, a vote, a report), a rank writes one byte to
 it, and the agent, blocked on it, wakes. An idle node's agent then costs no CPU between its ticks.
+Each local process has one too (``waker-<index>``), rung by the agent after it publishes a plan or
+sets a flag: a warm spare waiting for its plan blocks on it instead of reading the board every
+10 ms.
 """
 
 from __future__ import annotations
@@ -64,17 +67,28 @@ NODE_DIR_ENV, NODE_INDEX_ENV = "DEADPOOL_NODE_DIR", "DEADPOOL_NODE_INDEX"
 DOORBELL = "doorbell"  # the FIFO next to the board
 
 
-class Doorbell:
-    """The agent's side of the doorbell: a FIFO it blocks on (``wait``) that its ranks ring
-    (``ring``) after writing a word it must act on. The agent holds a writer end itself, so the
-    FIFO never reads as closed while no rank has it open."""
+def waker_name(index: int) -> str:
+    """The FIFO through which the agent wakes its local process of record ``index``."""
+    return f"waker-{index}"
 
-    def __init__(self, node_dir: Path):
-        path = Path(node_dir) / DOORBELL
-        if not path.exists():
+
+class Doorbell:
+    """A FIFO next to the board that its owner blocks on (``wait``) and others ring (``ring``, or
+    the module's ``ring`` on an ``open_doorbell`` end): the agent's, rung by its ranks after
+    writing a word it must act on, and each process's waker, rung by the agent. The owner holds
+    a writer end itself, so the FIFO never reads as closed while no one else has it open."""
+
+    def __init__(self, node_dir: Path, name: str = DOORBELL):
+        path = Path(node_dir) / name
+        try:
             os.mkfifo(path, 0o600)
+        except FileExistsError:
+            pass
         self._r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         self._w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+
+    def ring(self) -> None:
+        ring(self._w)
 
     def wait(self, timeout_s: float) -> bool:
         """Block until a ring or ``timeout_s``; True if rung (every pending ring is consumed)."""

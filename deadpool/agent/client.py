@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
-                                  NODE_INDEX_ENV, NodeBoard, open_doorbell, ring)
+                                  NODE_INDEX_ENV, Doorbell, NodeBoard, open_doorbell, ring,
+                                  waker_name)
 from deadpool.agent.node import plan_file, report_file, write_whole
 from deadpool.watchdog import Progress
 
@@ -42,10 +43,16 @@ class NodeLink:
         self.slot = self.board.slot_of(index)
         self._lock = threading.Lock()
         self._bell = open_doorbell(self.node_dir)
+        self._waker = Doorbell(self.node_dir, waker_name(index))  # the agent rings it (plans, flags)
 
     def wake(self) -> None:
         """Ring the agent's doorbell: a word it must act on at once changed."""
         ring(self._bell)
+
+    def sleep(self, timeout_s: float) -> bool:
+        """Block until the agent publishes a plan or sets a flag, or ``timeout_s``; True if woken
+        (a ring left from while this process was busy also counts: the caller looks again)."""
+        return self._waker.wait(timeout_s)
 
     @classmethod
     def attach(cls, environ=os.environ) -> "NodeLink | None":

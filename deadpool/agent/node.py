@@ -69,16 +69,19 @@ def report_file(node_dir: Path, index: int, n: int) -> Path:
 
 class NodeAgent:
     def __init__(self, node: int, board: NodeBoard, store, seal: Seal, ft: dict, node_dir: Path,
-                 kill=None, group_keys=None, decode=None, clock=time.monotonic):
-        """``kill(slot)``: SIGKILL a local process; ``group_keys``: ``groups.keepable_keys`` of
-        the layout (plans on the wire may list kept groups as their complement), or a function
-        of a plan's layout (``Plan.layout``) giving them: the agent then follows an in-place
-        width change and decodes the next plans as deltas at the new width."""
+                 kill=None, group_keys=None, decode=None, clock=time.monotonic, wake=None):
+        """``kill(slot)``: SIGKILL a local process; ``wake()``: ring every local process's waker
+        (``board.waker_name``) after a plan or a flag it may be waiting on; ``group_keys``:
+        ``groups.keepable_keys`` of the layout (plans on the wire may list kept groups as their
+        complement), or a function of a plan's layout (``Plan.layout``) giving them: the agent
+        then follows an in-place width change and decodes the next plans as deltas at the new
+        width."""
         self.node, self.board, self.store, self.seal = node, board, store, seal
         self.node_dir = Path(node_dir)
         self.slots = [board.slot_of(i) for i in range(board.num_slots)]
         self.index = {s: i for i, s in enumerate(self.slots)}
         self.kill = kill or (lambda slot: None)
+        self.wake = wake or (lambda: None)
         self._keys_for = group_keys if callable(group_keys) else None
         self.group_keys = group_keys({}) if callable(group_keys) else group_keys
         self._layout: dict = {}  # the layout of the plan held ({}: the configured width)
@@ -230,6 +233,7 @@ class NodeAgent:
         elif now - self._coord[1] > self.coordinator_timeout_s and not self.coordinator_lost:
             self.coordinator_lost = True
             self.board.set_flag(COORD_LOST)
+            self.wake()
 
     def _job_step(self) -> None:
         if self.store.check([Keys.JOB_STEP]):
@@ -263,6 +267,8 @@ class NodeAgent:
             self.board.set_flag(JOB_DONE)
         elif kind == "stop":
             self.board.set_flag(JOB_STOP)
+        if kind in ("plan", "done", "stop"):
+            self.wake()  # a process waiting for its plan (a warm spare) blocks on its waker
 
     def _take_plan(self, g: int) -> None:
         # fetched once per node; its processes get the same wire text (a delta of a few hundred

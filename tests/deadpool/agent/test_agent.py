@@ -74,6 +74,41 @@ def test_the_doorbell_wakes_the_agent_at_once_and_only_when_rung(tmp_path):
     bell.close()
 
 
+def test_a_waiting_process_is_woken_by_its_agent_on_a_plan_or_flag_and_only_then(tmp_path):
+    """A warm spare blocks on its waker (``NodeLink.sleep``) instead of reading the board every
+    10 ms: the agent rings every local process's waker after a plan, ``done`` or ``stop``, and
+    after it declares the coordinator lost; other events (an abort, a vote) ring none."""
+    from deadpool.agent.board import Doorbell, waker_name
+
+    master = master_store()
+    store = auth.namespaced(client(master.port), SECRET)
+    board = NodeBoard.create(tmp_path / "board", [0, 1])
+    wakers = [Doorbell(tmp_path, waker_name(i)) for i in range(2)]  # as the agent's main does
+    clock = Clock()
+    agent = NodeAgent(3, board, store, Seal(SECRET), FT, tmp_path, clock=clock,
+                      wake=lambda: [w.ring() for w in wakers])
+    links = [NodeLink(tmp_path, i) for i in range(2)]
+    t0 = time.monotonic()
+    assert not links[1].sleep(0.1) and time.monotonic() - t0 >= 0.1  # nothing rang
+    seal = Seal(SECRET)
+    store.set(Keys.plan(0), seal.wrap(Keys.plan(0), _plan(0, {0: 0}).to_json()))
+    threading.Timer(0.05, agent.apply, args=({"kind": "plan", "g": 0},)).start()
+    t0 = time.monotonic()
+    assert links[1].sleep(5.0) and time.monotonic() - t0 < 1.0  # woken at the plan, not at 5 s
+    assert links[1].plan_text(0) is not None  # the plan is on the board when the ring comes
+    assert links[0].sleep(0.0) and not links[0].sleep(0.0)  # every process rung, once each
+    agent.apply({"kind": "abort", "g": 0})
+    agent.apply({"kind": "interval", "g": 0, "step": 16, "k": 2})
+    assert not any(link.sleep(0.0) for link in links)  # the ranks poll these between waits
+    for kind in ("done", "stop"):
+        agent.apply({"kind": kind})
+        assert all(link.sleep(0.0) for link in links), kind
+    agent.check_coordinator()  # a beat seen at t = 100 (none yet): not lost
+    clock.t += FT["coordinator_timeout_s"] + 1
+    agent.check_coordinator(error=True)
+    assert agent.coordinator_lost and all(link.sleep(0.0) for link in links)
+
+
 def test_a_file_that_is_not_a_board_is_refused(tmp_path):
     (tmp_path / "x").write_bytes(b"\0" * 4096)
     with pytest.raises(ValueError, match="not a DeadPool node board"):

@@ -43,7 +43,7 @@ class NodeLink:
         self.slot = self.board.slot_of(index)
         self._lock = threading.Lock()
         self._bell = open_doorbell(self.node_dir)
-        self._waker = Doorbell(self.node_dir, waker_name(index))  # the agent rings it (plans, flags)
+        self._waker = Doorbell(self.node_dir, waker_name(index))  # rung by the agent (plans, flags)
 
     def wake(self) -> None:
         """Ring the agent's doorbell: a word it must act on at once changed."""

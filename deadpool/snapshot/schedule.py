@@ -169,11 +169,10 @@ class SnapshotSchedule:
 
     def wanted(self) -> int:
         """The smallest level that both covers this rank's snapshot cycle and keeps its measured
-        cost (its upper bound) under the target, narrowing only with a 2x margin and by one level per vote, so the
-        choice does not flap: at a wide interval the cost rests on few active steps spread over
-        many more steps than the quiet ones (a host whose speed drifts biases it), and one low
-        reading must not send the job back to the narrowest interval at once (seen: 8 -> 1 in an
-        80-step job after a probe). Widening jumps as far as needed."""
+        cost (its upper bound) under the target, narrowing only with a 2x margin and by one level
+        per vote, so the choice does not flap: at a wide interval the cost rests on few active
+        steps, and one low reading must not send the job back to the narrowest interval at once
+        (seen: 8 -> 1 in an 80-step job after a probe). Widening jumps as far as needed."""
         if not self._steps:
             return self.base
         step = statistics.median(self._steps)

@@ -168,10 +168,10 @@ def test_a_drifting_host_neither_hides_a_costly_snapshot_nor_delays_the_widening
     steps with the active steps next to them cancels the drift, at every phase of the swing; a
     cost read from medians of quiet and active steps far apart (the previous estimator) left
     the job at every step until step 56 or later at 4 of these 12 phases."""
-    master = master_store()
     for i in range(12):
         def host(t, i=i):
             return 1 + 0.10 * math.sin(2 * math.pi * t / 40 + i * math.pi / 6)
+        master = master_store()  # a store of its own: no phase reads another's votes
         seen = train(SnapshotSchedule(1, 8, overhead_target=0.02), 64, client(master.port),
                      slowdown=0.06, host=host)
         assert seen[39] >= 4 and seen[55] == 8, (i, seen[39], seen[55])

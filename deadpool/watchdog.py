@@ -46,8 +46,13 @@ class Progress:
         self.count = 0
         self.step = -1
         self.phase = "start"
+        # called with each new step as the training thread enters it (the node board's step
+        # word: a process killed mid-step is known to have died in that step, not the last beat's)
+        self.on_step = None
 
     def set(self, step: int, phase: str) -> None:
+        if step != self.step and self.on_step is not None:
+            self.on_step(step)
         self.step, self.phase = step, phase
         self.count += 1
 

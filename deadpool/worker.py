@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,6 +75,7 @@ class Worker:
             every = max(float(self.ft["heartbeat_interval_s"]), float(self.ft["agent_interval_s"]) / 2)
             self.heartbeat = BoardHeartbeat(self.link, every, self.progress,
                                             float(self.ft["node_timeout_s"]))
+            self.progress.on_step = partial(self.link.board.set_step, self.link.index)
         else:
             self.heartbeat = Heartbeat(lambda: self.open_store(timeout_s=2.0), slot,
                                        self.ft["heartbeat_interval_s"],

@@ -253,6 +253,11 @@ class NodeBoard:
         w[b + _PID], w[b + _PROG], w[b + _STEP] = pid, progress, step
         w[b + _BEAT] = beat
 
+    def set_step(self, index: int, step: int) -> None:
+        """The rank's step as it enters it, between beats (one word; the next beat writes it
+        again)."""
+        self.words[self._base(index) + _STEP] = step
+
     def read_beat(self, index: int) -> tuple[int, int, int, int, str]:
         """(pid, beat, progress, step, phase) of a local slot."""
         b = self._base(index)

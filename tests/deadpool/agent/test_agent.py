@@ -109,6 +109,31 @@ def test_a_waiting_process_is_woken_by_its_agent_on_a_plan_or_flag_and_only_then
     assert agent.coordinator_lost and all(link.sleep(0.0) for link in links)
 
 
+def test_a_rank_s_step_is_on_the_board_as_it_enters_it_not_at_its_next_beat(tmp_path):
+    """A process killed mid-step died in that step (a restart's ``failed_at_step``), though its
+    heartbeat thread beats only twice per agent interval: the training thread writes the step
+    word itself when the step changes (``Progress.on_step``), and only then."""
+    from functools import partial
+
+    board = NodeBoard.create(tmp_path / "board", [0, 1])
+    link = NodeLink(tmp_path, 1)
+    p = Progress()
+    hb = BoardHeartbeat(link, 60.0, p)  # not started: no beat but the ones written here
+    p.on_step = partial(link.board.set_step, link.index)
+    p.set(9, "optimizer")
+    hb.beat()
+    p.set(10, "forward")  # entered step 10; no beat since
+    assert board.read_beat(1)[3] == 10 and board.read_beat(0)[3] != 10
+    calls = []
+    p.on_step = calls.append
+    p.set(10, "backward")
+    with p.waiting():
+        pass
+    assert calls == []  # phases of the same step write nothing
+    p.set(11, "forward")
+    assert calls == [11]
+
+
 def test_a_file_that_is_not_a_board_is_refused(tmp_path):
     (tmp_path / "x").write_bytes(b"\0" * 4096)
     with pytest.raises(ValueError, match="not a DeadPool node board"):

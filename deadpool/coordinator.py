@@ -341,7 +341,7 @@ class Coordinator:
     def wait_warm(self) -> None:
         """Every process must import torch, build its model and report warm (a join announcement
         sealed with the job's secret: a process without it is never counted)."""
-        deadline = time.time() + float(self.ft["startup_timeout_s"])
+        deadline = time.monotonic() + float(self.ft["startup_timeout_s"])
         waiting = set(self.members.ranks.values()) | set(self.members.spares)
         joined = Reports(self.store, self.seal, Keys.spare_ready, waiting, on_forged=lambda s: self.log(
             f"[coordinator] slot {s}: join announcement without the job's secret refused"))
@@ -352,7 +352,7 @@ class Coordinator:
                 if self.launcher.poll(slot) is not None:
                     raise JobFailed(f"process in slot {slot} exited during start-up:\n"
                                     + self.launcher.log_tail(slot))
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 raise JobFailed(f"slots {sorted(waiting)} not warm after {self.ft['startup_timeout_s']} s")
             if waiting:
                 time.sleep(0.01)
@@ -450,7 +450,7 @@ class Coordinator:
             timeline.finish_pending(self)
             self.collect_garbage()
             self._print_progress()
-            if self.grow_at is not None and time.time() >= self.grow_at \
+            if self.grow_at is not None and time.monotonic() >= self.grow_at \
                     and self.pending is None and self._regrow_ready():
                 fallbacks.grow(self)
                 if self.outcome != "running":
@@ -521,10 +521,10 @@ class Coordinator:
                 self.log(line)
 
     def _collect_finals(self) -> None:
-        deadline = time.time() + 120
+        deadline = time.monotonic() + 120
         finals = Reports(self.store, self.seal, Keys.final, range(self.dims.world_size),
                          on_forged=lambda r: detect._forged(self, f"final state of rank {r}"))
-        while len(self.finals) < self.dims.world_size and time.time() < deadline:
+        while len(self.finals) < self.dims.world_size and time.monotonic() < deadline:
             self.tick()
             for r, text in finals.poll().items():
                 self.finals.setdefault(r, json.loads(text))

@@ -303,7 +303,8 @@ def _relaunch_cfg(cfg: dict, store, first_generation: int, rec, log) -> dict:
         par.update(dp=int(rec.dp), global_dp=int(par.get("global_dp") or par["dp"]))
         extra["_full_dp"] = full
         regrow = ft.get("elastic_regrow_after_s")
-        extra["_grow_at"] = (time.time() + float(regrow)
+        # a time.monotonic() deadline: the relaunch's coordinator runs in this process
+        extra["_grow_at"] = (time.monotonic() + float(regrow)
                              if rec.fallback == "shrink" and regrow is not None else None)
     dims = ParallelDims.from_config(par)
     world = dims.world_size

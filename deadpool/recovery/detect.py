@@ -10,6 +10,9 @@ Failure signals, each named in the record's ``detected_by``::
                                                                       "collective_error"
 
 Every function takes the ``Coordinator`` (its store, launcher, membership and liveness tracker).
+Deadlines run on ``time.monotonic()``: a wall-clock step (NTP) during a recovery must neither
+declare silent ranks failed early nor keep the coordinator waiting. ``time.time()`` is only the
+detection timestamp ``t_detect``, which records compare with the ranks' own wall-clock stamps.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ def name_culprit(coord, poll_s: float) -> dict[int, str]:
     if _bad_reported(coord):
         return {}
     found = None
-    deadline = time.time() + float(coord.ft["heartbeat_timeout_s"]) * 1.5
-    while time.time() < deadline:
+    deadline = time.monotonic() + float(coord.ft["heartbeat_timeout_s"]) * 1.5
+    while time.monotonic() < deadline:
         found = failures(coord)
         if found and found[0]:
             break
@@ -143,7 +146,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
     """Wait for every process of the aborted generation to report; whoever dies, stops or
     stays silent past ``status_timeout_s`` is declared failed (added to ``failed``) and fenced."""
     ranks, launcher = coord.members.ranks, coord.launcher
-    deadline = time.time() + float(coord.ft["status_timeout_s"])
+    deadline = time.monotonic() + float(coord.ft["status_timeout_s"])
     statuses: dict[int, RankStatus] = {}
     pending = coord.rank_reports(keys, "status", [r for r in ranks if r not in failed],
                                  lambda who: _forged(coord, f"status for {who}"))
@@ -175,7 +178,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
             pending.forget(failed)
         if len(statuses) + len(failed) >= len(ranks):
             return statuses
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
             for rank, slot in ranks.items():
                 if rank not in failed and rank not in statuses:
                     failed[rank] = "no_status"

@@ -106,9 +106,10 @@ def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
         (step_dir,) = on_disk
         train_gen, checkpoint_s = generation, 0.0
     else:
+        t0 = time.monotonic()  # (the plan's t_written is a wall-clock stamp for the records)
         p = write_state(coord, generation, "checkpoint", decision, f"regroup at dp={dp}")
         step_dir = str(Path(coord.ft["checkpoint_dir"]) / f"step_{p.resume_step}")
-        train_gen, checkpoint_s = generation + 1, time.time() - p.t_written
+        train_gen, checkpoint_s = generation + 1, time.monotonic() - t0
     layout = layout_at(coord.configured, dp)
     coord.reshape(layout)
     assignments, idle = renumber(old, coord.dims, coord.members.ranks, keep_dp)

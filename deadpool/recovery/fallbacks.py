@@ -251,8 +251,10 @@ def _regroup_in_place(coord, generation: int, decision, rec: RecoveryRecord, dea
 
 
 def _grow_time(coord) -> float | None:
+    """When the job regrows: a ``time.monotonic()`` deadline of this process (never written
+    for another process to read)."""
     after = coord.ft.get("elastic_regrow_after_s")
-    return None if after is None else time.time() + float(after)
+    return None if after is None else time.monotonic() + float(after)
 
 
 def grow(coord) -> None:

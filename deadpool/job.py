@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from deadpool import auth, checkpoint, lr_schedule, precision
+from deadpool import auth, checkpoint, lr_schedule, netif, precision
 from deadpool.comm import resolve_backend
 from deadpool.coordinator import Coordinator
 from deadpool.data import check_data
@@ -185,6 +185,7 @@ def run_job(cfg: dict, log=print) -> dict:
         log(f"[deadpool] placement warning: {warning}")
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
+    netif.check_store_host(cfg)  # a multi-node job served from loopback: refused, with why
     master = auth.serve_store(cfg["launcher"]["host"], int(cfg["launcher"]["port"]))
     t0 = time.time()
     history: list[dict] = []  # recoveries of earlier launches (ft=checkpoint_restart)

@@ -44,11 +44,15 @@ def local_rank(slot: int, num_devices: int | None = None) -> int:
     return slot % num_devices if num_devices > 0 else 0
 
 
-def job_env(secret: str | None) -> dict:
+def job_env(secret: str | None, sockets: dict | None = None) -> dict:
     """The environment of a job's local processes: the job's secret in it (never argv, job.json
-    or a log)."""
+    or a log); ``sockets``: the interface they talk over (``netif.socket_env``; loopback unless
+    given, as every process of the local launcher runs on this host)."""
     env = dict(os.environ)
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if sockets:
+        env.update(sockets)
+    else:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env["PYTHONUNBUFFERED"] = "1"
     if secret is not None:
         env[auth.SECRET_ENV] = secret

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deadpool import auth, nccl_env, reports
+from deadpool import auth, nccl_env, netif, reports
 from deadpool.agent.client import BoardHeartbeat, NodeLink
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator, resolve_backend
@@ -401,6 +401,7 @@ def main(argv=None) -> None:
         args.slot = int(env)
     cfg = json.loads(Path(args.job).read_text())
     secret = auth.load_secret()  # from the environment or a 0600 file; never logged
+    os.environ.update(netif.socket_env(cfg))  # (as its agent set it, or this host's: srun tasks)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     torch.set_num_threads(int(cfg.get("torch_num_threads", 1)))
     if cfg.get("deterministic"):

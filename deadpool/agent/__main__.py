@@ -37,7 +37,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from deadpool import auth
+from deadpool import auth, netif
 from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard, waker_name
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     lock = threading.Lock()  # the store client and the agent's state are shared by the threads
     with lock:
         agent.publish()
-    env = job_env(secret)
+    env = job_env(secret, netif.socket_env(cfg))  # this host's interface, never assumed
     env[NODE_DIR_ENV] = str(where)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     # launcher.fork_workers: the children are forks of this process (no thread runs yet), each

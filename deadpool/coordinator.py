@@ -380,15 +380,14 @@ class Coordinator:
         faults = detect.collect_faults(self, set(failed))
         decision = plan.decide(self, statuses)
         rec = timeline.open_record(self, failed, faults, decision, t_detect, bad)
-        for d in failed:
-            del self.members.ranks[d]
+        lost = {d: self.members.ranks.pop(d) for d in failed}  # rank -> the slot it held
         if decision.resume_step is None:
             decision = fallbacks.from_disk(self, decision, rec)
             if decision is None:
                 return
         if fallbacks.stalled(self, decision, rec, t_detect):
             return
-        assignments, need, spares_used = plan.assign_spares(self)
+        assignments, need, spares_used = plan.assign_spares(self, lost)
         rec.spare_slot = timeline.one_or_list(spares_used)
         rec.sources = decision.described_sources()
         if len(assignments) < self.dims.world_size:

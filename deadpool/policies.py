@@ -4,6 +4,11 @@ Each policy is a small callable with its before -> after picture, so a reader ca
 without running it. Add a policy by adding a class and a name in ``BUDDY_POLICIES`` /
 ``SPARE_POLICIES``; ``conf/ft`` selects one by name.
 
+Spare policies map the dead ranks (rank -> the node its slot was on) and the free warm spares
+(slot -> node), knowing which nodes still run a rank, to rank -> spare slot
+(``recovery.plan.assign_spares`` supplies the nodes). ``same_node_first``, the default, keeps a
+lost node's ranks together on one node, so tensor-parallel groups stay inside a node.
+
 Buddy policies map a rank to the ranks holding its replicas, given the layout (``ParallelDims``:
 ``coords(rank) -> {pp, dp, tp}``, ``rank_of``, ``node_of``, ``num_nodes``). ``ft.replicas=k``
 asks for ``k`` holders per rank (``buddies(rank, dims, k)``, the first being ``buddy``). Three
@@ -195,7 +200,8 @@ class NextStage(_ShiftAlong):
 
 
 class FirstFree:
-    """Take the spare that registered first (lowest launch slot).
+    """The dead ranks, lowest first, take the spares that registered first (lowest launch slot);
+    nodes are not looked at.
 
     spares [s5 s6 s7], rank 2 dies::
 
@@ -203,22 +209,73 @@ class FirstFree:
         after:  ranks 0 1 2 3 -> p0 p1 p5 p3    spares: p6 p7
     """
 
-    def __call__(self, dead_rank: int, spares: list[dict], ranks_per_node: int) -> dict:
-        return min(spares, key=lambda s: s["slot"])
+    def __call__(self, dead: dict[int, int], spares: dict[int, int],
+                 alive: set[int]) -> dict[int, int]:
+        return dict(zip(sorted(dead), sorted(spares)))
 
 
 class SameNodeFirst:
-    """Prefer a spare on the dead rank's node (keeps intra-node links for TP), else the first free.
+    """Keep each node's dead ranks together, on their own node when it lives, so that a
+    tensor-parallel group (adjacent ranks, one node) stays inside one node after the swap.
 
-    node1 hosts ranks 2,3 and spare p9; rank 3 dies::
+    The dead ranks are grouped by the node their slot was on. A group goes to one node with room
+    for all of it: its own node when that node still runs a rank and has enough free spares;
+    else the node with the fewest free spares that still fit (a whole lost node fills a wholly
+    free spare node, and one lost rank takes a gap before breaking into a whole free node),
+    nodes that just lost every rank they ran (perhaps gone, their spares not yet seen dead) last.
+    Groups that fit on their own node are placed first, then the largest first. When no node
+    has room for a group, it is split over the fewest nodes (the most free spares first) and the
+    caller logs it. Ties go to the lowest node, ranks and slots pair in order: deterministic.
 
-        before: node1 [p2 p3 | p9]      after: node1 [p2 p9 | -]
+    tp=4, 4 ranks per node; node0 also holds spare s8, node2 is a spare node. Node1 is lost
+    (its ranks 4-7 with it)::
+
+        before: node0 [0 1 2 3 | s8]   node1 [4 5 6 7]   node2 [s9 s10 s11 s12]
+        after:  node0 [0 1 2 3 | s8]   node1  (lost)     node2 [4  5   6   7  ]
+        (first_free: 4 -> s8 on node0, 5 6 7 -> node2: the TP group spans two nodes)
+
+    Rank 2 dies alone (node0 lives and has s8 free)::
+
+        before: node0 [0 1 2 3 | s8]        after: node0 [0 1 - 3 | 2]
+
+    Node1 is lost and only node2 [s9 s10 s11] and node3 [s13 s14] are free: fewest nodes::
+
+        after: 4 5 6 -> node2 [s9 s10 s11]   7 -> node3 [s13]   (logged as split)
     """
 
-    def __call__(self, dead_rank: int, spares: list[dict], ranks_per_node: int) -> dict:
-        node = dead_rank // ranks_per_node
-        local = [s for s in spares if s.get("node") == node]
-        return min(local or spares, key=lambda s: s["slot"])
+    def __call__(self, dead: dict[int, int], spares: dict[int, int],
+                 alive: set[int]) -> dict[int, int]:
+        free: dict[int, list[int]] = {}  # node -> its free spare slots, lowest first
+        for slot, node in sorted(spares.items()):
+            free.setdefault(node, []).append(slot)
+        groups: dict[int, list[int]] = {}  # node -> the dead ranks its slots held
+        for rank, node in sorted(dead.items()):
+            groups.setdefault(node, []).append(rank)
+        emptied = set(groups) - set(alive)
+
+        def at_home(n: int) -> bool:
+            return n in alive and len(free.get(n, ())) >= len(groups[n])
+
+        out: dict[int, int] = {}
+        for n in sorted(groups, key=lambda n: (not at_home(n), -len(groups[n]), n)):
+            ranks = groups[n]
+            while ranks and any(free.values()):
+                m = _node_for(n if n in alive else None, len(ranks), free, emptied)
+                take, free[m] = free[m][:len(ranks)], free[m][len(ranks):]
+                out.update(zip(ranks, take))
+                ranks = ranks[len(take):]
+        return out
+
+
+def _node_for(home: int | None, need: int, free: dict[int, list[int]], emptied: set[int]) -> int:
+    """The node the next part of a group of ``need`` ranks goes to: one with room for all of it
+    if any (``home`` first, then a tight fit, ``emptied`` nodes last), else the one with the
+    most free spares (so the group spans the fewest nodes)."""
+    has = [m for m, slots in free.items() if slots]
+    fit = [m for m in has if len(free[m]) >= need]
+    if fit:
+        return min(fit, key=lambda m: (m != home, m in emptied, len(free[m]) - need, m))
+    return min(has, key=lambda m: (-len(free[m]), m != home, m in emptied, m))
 
 
 BUDDY_POLICIES = {"ring_over_nodes": RingOverNodes, "next_dp_replica": NextDpReplica,

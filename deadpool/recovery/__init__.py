@@ -15,6 +15,7 @@ in this order (``module:function``)::
     4 plan      recovery.plan:decide              newest step every rank can reach, and a Source
                                                   per rank (live, local, peer, replica, init)
                 recovery.plan:assign_spares       a warm spare for each rank without a process
+                                                  (a lost node's ranks together on one node)
                 recovery.plan:groups_to_keep      the groups survivors may keep (gloo)
     5 fallback  recovery.fallbacks:*              no copy in memory -> disk; no spare ->
                                                   ft.on_no_spare; no progress -> write and stop

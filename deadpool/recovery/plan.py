@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from deadpool.comm import resolve_backend
 from deadpool.groups import all_groups, reusable_groups
 from deadpool.protocol import RankStatus, Source
+from deadpool.recovery import detect
 from deadpool.topology import Topology
 
 SOURCE_KINDS = ("peer", "replica")
@@ -252,21 +253,47 @@ def decide(coord, statuses: dict[int, RankStatus]) -> RecoveryDecision:
                        sharded=dims.optimizer_sharded, replica_has_shared=coord.replica_region == "all")
 
 
-def assign_spares(coord) -> tuple[dict[int, int], list[int], list[int]]:
-    """Give each rank without a process a warm spare (``ft.spare_policy``), as long as there are
-    spares. Returns ``(assignments rank -> slot, ranks that needed one, spares used)``."""
+def assign_spares(coord, lost: dict[int, int] | None = None
+                  ) -> tuple[dict[int, int], list[int], list[int]]:
+    """Give each rank without a process a warm spare (``ft.spare_policy``, which sees the node of
+    every dead rank's slot and of every spare), as long as there are spares. ``lost``: rank -> the
+    slot it held until the failure (absent: the slot of its rank). Spares whose process is gone
+    are dropped first (``detect.check_spares``), so a lost node's spares are never given out. A
+    node's dead ranks that end up split over several nodes are logged. Returns ``(assignments
+    rank -> slot, ranks that needed one, spares used)``."""
+    detect.check_spares(coord)
     members, dims = coord.members, coord.dims
+    node = node_of_slot(coord)
     need = [r for r in range(dims.world_size) if r not in members.ranks]
+    lost = lost or {}
+    dead = {r: node(lost.get(r, r)) for r in need}
+    chosen = coord.spare_policy(dead, {s: node(s) for s in members.spares},
+                                {node(s) for s in members.ranks.values()})
     assignments, used = dict(members.ranks), []
     for d in need:
-        if not members.spares:
-            break
-        spare = coord.spare_policy(d, [{"slot": s, "node": None} for s in members.spares],
-                                   dims.ranks_per_node)["slot"]
-        members.spares.remove(spare)
-        assignments[d] = spare
-        used.append(spare)
+        if d in chosen:
+            members.spares.remove(chosen[d])
+            assignments[d] = chosen[d]
+            used.append(chosen[d])
+    for n in sorted(set(dead.values())):
+        ranks = [r for r in need if dead[r] == n and r in chosen]
+        went = sorted({node(chosen[r]) for r in ranks})
+        if len(went) > 1:
+            coord.log(f"[coordinator] rank(s) {ranks} of node {n} split over nodes {went} "
+                      f"(slots {[chosen[r] for r in ranks]}, ft.spare_policy="
+                      f"{coord.ft['spare_policy']}; same_node_first splits only when no node "
+                      f"has room for all): a tensor-parallel group among them now crosses nodes")
     return assignments, need, used
+
+
+def node_of_slot(coord):
+    """``slot -> node``: the launcher's map under node agents (``launcher.AgentLauncher``, which
+    also knows the nodes of a regrow), else ``slot // parallel.ranks_per_node``, the layout of
+    ``agent.node_slots`` that the local launcher and srun's block distribution (``--slot-from-env``
+    with ``ranks_per_node`` tasks per node) share."""
+    known = getattr(coord.launcher, "node_of_slot", None) or {}
+    rpn = coord.dims.ranks_per_node
+    return lambda slot: known[slot] if slot in known else slot // rpn
 
 
 def swap_routes(faults_cfg: dict, sources: dict[int, Source]) -> None:

@@ -1,9 +1,11 @@
-"""Buddy placement by coordinate: permutations, off-node replicas, the docstrings' pictures."""
+"""Buddy placement by coordinate: permutations, off-node replicas, the docstrings' pictures; spare
+placement by node: a lost node's ranks together, a lone rank on its own node."""
 
 import pytest
 
-from deadpool.policies import (BUDDY_POLICIES, BuddyPolicy, NextDpReplica, NextStage, RingOverNodes,
-                               buddies_table, buddy_table, check_placement, wards_table)
+from deadpool.policies import (BUDDY_POLICIES, SPARE_POLICIES, BuddyPolicy, FirstFree,
+                               NextDpReplica, NextStage, RingOverNodes, SameNodeFirst, buddies_table,
+                               buddy_table, check_placement, wards_table)
 from deadpool.topology import ParallelDims, Topology
 
 # (dp, tp, pp, ranks_per_node): 1-D, 3-D, the CPU test layouts, the A100 layouts (scaled down
@@ -223,3 +225,99 @@ def test_a_custom_policy_whose_iterates_share_a_node_is_reported():
     dims = ParallelDims(dp=8, ranks_per_node=2)  # 4 nodes
     warnings = check_placement(dims, Swap(), replicas=2)
     assert any("repeat or include itself" in w for w in warnings), warnings
+
+
+# -- spare placement -------------------------------------------------------------------------------
+# SameNodeFirst's picture: tp=4, 4 ranks per node (node0: ranks 0-3, node1: ranks 4-7), a free
+# spare on node0 (slot 8), a spare node (node2: slots 9-12) and a free spare on node1 (slot 13)
+SLOT_NODE = {**{s: s // 4 for s in range(8)}, 8: 0, 9: 2, 10: 2, 11: 2, 12: 2, 13: 1}
+SPARES = {s: SLOT_NODE[s] for s in range(8, 14)}
+
+
+def test_first_free_takes_the_lowest_slots_in_rank_order():
+    assert FirstFree()({3: 0, 1: 0}, {9: 2, 7: 1, 8: 0}, {0, 1, 2}) == {1: 7, 3: 8}
+
+
+def test_a_lost_node_goes_whole_to_one_spare_node_not_to_the_first_free_slots():
+    dead = {r: 1 for r in range(4, 8)}
+    spares = {s: n for s, n in SPARES.items() if n != 1}  # node1's spare went with it
+    assert SameNodeFirst()(dead, spares, {0}) == {4: 9, 5: 10, 6: 11, 7: 12}
+    assert FirstFree()(dead, spares, {0}) == {4: 8, 5: 9, 6: 10, 7: 11}  # what it replaces
+
+
+def test_a_lone_dead_rank_takes_a_free_spare_on_its_own_node():
+    policy = SameNodeFirst()
+    assert policy({2: 0}, SPARES, {0, 1}) == {2: 8}
+    assert policy({5: 1}, SPARES, {0, 1}) == {5: 13}
+    # its node gone (no rank of it left): not its spare, which may be gone too
+    assert policy({5: 1}, SPARES, {0}) == {5: 8}
+    # rank 3 of node0 and rank 5 of node1 at once: each stays home
+    assert policy({3: 0, 5: 1}, SPARES, {0, 1}) == {3: 8, 5: 13}
+
+
+def test_a_lone_rank_off_its_node_fills_a_gap_and_leaves_whole_nodes_for_whole_losses():
+    spares = {8: 2, 9: 2, 10: 2, 11: 2, 12: 3, 13: 3}  # node2 whole, node3 half
+    assert SameNodeFirst()({5: 1}, spares, {0, 1}) == {5: 12}
+    # (a node's ranks all dead in this failure, its spare not yet seen dead: used last)
+    assert SameNodeFirst()({6: 3}, {12: 3, 8: 2, 9: 2}, {0, 1}) == {6: 8}
+
+
+def test_a_group_no_node_can_take_is_split_over_the_fewest_nodes():
+    dead = {r: 1 for r in range(4, 8)}
+    # node2 [9 10 11], node3 [13 14], node4 [16]: node2 and one more; the rest fills node4's gap
+    spares = {9: 2, 10: 2, 11: 2, 13: 3, 14: 3, 16: 4}
+    got = SameNodeFirst()(dead, spares, {0})
+    assert got == {4: 9, 5: 10, 6: 11, 7: 16}
+    # node3 [13 14], node4 [16 17]: two nodes, not three
+    got = SameNodeFirst()(dead, {13: 3, 14: 3, 16: 4, 17: 4, 20: 5}, {0})
+    assert got == {4: 13, 5: 14, 6: 16, 7: 17}
+
+
+def test_too_few_spares_go_to_the_lowest_ranks_of_the_largest_group_first():
+    got = SameNodeFirst()({1: 0, 4: 1, 5: 1}, {9: 2, 10: 2}, {0, 1})
+    assert got == {4: 9, 5: 10}  # node1's pair whole; rank 1 waits for ft.on_no_spare
+
+
+def test_spare_placement_is_deterministic():
+    dead = {7: 1, 4: 1, 6: 1, 5: 1, 2: 0}  # node1 lost and rank 2 of node0, in any order
+    spares = {s: n for s, n in SPARES.items() if n != 1}
+    a = SameNodeFirst()(dead, dict(reversed(list(spares.items()))), {0})
+    b = SameNodeFirst()(dict(sorted(dead.items())), spares, {0})
+    assert a == b == {2: 8, 4: 9, 5: 10, 6: 11, 7: 12}
+
+
+def _swap(policy, slots: dict[int, int], spares: dict[int, int], dead_slots: set[int], rpn: int):
+    """One recovery: the ranks on ``dead_slots`` get spares (``slots``, ``spares`` updated)."""
+    dead = {r: s // rpn for r, s in slots.items() if s in dead_slots}
+    alive = {s // rpn for s in slots.values() if s not in dead_slots}
+    got = policy(dead, spares, alive)
+    for r, s in got.items():
+        slots[r] = s
+        del spares[s]
+
+
+@pytest.mark.parametrize("layout", [(2, 4, 2, 4), (4, 2, 1, 4), (2, 8, 1, 8), (4, 2, 2, 2)], ids=str)
+def test_tensor_parallel_groups_stay_inside_a_node_when_a_node_is_lost_after_a_lone_rank(layout):
+    """The layout of ``agent.node_slots`` (slot // ranks_per_node, two spare nodes after the
+    ranks'): rank 0 dies alone (its node keeps no spare: its TP group must span two nodes), then
+    each other node in turn is lost with every process on it; every other TP group must stay
+    inside one node. ``first_free`` scatters the lost node's ranks over both spare nodes."""
+    dims = ParallelDims(*layout)
+    rpn, world = dims.ranks_per_node, dims.world_size
+    scattered = 0
+    for name, policy in (("same_node_first", SameNodeFirst()), ("first_free", FirstFree())):
+        for lost in range(1, dims.num_nodes):
+            slots = {r: r for r in range(world)}
+            spares = {s: s // rpn for s in range(world, world + 2 * rpn)}
+            _swap(policy, slots, spares, {0}, rpn)
+            _swap(policy, slots, spares, set(range(lost * rpn, (lost + 1) * rpn)), rpn)
+            split = [g for g in dims.axis_groups("tp")
+                     if 0 not in g and len({slots[r] // rpn for r in g}) > 1]
+            if name == "same_node_first":
+                assert not split, (lost, slots)
+            scattered += len(split)
+    assert scattered  # what the default replaces
+
+
+def test_the_spare_policies_are_selectable_by_name():
+    assert set(SPARE_POLICIES) == {"first_free", "same_node_first"}

@@ -1,6 +1,5 @@
 import pytest
 
-from deadpool.policies import FirstFree, SameNodeFirst
 from deadpool.topology import ParallelDims
 
 
@@ -13,13 +12,6 @@ def test_coords_roundtrip_and_axis_groups():
     assert dims.axis_groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.axis_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.axis_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-
-
-def test_spare_policies():
-    spares = [{"slot": 7, "node": 0}, {"slot": 5, "node": 1}, {"slot": 9, "node": 1}]
-    assert FirstFree()(3, spares, 2)["slot"] == 5
-    assert SameNodeFirst()(1, spares, 2)["slot"] == 7
-    assert SameNodeFirst()(5, spares, 2)["slot"] == 5  # no spare on node 2: first free
 
 
 @pytest.mark.parametrize("kwargs,msg", [({"dp": 0}, "dp"), ({"dp": 3, "ranks_per_node": 2}, "multiple"),

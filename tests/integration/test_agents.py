@@ -65,6 +65,22 @@ def agent_pid(run_dir: Path, node: int) -> int | None:
     return None
 
 
+def final_slots(run_dir: Path) -> dict[int, int]:
+    """rank -> the slot of its newest training step (metrics.jsonl)."""
+    newest: dict[int, tuple[int, int]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        newest[m["rank"]] = max(newest.get(m["rank"], (-1, -1)), (m["step"], m["slot"]))
+    return {r: slot for r, (_, slot) in newest.items()}
+
+
+def on_one_spare_node(run_dir: Path, ranks) -> bool:
+    """``ranks`` finished on one node of spares, together (ft.spare_policy=same_node_first:
+    nodes of 2 slots, slot // 2, as ``agent.node_slots`` lays them out)."""
+    slots = final_slots(run_dir)
+    return len({slots[r] // 2 for r in ranks}) == 1 and all(slots[r] >= 4 for r in ranks)
+
+
 def newest_step(run_dir: Path) -> int:
     steps = [-1]
     for f in (run_dir / "metrics").glob("slot*.jsonl"):
@@ -94,6 +110,7 @@ def test_a_killed_node_agent_loses_its_node_and_spares_take_both_ranks(reference
     (rec,) = result["recoveries"]
     assert set(rec["failed_rank"]) == {2, 3} and rec["outcome"] == "hot-swapped"
     assert {0, 1, 2, 3} <= set(pids)  # every rank was running when the agent was killed
+    assert on_one_spare_node(tmp_path, [2, 3]), final_slots(tmp_path)
     equal, why = compare_final_states(tmp_path, reference)
     assert equal, why
     assert job_processes(tmp_path) == []
@@ -104,22 +121,24 @@ def test_a_rank_and_its_agent_dying_together_are_one_node_loss(reference, tmp_pa
     summary = run_job(compose_train(BASE + ["ft.num_spares=2", ev], tmp_path), log=quiet)
     assert summary["outcome"] == "completed", summary["message"]
     assert lost(summary) == {0, 1}
+    assert on_one_spare_node(tmp_path, [0, 1]), final_slots(tmp_path)
     equal, why = compare_final_states(tmp_path, reference)
     assert equal, why
 
 
 def test_a_node_lost_while_its_spare_receives_a_state_is_recovered_by_the_next_spare(
         reference, tmp_path):
-    # rank 1 dies; slot 4 (node 2, with slot 5) takes it and dies with its node while receiving
-    # rank 1's shard; slot 6 (node 3) takes rank 1 from the same replica
+    # rank 1 dies; node 0 has no free spare, so slot 6 takes it (node 3's one slot: the tightest
+    # fit, node 2 stays whole) and dies with its node while receiving rank 1's shard; slot 4
+    # (node 2) takes rank 1 from the same replica
     ev = ("faults.events=[{rank:1,step:8,phase:mid_step,kind:kill},"
-          "{slot:4,step:0,phase:transfer,kind:kill_node}]")
+          "{slot:6,step:0,phase:transfer,kind:kill_node}]")
     summary = run_job(compose_train(BASE + ["ft.num_spares=3", ev], tmp_path), log=quiet)
     assert summary["outcome"] == "completed", summary["message"]
     assert lost(summary) == {1}
     assert summary["recoveries"][-1]["outcome"] == "hot-swapped"
-    final_slots = {json.loads(line)["slot"] for line in (tmp_path / "metrics.jsonl").read_text()
+    rank1_slots = {json.loads(line)["slot"] for line in (tmp_path / "metrics.jsonl").read_text()
                    .splitlines() if json.loads(line)["rank"] == 1}
-    assert final_slots == {1, 6}
+    assert rank1_slots == {1, 4}
     equal, why = compare_final_states(tmp_path, reference)
     assert equal, why

@@ -121,10 +121,9 @@ def test_no_spare_left_with_on_no_spare_checkpoint_restart_relaunches_to_the_sam
 
 
 @pytest.mark.slow
-def test_same_node_first_spare_policy_hot_swaps_exactly(reference, tmp_path):
-    # the local launcher does not place spares on nodes (a spare's node is unknown), so the
-    # policy takes the first free spare; what is checked is the policy's path end to end
-    s = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.spare_policy=same_node_first"],
+def test_first_free_spare_policy_hot_swaps_exactly(reference, tmp_path):
+    # same_node_first is the default (every other test runs it); the other policy end to end
+    s = run_job(compose_train(BASE + ["faults=kill_mid_step", "ft.spare_policy=first_free"],
                               tmp_path), log=quiet)
     (rec,) = s["recoveries"]
     assert rec["outcome"] == "hot-swapped" and rec["spare_slot"] == 4

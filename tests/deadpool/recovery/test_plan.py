@@ -1,6 +1,8 @@
+from deadpool.policies import SameNodeFirst
 from deadpool.protocol import RankStatus, Source
-from deadpool.recovery.plan import plan_resume
+from deadpool.recovery.plan import assign_spares, node_of_slot, plan_resume
 from deadpool.topology import ParallelDims, Topology
+from tests.deadpool.recovery.helpers import coordinator
 
 WORLD = [0, 1, 2, 3]
 
@@ -285,3 +287,88 @@ def test_bf16_with_two_replicas_never_takes_a_master_shard_from_a_peer():
     statuses[2] = st(2, 7, [6, 7], {1: [6, 7]})
     d = decide(coord, statuses)
     assert d.resume_step is None and 0 in d.lost
+
+
+# -- spares by node (plan.assign_spares with the coordinator's facts) ------------------------------
+def tp4_coordinator(tmp_path, num_spares, logs=None):
+    """dp2 x tp4 on nodes of 4 ranks: node 0 = ranks 0-3 (one TP group), node 1 = ranks 4-7."""
+    return coordinator(tmp_path, ["parallel.dp=2", "parallel.tp=4", "parallel.ranks_per_node=4",
+                                  f"ft.num_spares={num_spares}"], logs=logs)
+
+
+def lose(coord, *ranks):
+    """What ``Coordinator.recover`` does before assigning spares: rank -> the slot it held."""
+    return {r: coord.members.ranks.pop(r) for r in ranks}
+
+
+def tp_groups_inside_one_node(coord, assignments, node_of) -> bool:
+    return all(len({node_of(assignments[r]) for r in g}) == 1
+               for g in coord.dims.axis_groups("tp"))
+
+
+def test_a_lost_node_goes_to_one_spare_node_and_a_lone_rank_to_a_spare_on_its_node(tmp_path):
+    coord = tp4_coordinator(tmp_path, 6)  # spare slots 8-13
+    # node agents' map: a free spare on node 0 (slot 8), a spare node (node 2: slots 9-12) and a
+    # free spare on node 1 (slot 13)
+    coord.launcher.node_of_slot = {**{s: s // 4 for s in range(8)}, 8: 0, 9: 2, 10: 2, 11: 2,
+                                   12: 2, 13: 1}
+    node_of = node_of_slot(coord)
+    # node 1 lost with every process on it, its spare too (first_free: slots 8-11, split)
+    coord.launcher.exited[13] = -9
+    assignments, need, used = assign_spares(coord, lose(coord, 4, 5, 6, 7))
+    assert need == [4, 5, 6, 7] and used == [9, 10, 11, 12]
+    assert {r: assignments[r] for r in need} == {4: 9, 5: 10, 6: 11, 7: 12}
+    assert tp_groups_inside_one_node(coord, assignments, node_of)
+    assert coord.members.spares == [8] and 13 in coord.launcher.killed
+
+
+def test_a_lone_dead_rank_takes_the_free_spare_on_its_own_node(tmp_path):
+    coord = tp4_coordinator(tmp_path, 6)
+    coord.launcher.node_of_slot = {**{s: s // 4 for s in range(8)}, 8: 0, 9: 2, 10: 2, 11: 2,
+                                   12: 2, 13: 1}
+    assignments, _, used = assign_spares(coord, lose(coord, 5))  # first_free: slot 8 (node 0)
+    assert used == [13] and tp_groups_inside_one_node(coord, assignments, node_of_slot(coord))
+    coord.members.ranks = assignments
+    assignments, _, used = assign_spares(coord, lose(coord, 2))
+    assert used == [8] and tp_groups_inside_one_node(coord, assignments, node_of_slot(coord))
+
+
+def test_without_node_agents_slots_are_on_nodes_of_ranks_per_node_and_whole_nodes_are_kept(
+        tmp_path):
+    """The local launcher and srun (no ``node_of_slot``): slot // ranks_per_node, two spare nodes
+    (slots 8-11, 12-15). A lone rank first, of a node with no free spare, then a whole node:
+    the lone rank takes a slot of the first spare node, the lost node the untouched second one
+    (first_free: slots 9-12, over both)."""
+    coord = tp4_coordinator(tmp_path, 8)
+    assert not hasattr(coord.launcher, "node_of_slot") and node_of_slot(coord)(13) == 3
+    assignments, _, used = assign_spares(coord, lose(coord, 5))
+    assert used == [8]
+    coord.members.ranks = assignments
+    for s in range(4):  # node 0 lost: its processes and their agent
+        coord.launcher.exited[s] = -9
+    assignments, need, used = assign_spares(coord, lose(coord, 0, 1, 2, 3))
+    assert need == [0, 1, 2, 3] and used == [12, 13, 14, 15]
+    node = node_of_slot(coord)
+    assert len({node(assignments[r]) for r in range(4)}) == 1
+
+
+def test_a_group_no_node_can_take_is_split_over_the_fewest_nodes_and_logged(tmp_path):
+    logs = []
+    coord = tp4_coordinator(tmp_path, 6, logs)  # spare node 2: slots 8-11; node 3: 12, 13
+    coord.launcher.exited[8] = -9  # a spare of node 2 died: node 2 has 3 free, node 3 has 2
+    assignments, need, used = assign_spares(coord, lose(coord, 4, 5, 6, 7))
+    assert {r: assignments[r] for r in need} == {4: 9, 5: 10, 6: 11, 7: 12}
+    assert any("rank(s) [4, 5, 6, 7] of node 1" in line and "split over nodes [2, 3]" in line
+               for line in logs), logs
+
+
+def test_first_free_stays_selectable_and_ignores_nodes(tmp_path):
+    coord = coordinator(tmp_path, ["parallel.dp=2", "parallel.tp=4", "parallel.ranks_per_node=4",
+                                   "ft.num_spares=8", "ft.spare_policy=first_free"])
+    coord.members.ranks = assign_spares(coord, lose(coord, 5))[0]
+    assignments, _, used = assign_spares(coord, lose(coord, 0, 1, 2, 3))
+    assert used == [9, 10, 11, 12]  # over both spare nodes
+
+
+def test_same_node_first_is_the_default_spare_policy(tmp_path):
+    assert isinstance(coordinator(tmp_path).spare_policy, SameNodeFirst)

@@ -215,6 +215,16 @@ class NodeLiveness:
             if "vote" in detail:
                 self.vote[node] = tuple(int(x) for x in detail["vote"])
 
+    def lose_node(self, node: int, slots) -> bool:
+        """Node ``node``'s agent is known dead (its presence connection ended,
+        ``agent.presence``): each of its ``slots`` not yet seen exiting exited with SIGKILL, as
+        its processes did with it. True if that is news."""
+        with self.lock:
+            news = [s for s in slots if s not in self._exit]
+            for s in news:
+                self._exit[s] = -9
+        return bool(news)
+
     def new_generation(self, generation: int) -> None:
         """Plan ``generation`` was written: stall counts of agents that have not applied it yet
         are from the last generation and do not count (``Liveness.reset_progress``)."""

@@ -90,6 +90,8 @@ class NodeAgent:
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
         self.coordinator_timeout_s = float(ft["coordinator_timeout_s"])
+        self.node_timeout_s = float(ft["node_timeout_s"])
+        self.last_contact = clock()  # the last record the store took (``silent_for``)
         self.coord_every_s = min(1.0, self.coordinator_timeout_s / 4)
         self.seq = 0
         self.exits: dict[int, int] = {}
@@ -149,9 +151,15 @@ class NodeAgent:
         self.seq += 1
         key = node_key(self.node)
         self.store.set(key, self.seal.wrap(key, self.record()))
+        self.last_contact = self.clock()
         if urgent:
             self.store.add(NODES_CHANGED, 1)
             wake_coordinator(self.store)
+
+    def silent_for(self) -> float:
+        """Seconds since the store last took this node's record: past ``ft.node_timeout_s`` the
+        coordinator has declared the node lost (it reads the same records on its own clock)."""
+        return self.clock() - self.last_contact
 
     def tick(self) -> None:
         self.observe()

@@ -113,12 +113,22 @@ class ClusterJob:
             return ""
 
     def step(self) -> int:
-        """The newest step any rank has logged in metrics.jsonl (-1 before the first)."""
-        try:
-            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
-        except OSError:
-            return -1
-        return max((json.loads(x).get("step", -1) for x in lines[-64:] if x.strip()), default=-1)
+        """The newest step any rank has logged (its ``metrics/slot<n>.jsonl``; -1 before the
+        first)."""
+        newest = -1
+        for f in (self.run_dir / "metrics").glob("slot*.jsonl"):
+            try:
+                with open(f, "rb") as fh:
+                    fh.seek(max(0, f.stat().st_size - 4096))
+                    tail = fh.read().decode(errors="replace").splitlines()[1:]
+            except OSError:
+                continue
+            for line in tail:
+                try:
+                    newest = max(newest, int(json.loads(line).get("step", -1)))
+                except ValueError:
+                    pass
+        return newest
 
     def wait_step(self, step: int, timeout_s: float = 120.0) -> float:
         """Block until a rank logged ``step``; returns the monotonic time it was seen."""

@@ -27,7 +27,6 @@ anyway, and a resume from disk costs at most the steps since the last protected 
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -37,9 +36,10 @@ from deadpool.agent.node import NODES_CHANGED, node_key
 from deadpool.errors import JobFailed
 from deadpool.groups import keepable_keys
 from deadpool.policies import SPARE_POLICIES, make_policy
-from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort
+from deadpool.protocol import (Keys, Plan, RecoveryRecord, Seal, Source, announce_abort,
+                               finished_key)
 from deadpool.protocol_wire import publish_plan
-from deadpool.recovery import detect, elastic, fallbacks, plan, timeline
+from deadpool.recovery import detect, elastic, fallbacks, plan, preempt, timeline
 from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
@@ -56,13 +56,15 @@ class Membership:
 
 class Coordinator:
     def __init__(self, cfg: dict, store, launcher, log=print, secret: str | None = None,
-                 restart: RecoveryRecord | None = None, live=None, events=None, waker=None):
+                 restart: RecoveryRecord | None = None, live=None, events=None, waker=None,
+                 stopper=None):
         """``restart``: the record of the failure this job was relaunched for (ft=checkpoint_
         restart, ``job.run_job``); completed from the relaunched processes' start-up timings.
         ``live`` / ``events``: under node agents (``launcher.AgentLauncher``), the liveness read
         from the agents' records (``watchdog.NodeLiveness``) and the pushed event log.
         ``waker``: under node agents, an unstarted ``agent.events.WakeListener``: the loop then
-        sleeps until woken or its next timed duty instead of turning every 10 ms (see ``_run``)."""
+        sleeps until woken or its next timed duty instead of turning every 10 ms (see ``_run``).
+        ``stopper``: a ``stop.Stopper``; a signal stops the job (``recovery.preempt``)."""
         self.seal = Seal(secret)
         self.strategy = strategy_of(cfg["ft"])
         self.store = store
@@ -84,6 +86,7 @@ class Coordinator:
         self.spare_policy = make_policy(SPARE_POLICIES, self.ft["spare_policy"])
         self.events = events
         self.waker = waker
+        self.stopper, self.stop_record = stopper, None
         self.live = live or Liveness(float(self.ft["heartbeat_timeout_s"]),
                                      float(self.ft["heartbeat_hard_timeout_s"]),
                                      float(self.ft["progress_timeout_s"]))
@@ -298,7 +301,7 @@ class Coordinator:
                 self.forgeries.add("list_keys")
                 self.log(f"[coordinator] keys of finished generations are not deleted: {e}")
             return
-        self._garbage.extend(k for k in keys if _finished_key(k, g))
+        self._garbage.extend(k for k in keys if finished_key(k, g))
 
     def collect_garbage(self, budget: int = 256) -> None:
         """Delete up to ``budget`` queued keys (a few per loop: the loop must keep ticking)."""
@@ -347,6 +350,7 @@ class Coordinator:
             f"[coordinator] slot {s}: join announcement without the job's secret refused"))
         while waiting:
             self.tick()
+            preempt.before_start(self)
             waiting -= set(joined.poll())
             for slot in sorted(waiting):
                 if self.launcher.poll(slot) is not None:
@@ -438,6 +442,8 @@ class Coordinator:
         idle = float(self.ft["agent_interval_s"]) / 2  # under node agents, with nothing to wake it
         while True:
             found = detect.failures(self)
+            if preempt.due(self):  # a signal (walltime, preemption, Ctrl-C): write and stop
+                break
             if found is not None:
                 failed, t = found
                 if not failed:
@@ -536,16 +542,3 @@ class Coordinator:
         if missing:  # never call a job completed without every rank's final state
             raise JobFailed(f"ranks {missing} did not write their final state within 120 s "
                             f"(slots {[self.members.ranks.get(r) for r in missing]})")
-
-
-_GENERATION_KEY = re.compile(r"g(\d+)/")
-_PLAN_KEY = re.compile(r"plan/(\d+)(/full)?$")
-
-
-def _finished_key(key: str, running: int) -> bool:
-    """A key of a generation before ``running``, or a plan before ``running - 1``."""
-    m = _GENERATION_KEY.match(key)
-    if m:
-        return int(m.group(1)) < running
-    m = _PLAN_KEY.match(key)
-    return m is not None and int(m.group(1)) < running - 1

@@ -23,16 +23,19 @@ from deadpool.data import check_data
 from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.agent.events import EventLog, WakeListener
-from deadpool.launcher import AgentLauncher, ExternalAgentLauncher, ExternalLauncher, LocalLauncher
+from deadpool.launcher import (AgentLauncher, ExternalAgentLauncher, ExternalLauncher, LocalLauncher,
+                               job_processes)
 from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.policies import buddies_table, check_placement, max_replicas
 from deadpool.protocol import Seal
+from deadpool.recovery import preempt
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
+from deadpool.stop import HardStop, Stopper
 from deadpool.strategies import strategy_of
 from deadpool.tensorboard_log import check as check_tensorboard, write_recoveries
 from deadpool.watchdog import NodeLiveness
@@ -83,6 +86,9 @@ def validate(cfg: dict) -> None:
         raise ValueError("a kill_node fault needs node agents (launcher.agents=true)")
     if ft["progress_timeout_s"] <= ft["heartbeat_timeout_s"]:
         raise ValueError("ft.progress_timeout_s must exceed ft.heartbeat_timeout_s")
+    if not float(ft["stop_timeout_s"]) > float(ft["status_timeout_s"]):
+        raise ValueError("ft.stop_timeout_s must exceed ft.status_timeout_s (a stop collects the "
+                         "ranks' statuses before it writes)")
     if ft["coordinator_timeout_s"] <= 2 * ft["heartbeat_interval_s"]:
         raise ValueError("ft.coordinator_timeout_s must exceed 2 x ft.heartbeat_interval_s")
     if ft.get("replicate", "unique") not in ("unique", "full"):
@@ -176,7 +182,10 @@ def validate_layout(cfg: dict) -> None:
         raise ValueError(f"parallel.microbatches={mb} must divide batch_size={cfg['batch_size']}")
 
 
-def run_job(cfg: dict, log=print) -> dict:
+def run_job(cfg: dict, log=print, stop: Stopper | None = None) -> dict:
+    """``stop``: a ``stop.Stopper`` whose signals stop the job (``train.run`` installs one); an
+    agent's stop request (``deadpool.stop``) is honoured without one too."""
+    cfg = resolve_resume(cfg, log)
     validate(cfg)
     p = cfg["parallel"]
     dims = ParallelDims.from_config(p)
@@ -190,10 +199,11 @@ def run_job(cfg: dict, log=print) -> dict:
     t0 = time.time()
     history: list[dict] = []  # recoveries of earlier launches (ft=checkpoint_restart)
     restart = None
+    stop = stop or Stopper()
     for attempt in range(int(cfg["ft"].get("max_restarts", 0)) + 1):
-        coord, store = _launch(cfg, master, run_dir, log, restart)
+        coord, store = _launch(cfg, master, run_dir, log, restart, stop)
         history.extend(coord.recoveries)
-        if coord.outcome not in ("restart", "shrink", "grow"):
+        if coord.outcome not in ("restart", "shrink", "grow") or stop.why is not None:
             break
         restart = history.pop()  # completed by the relaunch's coordinator
         if cfg["launcher"]["name"] != "local":  # srun / torchrun relaunch (e.g. a Slurm requeue)
@@ -223,7 +233,23 @@ def uses_agents(cfg: dict) -> bool:
     return cfg["launcher"]["name"] in ("local", "slurm") and bool(cfg["launcher"].get("agents"))
 
 
-def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
+def resolve_resume(cfg: dict, log) -> dict:
+    """``ft.resume_from=auto``: the newest complete checkpoint under ``ft.checkpoint_dir`` (a
+    job stopped, preempted or requeued in the same run directory), else a fresh start."""
+    ft = cfg["ft"]
+    if ft.get("resume_from") != "auto":
+        return cfg
+    found = checkpoint.resolve_resume("auto", ft["checkpoint_dir"])
+    if found is None:
+        log(f"[deadpool] ft.resume_from=auto: no complete checkpoint under {ft['checkpoint_dir']}"
+            "; starting from step 0")
+    else:
+        log(f"[deadpool] ft.resume_from=auto: resuming from the checkpoint of step "
+            f"{checkpoint.latest_complete_step(found)} in {found}")
+    return dict(cfg, ft=dict(ft, resume_from=found))
+
+
+def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: Stopper):
     """Start every process of the job and coordinate it until it ends; returns the coordinator
     and the launch's store namespace."""
     # the secret goes to the processes through their environment (local) or a 0600 file (SLURM),
@@ -266,19 +292,37 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None):
         log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{master.port}; waiting for "
             f"{len(slots)} processes (job file {job_json})")
     coord = Coordinator(cfg, store, launcher, log=log, secret=secret, restart=restart, live=live,
-                        events=events, waker=waker)
+                        events=events, waker=waker, stopper=stop)
+    stop.launcher, stop.waker, stop.running = launcher, waker, True
     try:
         coord.run()
     except JobFailed as e:
         coord.outcome, coord.message = "failed", str(e)
+        if isinstance(e, preempt.StoppedBeforeStart):
+            coord.outcome = "preempted"
         for s in slots:
             launcher.kill(s)
+    except HardStop as e:  # a second signal: its handler killed every local process
+        coord.outcome, coord.message = "preempted", f"{e}; {preempt.resume_hint(coord)}"
     finally:
+        stop.running = False
         if coord.outcome == "restart":  # torn down at once, as torchrun does: disk is what counts
             for s in slots:
                 launcher.kill(s)
-        launcher.wait_all(timeout_s=30)
+        # a stopped job's processes leave once written: the few that do not are killed sooner
+        launcher.wait_all(timeout_s=30 if stop.why is None else 5)
+        if stop.why is not None and isinstance(launcher, (LocalLauncher, AgentLauncher)) \
+                and not isinstance(launcher, ExternalAgentLauncher):
+            _wait_gone(run_dir)
     return coord, store
+
+
+def _wait_gone(run_dir: Path, timeout_s: float = 5.0) -> None:
+    """After a stop, the job's processes on this machine are gone before the job returns (a
+    node's processes die with its agent, moments after it)."""
+    deadline = time.monotonic() + timeout_s
+    while job_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _clear(store) -> None:

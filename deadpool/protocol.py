@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
@@ -134,6 +135,20 @@ def wake_coordinator(store) -> None:
     see first (``nodes/changed``, the generation's error count): a wake-up carries nothing, the
     loop reads the hints it woke for."""
     store.set(Keys.COORD_WAKE, b"")
+
+
+_GENERATION_KEY = re.compile(r"g(\d+)/")
+_PLAN_KEY = re.compile(r"plan/(\d+)(/full)?$")
+
+
+def finished_key(key: str, running: int) -> bool:
+    """A key of a generation before ``running``, or a plan before ``running - 1`` (the
+    coordinator deletes them once ``running`` trains: ``Coordinator.generation_running``)."""
+    m = _GENERATION_KEY.match(key)
+    if m:
+        return int(m.group(1)) < running
+    m = _PLAN_KEY.match(key)
+    return m is not None and int(m.group(1)) < running - 1
 
 
 def announce_abort(store, seal: "Seal", keys: Keys, reason: str) -> None:

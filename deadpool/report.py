@@ -63,6 +63,7 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
             "blocked_s_median": _median(r["snapshot_blocked_s"] for r in gen0),
         },
         "recoveries": [r.to_dict() for r in coord.recoveries],
+        "stop": getattr(coord, "stop_record", None),  # a signal's stop (recovery.preempt)
         "final_digest": digest,
         # the last pipeline stage logs the loss (the mean of its data-parallel rank's batch)
         "final_loss": _mean_loss(rows, cfg["num_steps"]),

@@ -3,6 +3,11 @@
 Builds the config (Hydra, conf/train.yaml), runs the job (coordinator + workers + warm spares),
 prints the recovery breakdown, and, with ``verify_against_failure_free=true``, re-runs the same
 seed with ``faults=none`` and checks that the final states are bitwise equal.
+
+SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) stop the job: the newest step in memory goes to disk and it
+ends saying how to resume (``ft.resume_from=auto``); a second one stops it at once
+(``deadpool.stop``). Exit status: 0 completed, 1 failed or not equal, 2 bad config, 128 + the
+signal's number when stopped by one.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from deadpool.job import run_job
 from deadpool.report import compare_final_states, print_report
+from deadpool.stop import Stopper
 
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -37,12 +43,22 @@ def to_plain(cfg: DictConfig) -> dict:
 
 
 def run(cfg: dict) -> int:
+    stop = Stopper().install()
     try:
-        summary = run_job(cfg)
+        return _run(cfg, stop)
+    finally:
+        stop.restore()
+
+
+def _run(cfg: dict, stop: Stopper) -> int:
+    try:
+        summary = run_job(cfg, stop=stop)
     except ValueError as e:  # bad config: say which field, start nothing
         print(f"[deadpool] config error: {e}", file=sys.stderr)
         return 2
     print_report(summary)
+    if summary["outcome"] == "preempted":
+        return 128 + (stop.signum or 15)  # (an agent's request without a number: SIGTERM's)
     ok = summary["outcome"] == "completed"
     if cfg.get("verify_against_failure_free") and ok:
         ref = copy.deepcopy(cfg)
@@ -50,7 +66,7 @@ def run(cfg: dict) -> int:
         ref["run_dir"] = str(Path(cfg["run_dir"]) / "reference_failure_free")
         ref["ft"]["checkpoint_dir"] = str(Path(ref["run_dir"]) / "checkpoints")
         print("[deadpool] re-running the same seed without faults for comparison ...", flush=True)
-        ref_summary = run_job(ref, log=lambda *a, **k: None)
+        ref_summary = run_job(ref, log=lambda *a, **k: None, stop=stop)
         equal, why = compare_final_states(cfg["run_dir"], ref["run_dir"])
         same_digest = ref_summary["final_digest"] == summary["final_digest"]
         verdict = "EQUAL" if equal and same_digest else "DIFFERENT"

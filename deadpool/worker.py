@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool import auth, nccl_env, netif, reports
+from deadpool.agent.board import NODE_DIR_ENV
 from deadpool.agent.client import BoardHeartbeat, NodeLink
 from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator, resolve_backend
@@ -403,6 +404,9 @@ def main(argv=None) -> None:
     secret = auth.load_secret()  # from the environment or a 0600 file; never logged
     os.environ.update(netif.socket_env(cfg))  # (as its agent set it, or this host's: srun tasks)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
+    if os.environ.get(NODE_DIR_ENV):  # under a node agent, which answers the job's signals for
+        for sig in (signal.SIGTERM, signal.SIGINT):  # its node (deadpool/stop.py): a signal Slurm
+            signal.signal(sig, signal.SIG_IGN)  # sends every process of a step must not end a rank
     torch.set_num_threads(int(cfg.get("torch_num_threads", 1)))
     if cfg.get("deterministic"):
         # bitwise-reproducible kernels; cuBLAS needs a fixed workspace for that (read when its

@@ -15,7 +15,9 @@ one ``NodeAgent``:
               (deadpool.rounds) and their reports
     waiters   one per child: its exit is written at once (waitpid, milliseconds)
 
-It exits when every child has exited, after writing its last record.
+It exits when every child has exited, after writing its last record. SIGTERM, SIGUSR1 or SIGINT
+(srun forwards a job's signals to its tasks) ask the coordinator to write the newest step in
+memory and stop the job; the agent ends with its processes (``deadpool.stop.install_agent``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from functools import partial
 from pathlib import Path
 
 from deadpool import auth, netif
-from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard, waker_name
+from deadpool.agent.board import (COORD_LOST, NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard,
+                                  waker_name)
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.groups import layout_group_keys
 from deadpool.launcher import fork_worker, job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
+from deadpool.stop import install_agent
 from deadpool.topology import ParallelDims
 
 PR_SET_PDEATHSIG = 1
@@ -191,6 +195,21 @@ def main(argv=None) -> int:
                                preexec_fn=_die_with_parent, keep_local_rank=external)
     print(f"[agent {args.node}] started slots {slots} (board {where})", flush=True)
     stop = threading.Event()
+
+    def coordinator_lost():  # a signal with the store unreachable: its ranks write what they hold
+        held = lock.acquire(timeout=2.0)  # (the main thread may be stuck in a store call)
+        try:
+            agent.coordinator_lost = True
+            board.set_flag(COORD_LOST)
+        finally:
+            if held:
+                lock.release()
+        agent.wake()
+
+    # SIGTERM, SIGUSR1, SIGINT (srun forwards a job's signals): the coordinator stops the job and
+    # this agent ends with its processes, or kills them once the coordinator's bound is past
+    install_agent(args.node, open_store, seal, procs, coordinator_lost, stop,
+                  float(ft["stop_timeout_s"]) + float(ft["coordinator_timeout_s"]))
 
     def wait_child(slot, p):
         code = p.wait()

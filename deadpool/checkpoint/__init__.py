@@ -16,10 +16,11 @@ from deadpool.checkpoint.dcp_io import load_rank_state, read_rank_state, save_ra
 from deadpool.checkpoint.files import (HEADER_FILE, META_FILE, CheckpointWriteError,
                                        decode_rng_state, encode_rng_state, is_complete,
                                        latest_complete_step, latest_step_dir, rank_complete,
-                                       rank_dir, read_header, read_meta, write_meta)
+                                       rank_dir, read_header, read_meta, resolve_resume,
+                                       write_meta)
 from deadpool.checkpoint.persister import AsyncPersister
 
 __all__ = ["AsyncPersister", "CheckpointWriteError", "HEADER_FILE", "META_FILE",
            "decode_rng_state", "encode_rng_state", "is_complete", "latest_complete_step",
            "latest_step_dir", "load_rank_state", "rank_complete", "rank_dir", "read_header",
-           "read_meta", "read_rank_state", "save_rank_state", "write_meta"]
+           "read_meta", "read_rank_state", "resolve_resume", "save_rank_state", "write_meta"]

@@ -211,6 +211,15 @@ def latest_complete_step(root) -> int | None:
     return steps[-1][0] if steps else None
 
 
+def resolve_resume(resume_from, checkpoint_dir) -> str | None:
+    """``ft.resume_from`` as a job starts it: ``auto`` is ``checkpoint_dir`` when a complete
+    checkpoint is under it (a job stopped, preempted or requeued in the same run directory
+    resumes from the newest), else None (start from step 0); any other value as given."""
+    if resume_from != "auto":
+        return resume_from
+    return str(checkpoint_dir) if latest_complete_step(checkpoint_dir) is not None else None
+
+
 def latest_step_dir(root) -> Path:
     """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one)."""
     root = Path(root)

@@ -125,11 +125,13 @@ def checkpoint_and_stop(coord, generation: int, decision, rec: RecoveryRecord, r
         coord.log(f"[coordinator] {coord.message}")  # (else the job goes on: said by the caller)
 
 
-def write_state(coord, generation: int, action: str, decision, reason: str) -> Plan:
+def write_state(coord, generation: int, action: str, decision, reason: str,
+                timeout_s: float = 300.0) -> Plan:
     """Plan ``generation`` = ``action`` (``checkpoint_and_stop``: the processes exit after;
     ``checkpoint``: they wait for the next plan): every process with a rank writes the state of
     the resume step from memory (its own, or a replica it holds). Returns once every rank's
-    sealed report is in and the step's meta.json makes the checkpoint complete."""
+    sealed report is in and the step's meta.json makes the checkpoint complete, or after
+    ``timeout_s`` (the checkpoint then lacks a rank: ``checkpoint.is_complete`` says so)."""
     p = Plan(generation, action, dict(coord.members.ranks), decision.resume_step,
              decision.sources, reason=reason, layout=coord.layout)
     coord.write_plan(p)
@@ -156,7 +158,7 @@ def write_state(coord, generation: int, action: str, decision, reason: str) -> P
                                  "the way back")
         return False
     # (under node agents reading their records too: a writer's exit shows there)
-    wait_until(written, every_s=0.01, timeout_s=300,
+    wait_until(written, every_s=0.01, timeout_s=timeout_s,
                between=coord.tick if coord.events is None else coord.read_heartbeats)
     dims = coord.dims
     checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,

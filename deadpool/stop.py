@@ -1,0 +1,183 @@
+"""Stopping a job on a signal: walltime, preemption and Ctrl-C.
+
+SIGTERM, SIGUSR1 or SIGINT to the coordinator's process (``python -m deadpool.train``), or to a
+node agent (srun forwards a job's signals to its tasks), stops training at once and ends the job
+with the newest step every rank can reach from memory written to disk, saying how to resume::
+
+    the coordinator's process   ``Stopper.install`` (``train.run``): the first signal sets the
+                                request and wakes the coordinator's loop; a second one (Ctrl-C
+                                twice) stops hard: the job's local processes are SIGKILLed and
+                                nothing more is written
+    a node agent                ``install_agent``: a sealed ``job/stop_request`` to the
+                                coordinator, then the agent lives on until its processes have
+                                written and left (bounded); with the store unreachable its ranks
+                                write what they hold themselves (the coordinator-loss path); a
+                                second signal SIGKILLs its processes and ends it
+    the coordinator's loop      ``recovery.preempt.due``: abort, collect, plan, write, stop, within
+                                ``ft.stop_timeout_s`` of the request
+
+The next run resumes with ``ft.resume_from=auto`` in the same run directory (the newest complete
+checkpoint under ``ft.checkpoint_dir``: ``checkpoint.resolve_resume``), so ``sbatch --requeue``
+works. Exit status of a stopped ``deadpool.train``: 128 + the signal's number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+from deadpool.launcher import sigkill
+from deadpool.protocol import wake_coordinator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+REQUEST_KEY = "job/stop_request"  # sealed: an agent's signal ({"signal", "node"})
+REQUEST_HINT = "job/num_stop_requests"  # a wake-up hint (unsealed: it only says where to look)
+
+
+class HardStop(BaseException):
+    """A second signal: the job ends now, its local processes SIGKILLed. A ``BaseException`` so
+    that no ``except Exception`` on the way out of the coordinator's loop swallows it."""
+
+
+def _say(text: str) -> None:
+    """Print from a signal handler: a handler may interrupt a ``print`` of the same thread, and
+    a reentrant write to the same buffered stream raises; a raw write to stderr does not."""
+    try:
+        os.write(2, (text + "\n").encode())
+    except OSError:
+        pass
+
+
+def kill_local(launcher) -> None:
+    """SIGKILL every process of the job this process started: the node agents (their children
+    die with them, ``PR_SET_PDEATHSIG``) or the workers of the local launcher. Under srun there
+    are none: the agents' ranks then take the coordinator-loss path."""
+    if launcher is None:
+        return
+    for p in [*getattr(launcher, "agents", {}).values(), *getattr(launcher, "procs", {}).values()]:
+        sigkill(p)
+
+
+class Stopper:
+    """A request to stop the job, from a signal to this process (``install``) or from a node
+    agent's sealed request (``poll_agents``). ``job._launch`` sets ``launcher`` (what a hard stop
+    kills), ``waker`` (the coordinator's ``WakeListener``: a request wakes its loop) and
+    ``running`` (inside ``Coordinator.run``, which a hard stop unwinds)."""
+
+    def __init__(self):
+        self.why: str | None = None  # who asked: "SIGTERM", "SIGTERM to node 1's agent"
+        self.signum: int | None = None
+        self.t: float | None = None  # when the request arrived (time.time(), for records)
+        self.t_mono: float | None = None  # the same on the monotonic clock (for deadlines)
+        self.hard = False
+        self.launcher = None
+        self.waker = None
+        self.running = False
+        self._hint = 0
+        self._old: dict = {}
+
+    def install(self) -> "Stopper":
+        """Handle ``STOP_SIGNALS`` in this process (the main thread only: elsewhere nothing is
+        installed and the signals keep their handlers)."""
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                self._old[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def restore(self) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        self._old = {}
+
+    def request(self, why: str, signum: int | None) -> bool:
+        """Ask for the stop; False if one was asked already."""
+        if self.why is not None:
+            return False
+        self.why, self.signum = why, signum
+        self.t, self.t_mono = time.time(), time.monotonic()
+        if self.waker is not None:
+            self.waker.woken.set()
+        return True
+
+    def _on_signal(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.request(name, signum):
+            _say(f"[deadpool] {name}: stopping; the newest step in memory goes to disk "
+                 f"(send {name} again to stop at once)")
+            return
+        self.hard = True
+        kill_local(self.launcher)
+        if self.running:
+            self.running = False
+            what = f"{name} twice" if self.why == name else f"{self.why}, then {name}"
+            raise HardStop(f"{what}: stopped at once, every process of the job killed")
+
+    def poll_agents(self, coord) -> None:
+        """An agent's sealed request, once its hint moved (one counter read per loop turn)."""
+        n = coord.counter(REQUEST_HINT)
+        if n == self._hint:
+            return
+        self._hint = n
+        if not coord.store.check([REQUEST_KEY]):
+            return
+        text = coord.seal.open(REQUEST_KEY, coord.store.get(REQUEST_KEY))
+        if text is None:
+            if "stop request" not in coord.forgeries:
+                coord.forgeries.add("stop request")
+                coord.log("[coordinator] stop request without the job's secret: ignored")
+            return
+        req = json.loads(text)
+        self.request(f"{req['signal']} to node {req['node']}'s agent",
+                     int(getattr(signal, req["signal"], 0)) or None)
+
+
+def request(store, seal, signal_name: str, node: int) -> None:
+    """A node agent asks the coordinator to stop the job: the sealed request, then its hint and
+    a wake-up (``protocol.wake_coordinator``)."""
+    text = json.dumps({"signal": signal_name, "node": node})
+    store.set(REQUEST_KEY, seal.wrap(REQUEST_KEY, text))
+    store.add(REQUEST_HINT, 1)
+    wake_coordinator(store)
+
+
+def install_agent(node: int, open_store, seal, procs: dict, coordinator_lost,
+                  ended: threading.Event, timeout_s: float) -> None:
+    """A node agent's handlers (main thread). The first signal asks the coordinator to stop the
+    job, on a thread of its own with a fresh store client (a handler must not wait for the
+    agent's lock or store); if the store does not answer, ``coordinator_lost()`` has the node's
+    ranks write what they hold now. Either way the agent ends with its processes: if they have
+    not all left ``timeout_s`` after the signal (``ended`` unset), they are SIGKILLed. A second
+    signal SIGKILLs them at once and ends the agent (128 + its number)."""
+    asked: list[str] = []
+
+    def ask(name: str) -> None:
+        try:
+            request(open_store(timeout_s=5.0), seal, name, node)
+            print(f"[agent {node}] {name}: asked the coordinator to write the newest step in "
+                  "memory and stop the job", flush=True)
+        except Exception as e:
+            print(f"[agent {node}] {name}: the coordinator does not answer ({type(e).__name__}); "
+                  "the node's ranks write what they hold", flush=True)
+            coordinator_lost()
+        if not ended.wait(timeout_s):
+            print(f"[agent {node}] its processes did not leave within {timeout_s:.0f} s of "
+                  f"{name}: killing them", flush=True)
+            for p in list(procs.values()):
+                sigkill(p)
+
+    def on_signal(signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if not asked:
+            asked.append(name)
+            threading.Thread(target=ask, args=(name,), daemon=True, name="stop-request").start()
+            return
+        for p in list(procs.values()):
+            sigkill(p)
+        _say(f"[agent {node}] {name} again: its processes killed")
+        os._exit(128 + signum)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, on_signal)

@@ -24,6 +24,7 @@ aborts, fences, join announcements; every process's heartbeat and the coordinato
 (``hb/<slot>``, ``coord/hb``: their counts must increase, so a replayed older beat is no news);
 ``crash/``, ``fault/``, ``g*/status/``, ``g*/error/``, ``g*/bad_source/``, ``g*/timing/``,
 ``g*/first_step/``, ``g*/protected/``, ``final/``; the flags ``job/done`` and ``job/stop``;
+an agent's ``job/stop_request`` (its signal: ``deadpool.stop``);
 ``job/step`` and ``job/progress``. The ``add`` counters the coordinator waits on
 (``num_finished``, ``num_checkpointed``, ``num_errors``, ``num_protected``) are only wake-up
 hints: each rank also writes a sealed per-rank key (``finished/<rank>``, ``checkpointed/<rank>``,

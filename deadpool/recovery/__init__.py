@@ -32,5 +32,7 @@ in this order (``module:function``)::
    11 account   recovery.timeline:finish_pending  RankTimings -> the RecoveryRecord's breakdown
 
 A failure during any of steps 7-10 aborts g+1 the same way; step 1 then plans g+2 from what is
-left (the open record is closed as interrupted). Messages and store keys: ``deadpool.protocol``.
+left (the open record is closed as interrupted). A stop on a signal (walltime, preemption,
+Ctrl-C: ``recovery.preempt``) runs steps 2-4 without a failure and writes the planned step to
+disk. Messages and store keys: ``deadpool.protocol``.
 """

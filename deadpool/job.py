@@ -18,6 +18,7 @@ from pathlib import Path
 
 from deadpool import auth, checkpoint, lr_schedule, netif, precision
 from deadpool.comm import resolve_backend
+from deadpool.agent.presence import PresenceServer
 from deadpool.coordinator import Coordinator
 from deadpool.data import check_data
 from deadpool.errors import JobFailed
@@ -258,6 +259,12 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
     secret = auth.new_secret() if cfg["launcher"]["name"] == "local" else auth.load_secret()
     store = auth.namespaced(master, secret)
     cfg = dict(cfg, _store={"host": cfg["launcher"]["host"], "port": master.port})
+    presence = None
+    if uses_agents(cfg) and cfg["launcher"]["name"] != "local":  # agents on other hosts
+        presence = PresenceServer(cfg["launcher"]["host"], secret, lambda node: on_gone(node),
+                                  on_forged=lambda: log("[coordinator] a presence hello without "
+                                                        "the job's secret: ignored"))
+        cfg["_store"]["presence"] = presence.port
     job_json = run_dir / "job.json"
     job_json.write_text(json.dumps(cfg, indent=1))
     n_workers = ParallelDims.from_config(cfg["parallel"]).world_size
@@ -294,6 +301,15 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
     coord = Coordinator(cfg, store, launcher, log=log, secret=secret, restart=restart, live=live,
                         events=events, waker=waker, stopper=stop)
     stop.launcher, stop.waker, stop.running = launcher, waker, True
+
+    def on_gone(node: int) -> None:  # (the presence thread) a node's agent died: so did its ranks
+        if coord.outcome == "running" and live.lose_node(node, launcher.slots_of_node(node)):
+            log(f"[coordinator] node {node}: its agent's connection ended (its processes are "
+                "gone)")
+            waker.woken.set()
+
+    if presence is not None:
+        presence.start()
     try:
         coord.run()
     except JobFailed as e:
@@ -306,6 +322,8 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
         coord.outcome, coord.message = "preempted", f"{e}; {preempt.resume_hint(coord)}"
     finally:
         stop.running = False
+        if presence is not None:
+            presence.stop()
         if coord.outcome == "restart":  # torn down at once, as torchrun does: disk is what counts
             for s in slots:
                 launcher.kill(s)

@@ -44,6 +44,7 @@ from deadpool.agent.board import (COORD_LOST, NODE_DIR_ENV, NODE_INDEX_ENV, Door
                                   waker_name)
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
+from deadpool.agent.presence import PresenceClient
 from deadpool.groups import layout_group_keys
 from deadpool.launcher import fork_worker, job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
@@ -194,6 +195,7 @@ def main(argv=None) -> int:
                                bool(cfg["launcher"].get("share_gpu")),
                                preexec_fn=_die_with_parent, keep_local_rank=external)
     print(f"[agent {args.node}] started slots {slots} (board {where})", flush=True)
+    presence = _presence(cfg, args.node, secret, external)  # (a thread: after any fork)
     stop = threading.Event()
 
     def coordinator_lost():  # a signal with the store unreachable: its ranks write what they hold
@@ -247,6 +249,9 @@ def main(argv=None) -> int:
                 board.beat_agent()
             except ValueError:  # the board was closed: the agent is ending
                 return
+            if presence is not None and agent.silent_for() > agent.node_timeout_s \
+                    and presence.cut_off():
+                _fence_self(args.node, agent.silent_for(), procs, where)
             time.sleep(float(ft.get("agent_interval_s", 0.25)))
 
     threading.Thread(target=beat, daemon=True, name="agent-beat").start()
@@ -287,6 +292,33 @@ def main(argv=None) -> int:
     except OSError:
         pass
     return 0
+
+
+def _presence(cfg: dict, node: int, secret: str, external: bool) -> PresenceClient | None:
+    """Under srun: this agent's presence connection to the coordinator (``agent.presence``)."""
+    port = cfg["_store"].get("presence")
+    if not external or not port:
+        return None
+    try:
+        return PresenceClient(cfg["_store"]["host"], int(port), node, secret).connect()
+    except OSError as e:
+        print(f"[agent {node}] no presence connection ({e}): a lost node is seen by its silent "
+              "record only, and a cut-off one does not fence itself", flush=True)
+        return None
+
+
+def _fence_self(node: int, silent_s: float, procs: dict, where: Path) -> None:
+    """This node is cut off: no record has reached the store for ``ft.node_timeout_s``, so the
+    coordinator has declared it lost and given its ranks to spares, and its host cannot reach
+    the coordinator's. It must not train on, write its state into the job's directories, or
+    rejoin when the link returns: every process of the node is killed, now, with the agent."""
+    print(f"[agent {node}] cut off: no record reached the store for {silent_s:.1f} s and the "
+          "coordinator's host does not answer; the job has declared this node lost. Killing its "
+          "processes and leaving", flush=True)
+    for p in procs.values():
+        sigkill(p)
+    shutil.rmtree(where, ignore_errors=True)
+    os._exit(4)
 
 
 def _reopen(open_store, err, node):

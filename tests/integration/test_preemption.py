@@ -180,3 +180,24 @@ def test_auto_resume_without_a_checkpoint_starts_from_step_0_and_says_so(tmp_pat
     with pytest.raises(ValueError, match="stop_timeout_s"):
         run_job(compose_train(BASE + ["ft.stop_timeout_s=5", "ft.status_timeout_s=10"], tmp_path),
                 log=quiet)
+
+
+@pytest.mark.slow
+def test_a_rank_hung_while_it_writes_ends_the_job_within_stop_timeout_and_nothing_is_read(tmp_path):
+    """Rank 1 hangs in its part of the write (heartbeat alive): the job still ends
+    ``ft.stop_timeout_s`` after the signal, every process gone, and the incomplete step is never
+    taken for a checkpoint."""
+    run_dir = tmp_path / "run"
+    job = Job(run_dir, ["ft.stop_timeout_s=6", "ft.status_timeout_s=3",
+                        "faults.events=[{rank: 1, step: 0, phase: checkpoint, kind: hang}]"])
+    job.wait_for_step(AT_STEP)
+    took = job.signal(signal.SIGTERM, "coordinator")
+    print(f"\nSIGTERM with a hung writer -> job ended: {took:.2f} s (ft.stop_timeout_s=6)")
+    assert 6 <= took < 6 + STOP_BOUND_S, job.out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "preempted"
+    assert "not written completely within ft.stop_timeout_s=6" in summary["message"]
+    assert "a new run starts from step 0" in summary["message"]
+    assert summary["stop"]["checkpoint"] is None
+    assert checkpoint.latest_complete_step(run_dir / "checkpoints") is None
+    assert_nothing_left(run_dir)

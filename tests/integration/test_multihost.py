@@ -8,6 +8,7 @@ same seed and layout.
                                       host's processes on its own interface), a rank killed,
                                       every process of host 1 killed, host 1's link down at a
                                       step
+                                      SIGTERM to the coordinator, then a resume
     dp2 x tp2 x pp2 on hosts 0-3,     every process of host 1 killed: its TP pair lands whole on
     spare host 4:                     the spare host
 
@@ -17,11 +18,13 @@ Needs root and iproute2 (CI runs as root); skipped with the reason otherwise.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
+from deadpool import checkpoint
 from deadpool.job import run_job
 from deadpool.report import compare_final_states
 from experiments.testbed import netns
@@ -186,3 +189,25 @@ def test_3d_a_host_killed_moves_its_tensor_parallel_pair_whole_to_the_spare_host
         summary = finish(job, ref_3d)
     (rec,) = summary["recoveries"]
     assert len(listed(rec["failed_rank"])) == 2 and hosts_of(summary) == {4}
+
+
+def test_sigterm_to_the_coordinator_writes_the_newest_step_and_the_job_resumes_from_it(
+        tmp_path, ref_dp4):
+    """Walltime or preemption as Slurm delivers it (the batch shell forwards the signal to the
+    coordinator): the job ends with its state on disk and no process on any host, and a
+    resubmission with ft.resume_from=auto in the same run directory completes it."""
+    with netns.TestBed(3) as bed:
+        with cluster(bed, tmp_path, DP4).start() as job:
+            job.wait_step(10)
+            t0 = time.monotonic()
+            job.coord.send_signal(signal.SIGTERM)
+            summary = job.wait(timeout_s=60)
+            ended_s = time.monotonic() - t0
+            left = {i: bed.pids(i) for i in range(3)}
+        assert summary["outcome"] == "preempted", summary.get("message")
+        assert "ft.resume_from" in summary["message"]
+        assert not any(left.values()), left
+        assert checkpoint.latest_complete_step(job.run_dir / "checkpoints") >= 10
+        with cluster(bed, tmp_path, DP4, ["ft.resume_from=auto"]).start() as resumed:
+            finish(resumed, ref_dp4)
+    print(f"SIGTERM -> job ended with its state on disk: {ended_s:.2f} s")

@@ -303,7 +303,8 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
     stop.launcher, stop.waker, stop.running = launcher, waker, True
 
     def on_gone(node: int) -> None:  # (the presence thread) a node's agent died: so did its ranks
-        if coord.outcome == "running" and live.lose_node(node, launcher.slots_of_node(node)):
+        if coord.outcome == "running":
+            live.lose_node(node, launcher.slots_of_node(node))
             log(f"[coordinator] node {node}: its agent's connection ended (its processes are "
                 "gone)")
             waker.woken.set()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 
 # waiting for other ranks: a stall here is caused elsewhere
 PEER_WAIT = frozenset({"allreduce", "rebuild", "transfer", "snapshot_backpressure", "barrier",
@@ -187,6 +188,7 @@ class NodeLiveness:
         self.vote: dict[int, tuple[int, int, int]] = {}    # node -> (g, vote step, interval)
         self.generation = 0
         self.lock = threading.Lock()
+        self._lost: deque[list[int]] = deque()  # slots of nodes lost by presence (lose_node)
 
     def observe_node(self, node: int, text: str) -> None:
         head, _, tail = text.partition(" {")
@@ -215,15 +217,17 @@ class NodeLiveness:
             if "vote" in detail:
                 self.vote[node] = tuple(int(x) for x in detail["vote"])
 
-    def lose_node(self, node: int, slots) -> bool:
+    def lose_node(self, node: int, slots) -> None:
         """Node ``node``'s agent is known dead (its presence connection ended,
-        ``agent.presence``): each of its ``slots`` not yet seen exiting exited with SIGKILL, as
-        its processes did with it. True if that is news."""
-        with self.lock:
-            news = [s for s in slots if s not in self._exit]
-            for s in news:
-                self._exit[s] = -9
-        return bool(news)
+        ``agent.presence``): each of its ``slots`` not seen exiting before exited with SIGKILL,
+        as its processes did with it. Safe from another thread: taken in by the coordinator's
+        own thread at its next question (``suspects``, ``exit_code``)."""
+        self._lost.append(list(slots))
+
+    def _take_lost(self) -> None:
+        while self._lost:
+            for s in self._lost.popleft():
+                self._exit.setdefault(s, -9)
 
     def new_generation(self, generation: int) -> None:
         """Plan ``generation`` was written: stall counts of agents that have not applied it yet
@@ -242,6 +246,7 @@ class NodeLiveness:
         return None if seen is None else self.clock() - seen[1]
 
     def exit_code(self, slot: int) -> int | None:
+        self._take_lost()
         return self._exit.get(slot)
 
     def stopped(self, slot: int) -> bool:
@@ -270,6 +275,7 @@ class NodeLiveness:
     def suspects(self, slots_of_node) -> set[int]:
         """Slots worth a closer look: exited, slow, hung, or on a node whose record is stale
         (``slots_of_node(node)``)."""
+        self._take_lost()
         out = set(self._exit) | set(self._slow)
         for own in self._own.values():
             out.update(own)

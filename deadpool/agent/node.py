@@ -90,7 +90,7 @@ class NodeAgent:
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
         self.coordinator_timeout_s = float(ft["coordinator_timeout_s"])
-        self.node_timeout_s = float(ft["node_timeout_s"])
+        self.node_timeout_s = float(ft.get("node_timeout_s", float("inf")))
         self.last_contact = clock()  # the last record the store took (``silent_for``)
         self.coord_every_s = min(1.0, self.coordinator_timeout_s / 4)
         self.seq = 0

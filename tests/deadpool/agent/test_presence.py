@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -115,3 +116,15 @@ def test_cut_off_when_a_connection_gets_no_answer(monkeypatch):
     assert c.cut_off()
     c.coordinator_gone.set()  # its stream ended: the coordinator died, nothing is cut off
     assert not c.cut_off()
+
+
+def test_a_node_lost_by_presence_is_read_as_its_processes_exiting_on_the_coordinator_s_thread():
+    from deadpool.watchdog import NodeLiveness
+
+    live = NodeLiveness(1.0, 10.0, 3.0, lambda s: s // 2)
+    live.observe_node(1, '1 0 5 2 0 {"exit":{"3":0}}')  # slot 3 had already exited cleanly
+    assert live.suspects(lambda n: [2 * n, 2 * n + 1]) == {3}
+    t = threading.Thread(target=live.lose_node, args=(1, [2, 3]))  # the presence thread's call
+    t.start(), t.join()
+    assert live.suspects(lambda n: [2 * n, 2 * n + 1]) == {2, 3}
+    assert live.exit_code(2) == -9 and live.exit_code(3) == 0 and live.exit_code(0) is None

@@ -66,6 +66,11 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.heartbeat_timeout_s must exceed 2 x ft.heartbeat_interval_s")
     if ft["heartbeat_hard_timeout_s"] < ft["heartbeat_timeout_s"]:
         raise ValueError("ft.heartbeat_hard_timeout_s must be >= ft.heartbeat_timeout_s")
+    if uses_agents(cfg) and cfg["launcher"]["name"] != "local" \
+            and ft["coordinator_timeout_s"] <= ft["node_timeout_s"]:
+        raise ValueError("ft.coordinator_timeout_s must exceed ft.node_timeout_s: a node cut off "
+                         "from the coordinator fences itself at the node timeout, before its "
+                         "ranks would take the coordinator for dead and write what they hold")
     if ft["on_no_spare"] not in ("elastic", "checkpoint_restart", "checkpoint_and_stop"):
         raise ValueError("ft.on_no_spare must be elastic, checkpoint_restart or checkpoint_and_stop, "
                          f"got {ft['on_no_spare']!r}")

@@ -53,3 +53,10 @@ def test_a_shrink_below_k_plus_one_ranks_keeps_what_replicas_fit_and_a_regrow_re
     assert shrunk["parallel"]["dp"] == 3 and shrunk["ft"]["replicas"] == 2  # 3 nodes: 2 others
     grown = _relaunch_cfg(shrunk, store, 5, RecoveryRecord(5, fallback="grow", dp=4), print)
     assert grown["parallel"]["dp"] == 4 and grown["ft"]["replicas"] == 3
+
+
+def test_a_coordinator_timeout_within_the_node_timeout_is_refused_across_hosts(tmp_path):
+    bad = ["ft.coordinator_timeout_s=2", "ft.node_timeout_s=3"]
+    with pytest.raises(ValueError, match="coordinator_timeout_s must exceed ft.node_timeout_s"):
+        validate(compose_train(["launcher=slurm", *bad], tmp_path))
+    validate(compose_train(bad, tmp_path))  # one host: no node is ever cut off

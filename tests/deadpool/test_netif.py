@@ -66,3 +66,4 @@ def test_the_refusal_comes_before_the_store_binds(tmp_path, monkeypatch):
     monkeypatch.setattr(auth, "serve_store", lambda *a, **k: pytest.fail("the store was bound"))
     with pytest.raises(ValueError, match="DEADPOOL_STORE_HOST"):
         run_job(c, log=lambda *a, **k: None)
+

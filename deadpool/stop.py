@@ -35,6 +35,8 @@ from deadpool.protocol import wake_coordinator
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REQUEST_KEY = "job/stop_request"  # sealed: an agent's signal ({"signal", "node"})
 REQUEST_HINT = "job/num_stop_requests"  # a wake-up hint (unsealed: it only says where to look)
+ASK_TIMEOUT_S = 5.0  # an agent's request unanswered this long: the coordinator is unreachable
+LEAVE_GRACE_S = 3.0  # an agent whose processes are gone ends this long after, whatever it waits on
 
 
 class HardStop(BaseException):
@@ -144,40 +146,72 @@ def request(store, seal, signal_name: str, node: int) -> None:
 
 
 def install_agent(node: int, open_store, seal, procs: dict, coordinator_lost,
-                  ended: threading.Event, timeout_s: float) -> None:
-    """A node agent's handlers (main thread). The first signal asks the coordinator to stop the
-    job, on a thread of its own with a fresh store client (a handler must not wait for the
-    agent's lock or store); if the store does not answer, ``coordinator_lost()`` has the node's
-    ranks write what they hold now. Either way the agent ends with its processes: if they have
-    not all left ``timeout_s`` after the signal (``ended`` unset), they are SIGKILLed. A second
-    signal SIGKILLs them at once and ends the agent (128 + its number)."""
-    asked: list[str] = []
+                  ended: threading.Event, leave, timeout_s: float) -> None:
+    """A node agent's answer to ``STOP_SIGNALS`` (call from the main thread, after its children
+    are forked). The first signal asks the coordinator to stop the job with a fresh store client;
+    if the store does not answer, ``coordinator_lost()`` has the node's ranks write what they
+    hold now. Either way the agent ends with its processes: those not gone ``timeout_s`` after
+    the signal are SIGKILLed, and once all are gone the agent's main loop must end (``ended``)
+    within ``LEAVE_GRACE_S``, else ``leave()`` ends the agent (its main thread is then inside a
+    store call to an unreachable coordinator). A second signal SIGKILLs them at once and ends the
+    agent (128 + its number).
+
+    Signals are read from a wake-up pipe (``signal.set_wakeup_fd``) by a thread of their own, not
+    acted on in a Python handler: Python runs handlers in the main thread between bytecodes, and
+    the agent's main thread may sit in a store call for a minute when the coordinator's host is
+    stopped or cut off, which is when the node must act without it."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    for s in STOP_SIGNALS:
+        signal.signal(s, lambda signum, frame: None)  # caught, not fatal: acted on by ``watch``
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+    def send(name: str, sent: threading.Event) -> None:
+        try:
+            request(open_store(timeout_s=ASK_TIMEOUT_S), seal, name, node)
+            sent.set()
+        except Exception:
+            pass
 
     def ask(name: str) -> None:
-        try:
-            request(open_store(timeout_s=5.0), seal, name, node)
+        # on a thread of its own, waited for with a bound: a store client connecting to a
+        # stopped coordinator's port blocks past its own timeout (torch 2.13, libuv client)
+        t0, sent = time.monotonic(), threading.Event()
+        threading.Thread(target=send, args=(name, sent), daemon=True, name="stop-send").start()
+        if sent.wait(ASK_TIMEOUT_S):
             print(f"[agent {node}] {name}: asked the coordinator to write the newest step in "
                   "memory and stop the job", flush=True)
-        except Exception as e:
-            print(f"[agent {node}] {name}: the coordinator does not answer ({type(e).__name__}); "
-                  "the node's ranks write what they hold", flush=True)
+        else:
+            print(f"[agent {node}] {name}: the coordinator does not answer within "
+                  f"{ASK_TIMEOUT_S:.0f} s; the node's ranks write what they hold", flush=True)
             coordinator_lost()
-        if not ended.wait(timeout_s):
-            print(f"[agent {node}] its processes did not leave within {timeout_s:.0f} s of "
-                  f"{name}: killing them", flush=True)
+        while any(p.poll() is None for p in list(procs.values())):
+            if time.monotonic() - t0 > timeout_s:
+                print(f"[agent {node}] its processes did not leave within {timeout_s:.0f} s of "
+                      f"{name}: killing them", flush=True)
+                for p in list(procs.values()):
+                    sigkill(p)
+                break
+            time.sleep(0.05)
+        if not ended.wait(LEAVE_GRACE_S):
+            print(f"[agent {node}] its processes are gone; leaving without the coordinator",
+                  flush=True)
+            leave()
+
+    def watch() -> None:
+        first = None
+        while True:
+            signum = os.read(r, 1)[0]
+            if signum not in STOP_SIGNALS:
+                continue
+            name = signal.Signals(signum).name
+            if first is None:
+                first = name
+                threading.Thread(target=ask, args=(name,), daemon=True, name="stop-request").start()
+                continue
             for p in list(procs.values()):
                 sigkill(p)
+            print(f"[agent {node}] {name} again: its processes killed", flush=True)
+            os._exit(128 + signum)
 
-    def on_signal(signum, frame) -> None:
-        name = signal.Signals(signum).name
-        if not asked:
-            asked.append(name)
-            threading.Thread(target=ask, args=(name,), daemon=True, name="stop-request").start()
-            return
-        for p in list(procs.values()):
-            sigkill(p)
-        _say(f"[agent {node}] {name} again: its processes killed")
-        os._exit(128 + signum)
-
-    for s in STOP_SIGNALS:
-        signal.signal(s, on_signal)
+    threading.Thread(target=watch, daemon=True, name="stop-signals").start()

@@ -211,6 +211,7 @@ def main(argv=None) -> int:
     # SIGTERM, SIGUSR1, SIGINT (srun forwards a job's signals): the coordinator stops the job and
     # this agent ends with its processes, or kills them once the coordinator's bound is past
     install_agent(args.node, open_store, seal, procs, coordinator_lost, stop,
+                  partial(_leave, where),
                   float(ft["stop_timeout_s"]) + float(ft["coordinator_timeout_s"]))
 
     def wait_child(slot, p):
@@ -319,6 +320,18 @@ def _fence_self(node: int, silent_s: float, procs: dict, where: Path) -> None:
         sigkill(p)
     shutil.rmtree(where, ignore_errors=True)
     os._exit(4)
+
+
+def _leave(where: Path) -> None:
+    """End the agent now (its processes are gone, its main thread waits on a store that does not
+    answer): the node's directory removed, as at a normal end."""
+    shutil.rmtree(where, ignore_errors=True)
+    try:
+        where.parent.rmdir()
+    except OSError:
+        pass
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _reopen(open_store, err, node):

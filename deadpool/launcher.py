@@ -46,13 +46,10 @@ def local_rank(slot: int, num_devices: int | None = None) -> int:
 
 def job_env(secret: str | None, sockets: dict | None = None) -> dict:
     """The environment of a job's local processes: the job's secret in it (never argv, job.json
-    or a log); ``sockets``: the interface they talk over (``netif.socket_env``; loopback unless
-    given, as every process of the local launcher runs on this host)."""
+    or a log); ``sockets``: the interface they talk over (``netif.socket_env``; else loopback,
+    every process of the local launcher being on this host)."""
     env = dict(os.environ)
-    if sockets:
-        env.update(sockets)
-    else:
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update(sockets or {"GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo")})
     env["PYTHONUNBUFFERED"] = "1"
     if secret is not None:
         env[auth.SECRET_ENV] = secret

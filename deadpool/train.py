@@ -12,8 +12,18 @@ signal's number when stopped by one.
 
 from __future__ import annotations
 
-import copy
+import signal
 import sys
+
+if __name__ == "__main__":  # until the job is built (imports, config) a signal has nothing to save
+    def _before_start(signum, frame):
+        sys.stderr.write(f"[deadpool] {signal.Signals(signum).name} before the job started\n")
+        raise SystemExit(128 + signum)
+
+    for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(_sig, _before_start)
+
+import copy  # (after the handlers: importing torch takes seconds)
 from pathlib import Path
 
 import hydra

@@ -35,6 +35,7 @@ from deadpool.protocol import wake_coordinator
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REQUEST_KEY = "job/stop_request"  # sealed: an agent's signal ({"signal", "node"})
 REQUEST_HINT = "job/num_stop_requests"  # a wake-up hint (unsealed: it only says where to look)
+POLL_S = 0.05  # the coordinator reads the agents' request hint at most this often
 ASK_TIMEOUT_S = 5.0  # an agent's request unanswered this long: the coordinator is unreachable
 LEAVE_GRACE_S = 3.0  # an agent whose processes are gone ends this long after, whatever it waits on
 
@@ -79,6 +80,7 @@ class Stopper:
         self.waker = None
         self.running = False
         self._hint = 0
+        self._polled = -1e9
         self._old: dict = {}
 
     def install(self) -> "Stopper":
@@ -118,7 +120,12 @@ class Stopper:
             raise HardStop(f"{what}: stopped at once, every process of the job killed")
 
     def poll_agents(self, coord) -> None:
-        """An agent's sealed request, once its hint moved (one counter read per loop turn)."""
+        """An agent's sealed request, once its hint moved: one counter read per loop turn, at
+        most one per ``POLL_S`` (the start-up wait turns every 10 ms)."""
+        now = time.monotonic()
+        if now - self._polled < POLL_S:
+            return
+        self._polled = now
         n = coord.counter(REQUEST_HINT)
         if n == self._hint:
             return

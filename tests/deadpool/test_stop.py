@@ -48,7 +48,8 @@ def test_a_first_signal_asks_a_second_kills_the_jobs_processes_and_unwinds():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_an_agents_request_counts_only_sealed():
+def test_an_agents_request_counts_only_sealed(monkeypatch):
+    monkeypatch.setattr("deadpool.stop.POLL_S", 0.0)  # every call reads the hint
     store, secret, logs = master_store(), auth.new_secret(), []
     coord = SimpleNamespace(store=store, seal=Seal(secret), forgeries=set(), log=logs.append,
                             counter=lambda key: int(store.add(key, 0)))

@@ -105,8 +105,11 @@ export DEADPOOL_STORE_PORT=${DEADPOOL_STORE_PORT:-$(( 29500 + SLURM_JOB_ID % 100
 
 # a requeued run resumes from the newest complete checkpoint in its run dir (unless told otherwise)
 RESUME=()
-if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && ! printf '%s\n' "$@" | grep -q '^+*ft\.resume_from='; then
+if (( ${SLURM_RESTART_COUNT:-0} > 0 )); then
     RESUME=(ft.resume_from=auto)
+    for a in "$@"; do
+        case "$a" in ft.resume_from=*|+ft.resume_from=*|++ft.resume_from=*) RESUME=() ;; esac
+    done
 fi
 echo "[deadpool_job] job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): coordinator on ${BATCH_HOST}" \
      "(COORD_NODE=${COORD_NODE}, store ${DEADPOOL_STORE_HOST}:${DEADPOOL_STORE_PORT}); ${NUM_PROCS} processes" \

@@ -13,6 +13,12 @@
 # machine has (SlurmdParameters=config_overrides) and the partition oversubscribes them, so a
 # 2-core laptop can run a 5-task job. No cgroups (proctrack/linuxproc, task/none), no accounting,
 # no systemd: the daemons are started directly.
+#
+# DEADPOOL_SLURM_NODES=N (default 1) declares N nodes dp0 .. dp<N-1> instead, each its own slurmd
+# on this machine (slurmd -N, ports $DEADPOOL_SLURMD_PORT + i), at this machine's first
+# non-loopback address (a store on loopback is refused for a job of several nodes): a job then
+# has a batch host and other nodes as on a cluster, and a node is lost by killing its slurmd
+# (Slurm marks it down after $DEADPOOL_SLURMD_TIMEOUT_S, 10 s here).
 set -euo pipefail
 DIR=${DEADPOOL_SLURM_DIR:-/tmp/deadpool-slurm}
 CPUS=${DEADPOOL_SLURM_CPUS:-32}
@@ -21,6 +27,8 @@ CPUS=${DEADPOOL_SLURM_CPUS:-32}
 MEM=${DEADPOOL_SLURM_MEM_MB:-$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)}
 CONF=$DIR/etc/slurm.conf
 HOST=$(hostname -s)
+NODES=${DEADPOOL_SLURM_NODES:-1}
+SLURMD_PORT=${DEADPOOL_SLURMD_PORT:-6818}
 
 install() {
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then
@@ -44,15 +52,15 @@ SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=$(id -un)
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job waits this long before it starts again (a job credential's lifetime; 120 s
+# by default): the walltime test of test_slurm.py requeues one
+AuthInfo=cred_expire=30
 CredType=cred/munge
 SlurmctldPort=${DEADPOOL_SLURMCTLD_PORT:-6817}
-SlurmdPort=${DEADPOOL_SLURMD_PORT:-6818}
+SlurmdPort=$SLURMD_PORT
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
@@ -71,9 +79,29 @@ KillOnBadExit=0
 WaitTime=0
 InactiveLimit=0
 MinJobAge=300
+CONF
+    if [ "$NODES" = 1 ]; then
+        cat >> "$CONF" <<CONF
+SlurmdSpoolDir=$DIR/spool
+SlurmdPidFile=$DIR/slurmd.pid
+SlurmdLogFile=$DIR/log/slurmd.log
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
 PartitionName=local Nodes=$HOST Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
+        return
+    fi
+    local addr
+    addr=$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -v '^127\.' | grep -v ':' | sed -n 1p)
+    cat >> "$CONF" <<CONF
+SlurmdSpoolDir=$DIR/spool/%n
+SlurmdPidFile=$DIR/slurmd-%n.pid
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+SlurmdTimeout=${DEADPOOL_SLURMD_TIMEOUT_S:-10}
+CONF
+    for i in $(seq 0 $((NODES - 1))); do
+        echo "NodeName=dp$i NodeHostname=$HOST NodeAddr=${addr:-127.0.0.1} Port=$((SLURMD_PORT + i)) CPUs=$CPUS RealMemory=$MEM State=UNKNOWN" >> "$CONF"
+    done
+    echo "PartitionName=local Nodes=dp[0-$((NODES - 1))] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4" >> "$CONF"
 }
 
 start_munge() {
@@ -101,17 +129,26 @@ start() {
     write_conf
     start_munge
     pgrep -f "slurmctld -f $CONF" >/dev/null || /usr/sbin/slurmctld -f "$CONF"
-    pgrep -f "slurmd -f $CONF" >/dev/null || /usr/sbin/slurmd -f "$CONF"
+    if [ "$NODES" = 1 ]; then
+        pgrep -f "slurmd -f $CONF" >/dev/null || /usr/sbin/slurmd -f "$CONF"
+    else
+        for i in $(seq 0 $((NODES - 1))); do
+            mkdir -p "$DIR/spool/dp$i"
+            pgrep -f "slurmd -f $CONF -N dp$i\$" >/dev/null || /usr/sbin/slurmd -f "$CONF" -N "dp$i"
+        done
+    fi
     for _ in $(seq 60); do
-        state=$(status | awk '{print $2}')
-        if [ "$state" = idle ] || [ "$state" = mix ] || [ "$state" = alloc ]; then
-            echo "[local_cluster] up: node $HOST ($CPUS CPUs, oversubscribed), partition local; SLURM_CONF=$CONF"
-            return
-        fi
+        # every node up (sinfo's lines group nodes by state)
+        state=$(status | awk '{print $2}' | sort -u | tr '\n' ' ')
+        case "$state" in
+            "idle " | "mix " | "alloc ")
+                echo "[local_cluster] up: $NODES node(s) on $HOST ($CPUS CPUs each, oversubscribed), partition local; SLURM_CONF=$CONF"
+                return ;;
+        esac
         sleep 1
     done
     echo "[local_cluster] the node did not come up (state '${state:-none}'); logs in $DIR/log" >&2
-    tail -5 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 || true
+    tail -5 "$DIR/log/slurmctld.log" "$DIR"/log/slurmd*.log >&2 || true
     exit 1
 }
 

@@ -217,7 +217,10 @@ def main(argv=None) -> int:
     def wait_child(slot, p):
         code = p.wait()
         with lock:
-            agent.on_exit(slot, code)
+            try:
+                agent.on_exit(slot, code)
+            except Exception:  # the store is gone (the job ended): the exit is kept for the
+                pass           # last record, which the main loop still tries to write
 
     waiters = [threading.Thread(target=wait_child, args=(s, p), daemon=True, name=f"wait-{s}")
                for s, p in procs.items()]

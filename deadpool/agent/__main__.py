@@ -44,7 +44,7 @@ from deadpool.agent.board import (COORD_LOST, NODE_DIR_ENV, NODE_INDEX_ENV, Door
                                   waker_name)
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
-from deadpool.agent.presence import PresenceClient
+from deadpool.agent.presence import PROBE_S, PresenceClient
 from deadpool.groups import layout_group_keys
 from deadpool.launcher import fork_worker, job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
@@ -253,7 +253,9 @@ def main(argv=None) -> int:
                 board.beat_agent()
             except ValueError:  # the board was closed: the agent is ending
                 return
-            if presence is not None and agent.silent_for() > agent.node_timeout_s \
+            # cut off: probed from half a second before the coordinator's node timeout, so that
+            # the node has stopped by the time the job declares it lost
+            if presence is not None and agent.silent_for() > agent.node_timeout_s - PROBE_S \
                     and presence.cut_off():
                 _fence_self(args.node, agent.silent_for(), procs, where)
             time.sleep(float(ft.get("agent_interval_s", 0.25)))

@@ -32,6 +32,7 @@ from deadpool import auth
 
 HELLO_MAX = 256  # bytes: a sealed node number
 HELLO_TIMEOUT_S = 10.0
+PROBE_S = 0.5  # ``cut_off``'s wait for an answer from the coordinator's host
 
 
 def _context(nonce: str) -> str:
@@ -174,7 +175,7 @@ class PresenceClient(threading.Thread):
                     self.coordinator_gone.set()
                 return
 
-    def cut_off(self, timeout_s: float = 0.5) -> bool:
+    def cut_off(self, timeout_s: float = PROBE_S) -> bool:
         """This host cannot reach the coordinator's: the stream has not ended (its process
         would have closed it in dying) and a fresh connection gets no answer at all. A refused
         one means its host answers and the process is gone; an accepted one, that it is there

@@ -27,6 +27,7 @@ import secrets
 import selectors
 import socket
 import threading
+import time
 
 from deadpool import auth
 
@@ -57,7 +58,8 @@ class PresenceServer(threading.Thread):
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listen, selectors.EVENT_READ, None)
         self._halt = threading.Event()
-        self.nodes: dict[int, int] = {}  # node -> connections it holds (an agent restarted: 2)
+        self.nodes: dict[int, int] = {}  # node -> its connections open now
+        self.forgeries = 0  # hellos without the job's secret
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -66,6 +68,10 @@ class PresenceServer(threading.Thread):
                     self._accept()
                 else:
                     self._read(key.fileobj, key.data)
+            late = time.monotonic() - HELLO_TIMEOUT_S  # a connection that never says who it is
+            for key in list(self._sel.get_map().values()):  # holds no descriptor for long
+                if key.data is not None and key.data["node"] is None and key.data["t"] < late:
+                    self._drop(key.fileobj)
         for key in list(self._sel.get_map().values()):
             key.fileobj.close()
         self._sel.close()
@@ -84,7 +90,8 @@ class PresenceServer(threading.Thread):
         except OSError:
             conn.close()
             return
-        self._sel.register(conn, selectors.EVENT_READ, {"nonce": nonce, "buf": b"", "node": None})
+        self._sel.register(conn, selectors.EVENT_READ,
+                           {"nonce": nonce, "buf": b"", "node": None, "t": time.monotonic()})
 
     def _read(self, conn: socket.socket, state: dict) -> None:
         try:
@@ -106,7 +113,9 @@ class PresenceServer(threading.Thread):
                     state["node"] = int(text)
                     self.nodes[state["node"]] = self.nodes.get(state["node"], 0) + 1
                 except (auth.AuthError, ValueError):
-                    self.on_forged()
+                    self.forgeries += 1
+                    if self.forgeries == 1:  # said once
+                        self.on_forged()
                     self._drop(conn)
                 return
             self._drop(conn)  # ended before saying who it is: nobody's news

@@ -128,3 +128,15 @@ def test_a_node_lost_by_presence_is_read_as_its_processes_exiting_on_the_coordin
     t.start(), t.join()
     assert live.suspects(lambda n: [2 * n, 2 * n + 1]) == {2, 3}
     assert live.exit_code(2) == -9 and live.exit_code(3) == 0 and live.exit_code(0) is None
+
+
+def test_a_connection_that_never_says_who_it_is_is_dropped(server, monkeypatch):
+    from deadpool.agent import presence
+
+    monkeypatch.setattr(presence, "HELLO_TIMEOUT_S", 0.2)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(3.0)
+    assert sock.recv(64).endswith(b"\n")  # the nonce
+    assert sock.recv(64) == b""  # then closed by the server, past the hello's time
+    sock.close()
+    assert server.gone == []

@@ -66,8 +66,7 @@ def validate(cfg: dict) -> None:
         raise ValueError("ft.heartbeat_timeout_s must exceed 2 x ft.heartbeat_interval_s")
     if ft["heartbeat_hard_timeout_s"] < ft["heartbeat_timeout_s"]:
         raise ValueError("ft.heartbeat_hard_timeout_s must be >= ft.heartbeat_timeout_s")
-    if uses_agents(cfg) and cfg["launcher"]["name"] != "local" \
-            and ft["coordinator_timeout_s"] <= ft["node_timeout_s"]:
+    if remote_agents(cfg) and ft["coordinator_timeout_s"] <= ft["node_timeout_s"]:
         raise ValueError("ft.coordinator_timeout_s must exceed ft.node_timeout_s: a node cut off "
                          "from the coordinator fences itself at the node timeout, before its "
                          "ranks would take the coordinator for dead and write what they hold")
@@ -239,6 +238,12 @@ def uses_agents(cfg: dict) -> bool:
     return cfg["launcher"]["name"] in ("local", "slurm") and bool(cfg["launcher"].get("agents"))
 
 
+def remote_agents(cfg: dict) -> bool:
+    """Node agents on other hosts (srun starts them): each holds a presence connection and a
+    cut-off one fences itself (``agent.presence``)."""
+    return uses_agents(cfg) and cfg["launcher"]["name"] != "local"
+
+
 def resolve_resume(cfg: dict, log) -> dict:
     """``ft.resume_from=auto``: the newest complete checkpoint under ``ft.checkpoint_dir`` (a
     job stopped, preempted or requeued in the same run directory), else a fresh start."""
@@ -265,7 +270,7 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
     store = auth.namespaced(master, secret)
     cfg = dict(cfg, _store={"host": cfg["launcher"]["host"], "port": master.port})
     presence = None
-    if uses_agents(cfg) and cfg["launcher"]["name"] != "local":  # agents on other hosts
+    if remote_agents(cfg):
         presence = PresenceServer(cfg["launcher"]["host"], secret, lambda node: on_gone(node),
                                   on_forged=lambda: log("[coordinator] a presence hello without "
                                                         "the job's secret: ignored"))

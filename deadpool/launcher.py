@@ -452,12 +452,12 @@ class ExternalAgentLauncher(AgentLauncher):
     --node-from-env``, experiments/slurm/deadpool_job.sh): the coordinator holds no process.
 
     Everything it knows comes from the agents' records (``live``) and everything it asks goes out
-    as events (``events``), as under ``AgentLauncher``; it only cannot see an agent's exit or kill
-    one. A node whose agent died or hangs is lost when its record has been silent for
-    ``ft.node_timeout_s`` (``watchdog.NodeLiveness.beat_lost``); its processes died with the agent
-    (PR_SET_PDEATHSIG) or, under a hung agent, leave by themselves after the same timeout
-    (``agent.client.BoardHeartbeat``), and the fence pushed for them reaches an agent that was
-    only cut off once it reads the event log again."""
+    as events (``events``), as under ``AgentLauncher``; it cannot kill an agent. An agent's death
+    ends its presence connection (``agent.presence``: the node is lost at once, job.py); a node
+    that hangs or is cut off is lost when its record has been silent for ``ft.node_timeout_s``
+    (``watchdog.NodeLiveness.beat_lost``): its processes leave by themselves at that timeout
+    (a cut-off agent kills them, ``agent.__main__._fence_self``; under a hung agent each does,
+    ``agent.client.BoardHeartbeat``), so no fence needs to reach them."""
 
     def start(self, slots: list[int]) -> None:
         pass  # srun started the agents, and they their processes

@@ -40,8 +40,7 @@ from functools import partial
 from pathlib import Path
 
 from deadpool import auth, netif
-from deadpool.agent.board import (COORD_LOST, NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard,
-                                  waker_name)
+from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard, waker_name
 from deadpool.agent.events import EventFollower
 from deadpool.agent.node import NodeAgent
 from deadpool.agent.presence import PROBE_S, PresenceClient
@@ -201,12 +200,10 @@ def main(argv=None) -> int:
     def coordinator_lost():  # a signal with the store unreachable: its ranks write what they hold
         held = lock.acquire(timeout=2.0)  # (the main thread may be stuck in a store call)
         try:
-            agent.coordinator_lost = True
-            board.set_flag(COORD_LOST)
+            agent.lose_coordinator()
         finally:
             if held:
                 lock.release()
-        agent.wake()
 
     # SIGTERM, SIGUSR1, SIGINT (srun forwards a job's signals): the coordinator stops the job and
     # this agent ends with its processes, or kills them once the coordinator's bound is past
@@ -323,20 +320,19 @@ def _fence_self(node: int, silent_s: float, procs: dict, where: Path) -> None:
           "processes and leaving", flush=True)
     for p in procs.values():
         sigkill(p)
-    shutil.rmtree(where, ignore_errors=True)
-    os._exit(4)
+    _leave(where, code=4)
 
 
-def _leave(where: Path) -> None:
-    """End the agent now (its processes are gone, its main thread waits on a store that does not
-    answer): the node's directory removed, as at a normal end."""
+def _leave(where: Path, code: int = 0) -> None:
+    """End the agent now (its processes are gone, its main thread may wait on a store that does
+    not answer): the node's directory removed, as at a normal end."""
     shutil.rmtree(where, ignore_errors=True)
     try:
         where.parent.rmdir()
     except OSError:
         pass
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _reopen(open_store, err, node):

@@ -238,7 +238,13 @@ class NodeAgent:
         if beat is not None and beat > self._coord[0]:
             self._coord = (beat, now)
             self.board.set_flag(COORD_SEEN)
-        elif now - self._coord[1] > self.coordinator_timeout_s and not self.coordinator_lost:
+        elif now - self._coord[1] > self.coordinator_timeout_s:
+            self.lose_coordinator()
+
+    def lose_coordinator(self) -> None:
+        """The coordinator is gone (its heartbeat stopped, or a signal found the store silent):
+        the node's processes save what they hold and exit (``agent.client.BoardHeartbeat``)."""
+        if not self.coordinator_lost:
             self.coordinator_lost = True
             self.board.set_flag(COORD_LOST)
             self.wake()

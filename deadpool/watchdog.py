@@ -52,10 +52,11 @@ class Progress:
         self.on_step = None
 
     def set(self, step: int, phase: str) -> None:
-        if step != self.step and self.on_step is not None:
-            self.on_step(step)
-        self.step, self.phase = step, phase
+        entered = step != self.step
+        self.step, self.phase = step, phase  # first: ``on_step`` and the beat see the new step
         self.count += 1
+        if entered and self.on_step is not None:
+            self.on_step(step)
 
     def waiting(self):
         """Context for a wait on peers inside a compute phase (a TP all-reduce in forward, a

@@ -244,13 +244,18 @@ class NodeBoard:
     def write_beat(self, index: int, pid: int, beat: int, progress: int, step: int,
                    phase: str) -> None:
         """The rank's heartbeat: phase first, the beat last (a reader that sees the new beat sees
-        the rest of it, but for a phase changing in between, one beat stale)."""
+        the rest of it, but for a phase changing in between, one beat stale). The step word is
+        the training thread's (``set_step``, as it enters a step): a beat writes it only when a
+        new process claims the record (its first beat), never after, so the older copy of the
+        step a beat carries can never lower it."""
         b = self._base(index)
         raw = phase.encode()[:PHASE_BYTES].ljust(PHASE_BYTES, b"\0")
         start = 8 * (b + _PHASE_WORD)
         self._mm[start:start + PHASE_BYTES] = raw
         w = self.words
-        w[b + _PID], w[b + _PROG], w[b + _STEP] = pid, progress, step
+        if w[b + _PID] != pid:
+            w[b + _STEP] = step
+        w[b + _PID], w[b + _PROG] = pid, progress
         w[b + _BEAT] = beat
 
     def set_step(self, index: int, step: int) -> None:

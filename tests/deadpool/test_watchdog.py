@@ -70,3 +70,33 @@ def test_a_slow_but_moving_rank_keeps_its_waiting_peers_from_looking_stuck():
             beat(live, s, n, ps[s])
         clock.t += 1
     assert live.hung([0, 1]) == ([], False)
+
+
+def test_on_step_sees_the_new_step_already_set():
+    """``Progress.on_step`` runs once ``step`` holds the new value: a heartbeat thread that reads
+    ``progress.step`` while the callback runs must not see the step being left (issue 36, item 8)."""
+    p = Progress()
+    seen = []
+    p.on_step = lambda step: seen.append((step, p.step))
+    p.set(4, "forward")
+    p.set(5, "forward")
+    assert seen == [(4, 4), (5, 5)]
+
+
+def test_a_beat_never_lowers_the_step_word_the_training_thread_wrote(tmp_path):
+    """The heartbeat thread read ``progress.step`` (4) just before the training thread entered
+    step 5 and wrote the step word (``on_step``); its beat, written after, must leave 5 there: a
+    kill in that window is a failure in step 5, not 4 (issue 36, item 8)."""
+    from deadpool.agent.board import NodeBoard
+
+    board = NodeBoard.create(tmp_path / "board", [3])
+    board.write_beat(0, pid=77, beat=1, progress=1, step=4, phase="forward")
+    assert board.read_beat(0)[3] == 4  # the process's first beat claims its record
+    board.set_step(0, 5)                # the training thread enters step 5
+    board.write_beat(0, pid=77, beat=2, progress=2, step=4, phase="forward")  # the older copy
+    assert board.read_beat(0)[1:4] == (2, 2, 5)
+    board.set_step(0, 2)                # a rollback (recovery) lowers it: the training thread's
+    board.write_beat(0, pid=77, beat=3, progress=3, step=5, phase="forward")
+    assert board.read_beat(0)[3] == 2
+    board.write_beat(0, pid=78, beat=1, progress=0, step=-1, phase="start")  # a new process
+    assert board.read_beat(0)[:4] == (78, 1, 0, -1)

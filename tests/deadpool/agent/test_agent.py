@@ -162,7 +162,8 @@ def test_agent_record_is_one_sealed_line_naming_only_what_is_wrong(tmp_path):
     links = [NodeLink(tmp_path, i) for i in range(2)]
     ps = [Progress() for _ in range(2)]
     hbs = [BoardHeartbeat(link, 0.05, p) for link, p in zip(links, ps)]
-    for p in ps:
+    for link, p in zip(links, ps):  # (the step word is the training thread's, as in Worker)
+        p.on_step = lambda step, link=link: link.board.set_step(link.index, step)
         p.set(5, "forward")
     for hb in hbs:
         hb.beat()

@@ -20,28 +20,40 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from deadpool.checkpoint.files import (HEADER_FILE, OLD_RNG_FILE, CheckpointWriteError, _header_text,
-                                       _install_rank_dir, _root_cause, _tmp_rank_dir, _write_error,
-                                       encode_rng_state, rank_dir)
+from deadpool.checkpoint.files import (HEADER_FILE, OLD_RNG_FILE, WRITTEN_AT, CheckpointWriteError,
+                                       _header_text, _rank_tag, _root_cause, _same_layout,
+                                       _tmp_rank_dir, _write_error, complete_layout,
+                                       encode_rng_state, install_rank, layout_tag, rank_dir)
 
 # dcp.save(no_dist=True) warns on every call that it assumes a single process: that is the intent.
 warnings.filterwarnings("ignore", category=UserWarning,
                         message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-def save_rank_state(root, step: int, rank: int, state: dict[str, torch.Tensor], header: dict) -> Path:
+def save_rank_state(root, step: int, rank: int, state: dict[str, torch.Tensor], header: dict,
+                    *, layout: dict | None = None, world_size: int | None = None) -> Path:
     """Write one rank's state (name -> tensor, as from ``StateLayout.state_dict``) at ``step``,
-    atomically; a no-op if a complete copy is already there. Returns the rank directory. Raises
-    ``TypeError`` for a header that is not JSON, ``CheckpointWriteError`` if the write fails."""
-    text = _header_text(header)
+    atomically, as written at ``layout`` and ``world_size`` (recorded in its header); a no-op if
+    a complete copy of this layout is already there, or the step is complete at another layout
+    (``files``: one layout per step). Returns the rank directory. Raises ``TypeError`` for a
+    header that is not JSON, ``CheckpointWriteError`` if the write fails."""
+    tag = None if world_size is None else layout_tag(world_size, layout)
+    text = _header_text(header if tag is None else dict(header, **{WRITTEN_AT: tag}))
     final = rank_dir(root, step, rank)
     if (final / HEADER_FILE).exists():
-        return final
+        try:
+            if _same_layout(_rank_tag(final), tag):
+                return final
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+    other = complete_layout(final.parent)
+    if other is not None and not _same_layout(other, tag):
+        return final  # the step's checkpoint stands at its own layout
     tmp = _tmp_rank_dir(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-        _install_rank_dir(tmp, final, text)
+        install_rank(tmp, final, text, tag)
     except (Exception, CheckpointException) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, CheckpointWriteError):
@@ -100,6 +112,7 @@ def load_rank_state(step_dir: Path, rank: int, state: dict[str, torch.Tensor]) -
         header = json.loads((d / HEADER_FILE).read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {d} is incomplete (no {HEADER_FILE})") from None
+    header.pop(WRITTEN_AT, None)  # the checkpoint's own bookkeeping, not the rank's header
     try:
         dcp.load(state, storage_reader=_SafeFileSystemReader(d), no_dist=True)
     except CheckpointException as e:  # a BaseException: surface the error itself

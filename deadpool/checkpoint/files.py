@@ -10,6 +10,17 @@ either does not exist or is complete. Two writers of the same (step, rank) never
 first rename wins and the second writer discards its copy. ``meta.json`` is replaced atomically,
 so several ranks may write it for the same step.
 
+One step directory holds one parallel layout. A job that changes its data-parallel width (an
+elastic shrink or regrow) may write a step twice, at two layouts; each rank's header records the
+layout it was written at (``written_at``: world size and degrees), and:
+
+    step complete at layout A, written at B   nothing changes (the same step's state: a load at
+                                              B re-cuts A's shards); meta.json keeps saying A
+    step incomplete at A, written at B        B's rank directories replace A's, meta.json says B
+                                              and A's leftovers are removed
+    meta.json at B over shards of A           never complete (``is_complete`` checks every
+                                              rank's layout against meta.json)
+
 The header is a JSON-serialisable dict (``{"step", "data_position", "generation", "rng_cpu"}``,
 ``rng_cpu`` being ``encode_rng_state(torch.get_rng_state())``).
 """
@@ -30,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 HEADER_FILE = "header.json"  # written last: its presence marks a rank's checkpoint complete
 META_FILE = "meta.json"
+WRITTEN_AT = "written_at"    # header key: the layout (world size, degrees) a rank was written at
 OLD_RNG_FILE = "rng.pt"      # older format only; read, never written
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -130,9 +142,66 @@ def _tmp_rank_dir(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
 
-def _install_rank_dir(tmp: Path, final: Path, header_text: str) -> bool:
+# -- layouts ------------------------------------------------------------------------------------
+def layout_tag(world_size: int, layout: dict | None = None) -> dict:
+    """What a rank directory and meta.json record of the layout a step was written at."""
+    tag = {"world_size": int(world_size)}
+    if layout:
+        tag.update({k: int(layout[k]) for k in ("dp", "tp", "pp") if k in layout})
+    return tag
+
+
+def _same_layout(a: dict | None, b: dict | None) -> bool:
+    """Two tags name the same layout (an untagged side, the older format, matches anything)."""
+    if a is None or b is None:
+        return True
+    return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+
+def _meta_tag(meta: dict) -> dict:
+    return layout_tag(meta["world_size"], meta.get("layout"))
+
+
+def _rank_tag(rank_path: Path) -> dict | None:
+    """The layout a complete rank directory was written at (None: older format, untagged);
+    FileNotFoundError if it is not complete."""
+    header = json.loads((rank_path / HEADER_FILE).read_text())
+    return header.get(WRITTEN_AT) if isinstance(header, dict) else None
+
+
+def complete_layout(step_dir: Path) -> dict | None:
+    """The layout tag of a complete step directory (from its meta.json), else None."""
+    try:
+        meta = json.loads((Path(step_dir) / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return _meta_tag(meta) if is_complete(step_dir) else None
+
+
+def _move_aside_and_remove(path: Path) -> None:
+    stale = path.with_name(f".{path.name}.stale-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(path, stale)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def install_rank(tmp: Path, final: Path, header_text: str, tag: dict | None) -> bool:
+    """Install a rank directory written under ``tmp`` at layout ``tag``, unless its step is
+    complete at another layout (that checkpoint stands; ``tmp`` is discarded). Returns whether
+    ``tmp`` became ``final``."""
+    other = complete_layout(final.parent)
+    if other is not None and not _same_layout(other, tag):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    return _install_rank_dir(tmp, final, header_text, tag)
+
+
+def _install_rank_dir(tmp: Path, final: Path, header_text: str, tag: dict | None = None) -> bool:
     """Finish a rank directory written under ``tmp``: ``header.json`` last, then rename it to
-    ``final``. Returns False if a complete ``final`` already existed (``tmp`` is discarded)."""
+    ``final``. Returns False if a complete ``final`` of the same layout already existed (``tmp``
+    is discarded); one of another layout is replaced."""
     with open(tmp / HEADER_FILE, "w") as f:
         f.write(header_text)
         f.flush()
@@ -146,9 +215,16 @@ def _install_rank_dir(tmp: Path, final: Path, header_text: str) -> bool:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            if (final / HEADER_FILE).exists():  # another writer's complete copy: keep it
+            try:
+                same = _same_layout(_rank_tag(final), tag)
+            except (FileNotFoundError, json.JSONDecodeError):
+                same = None  # incomplete (or gone meanwhile)
+            if same:  # another writer's complete copy of this layout: keep it
                 shutil.rmtree(tmp, ignore_errors=True)
                 return False
+            if same is False:  # a leftover of another layout: never mixed with this one
+                _move_aside_and_remove(final)
+                continue
             # an incomplete leftover (a crash in the older, in-place format): move it aside. If a
             # second writer installs its copy in between, that copy is moved aside instead and
             # ours replaces it - both hold the same step's state, so either is right.
@@ -164,16 +240,33 @@ def _install_rank_dir(tmp: Path, final: Path, header_text: str) -> bool:
     raise CheckpointWriteError(f"could not rename {tmp} into place as {final}")
 
 
-def write_meta(root, step: int, world_size: int, reason: str, layout: dict | None = None) -> None:
+def write_meta(root, step: int, world_size: int, reason: str, layout: dict | None = None) -> bool:
     """Write ``step_<S>/meta.json`` atomically (any number of ranks may write it for one step).
     ``layout``: the parallel degrees it was written at (``{"dp", "tp", "pp"}``), for a load at
-    another data-parallel width (``reshard_rank_state``)."""
+    another data-parallel width (``reshard_rank_state``). A step already complete at another
+    layout is left as it is (returns False); otherwise rank directories of another layout (a
+    write of that layout that never completed) are removed: the step holds one layout only."""
     p = Path(root) / f"step_{step}"
+    tag = layout_tag(world_size, layout)
+    other = complete_layout(p)
+    if other is not None and not _same_layout(other, tag):
+        return False
     p.mkdir(parents=True, exist_ok=True)
     meta = {"step": step, "world_size": world_size, "reason": reason}
     if layout is not None:
         meta["layout"] = layout
     _write_file_atomic(p / META_FILE, json.dumps(meta))
+    for d in p.iterdir():
+        m = re.fullmatch(r"rank_(\d+)", d.name)
+        if m is None:
+            continue
+        try:
+            stale = int(m.group(1)) >= world_size or not _same_layout(_rank_tag(d), tag)
+        except (FileNotFoundError, json.JSONDecodeError):
+            stale = int(m.group(1)) >= world_size
+        if stale:
+            _move_aside_and_remove(d)
+    return True
 
 
 def read_meta(step_dir) -> dict:
@@ -181,15 +274,24 @@ def read_meta(step_dir) -> dict:
 
 
 def is_complete(step_dir: Path) -> bool:
-    """Every rank named by meta.json finished writing (its header.json is written last)."""
+    """Every rank named by meta.json finished writing (its header.json is written last), at the
+    layout meta.json names."""
     step_dir = Path(step_dir)
     try:
         meta = json.loads((step_dir / META_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return False
     n = meta.get("world_size") if isinstance(meta, dict) else None
-    return isinstance(n, int) and n > 0 and all(
-        (step_dir / f"rank_{r}" / HEADER_FILE).exists() for r in range(n))
+    if not (isinstance(n, int) and n > 0):
+        return False
+    tag = _meta_tag(meta)
+    for r in range(n):
+        try:
+            if not _same_layout(_rank_tag(step_dir / f"rank_{r}"), tag):
+                return False
+        except (OSError, json.JSONDecodeError):
+            return False
+    return True
 
 
 def _complete_steps(root: Path) -> list[tuple[int, Path]]:

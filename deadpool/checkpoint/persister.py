@@ -14,8 +14,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from deadpool.checkpoint.files import (CheckpointWriteError, _header_text, _install_rank_dir,
-                                       _tmp_rank_dir, _write_error, rank_dir, write_meta)
+from deadpool.checkpoint.files import (WRITTEN_AT, CheckpointWriteError, _header_text,
+                                       _tmp_rank_dir, _write_error, install_rank, layout_tag,
+                                       rank_dir, write_meta)
 from deadpool.threads import lower_thread_priority
 
 
@@ -117,15 +118,17 @@ class AsyncPersister:
                 return False
             self._harvest()
         self._raise_pending()
-        text = _header_text(header)  # on the caller's thread: a caller bug, not an I/O failure
         rank, root, reason, layout = self.rank, self.root, self.reason, self.layout
+        tag = layout_tag(world_size, layout)  # (one layout per step directory: files.py)
+        # on the caller's thread: a caller bug, not an I/O failure
+        text = _header_text(dict(header, **{WRITTEN_AT: tag}))
         final = rank_dir(root, step, rank)
         tmp = _tmp_rank_dir(final)
         t0 = time.perf_counter()
 
         def on_finish() -> None:  # on the upload thread, after the DCP files are on disk
-            _install_rank_dir(tmp, final, text)
-            write_meta(root, step, world_size, reason, layout=layout)
+            if install_rank(tmp, final, text, tag):
+                write_meta(root, step, world_size, reason, layout=layout)
             self.last_write_s = time.perf_counter() - t0
             self.last_step_written = step
 

@@ -29,6 +29,11 @@ from deadpool.snapshot.transfer import outgoing
 from deadpool.topology import ParallelDims
 
 
+def _at(dims: ParallelDims) -> dict:
+    """The layout a rank directory is written at (``checkpoint.files``: one per step)."""
+    return {"layout": dims.layout, "world_size": dims.world_size}
+
+
 def save_live(trainer, root, step: int, dims: ParallelDims, asynchronous: bool, wait: bool) -> None:
     """Write the rank's live state to disk as the checkpoint of ``step``.
 
@@ -38,7 +43,7 @@ def save_live(trainer, root, step: int, dims: ParallelDims, asynchronous: bool, 
     done first, since its buffer is reused. Otherwise ``dcp.save`` on this thread. ``wait``:
     block until the write is on disk (to measure it)."""
     if not asynchronous:
-        save_rank_state(root, step, trainer.rank, trainer.state_dict(), trainer.header())
+        save_rank_state(root, step, trainer.rank, trainer.state_dict(), trainer.header(), **_at(dims))
         write_meta(root, step, dims.world_size, "periodic", layout=dims.layout)
         return
     persister, layout = trainer.engine.persister, trainer.engine.layout
@@ -60,14 +65,14 @@ def write_replica(engine, dims: ParallelDims, root, step: int, owner: int, flat,
     hdr = decode_header(header)
     layout = StateLayout.from_desc(hdr["layout"])
     if engine.repl_region == "all":
-        save_rank_state(root, step, owner, layout.state_dict(flat), hdr)
+        save_rank_state(root, step, owner, layout.state_dict(flat), hdr, **_at(dims))
         return
     split = hdr["layout"]["split"]
     full = torch.zeros(max(layout.nbytes, split + flat.numel()), dtype=torch.uint8)
     full[split:split + flat.numel()].copy_(flat)
     state = {e.name: v for e, v in zip(layout.entries, layout.views(full)) if e.offset >= split}
     hdr["shared_from"] = [q for q in dims.state_peers(owner) if q != owner]
-    save_rank_state(root, step, owner, state, hdr)
+    save_rank_state(root, step, owner, state, hdr, **_at(dims))
 
 
 def write_for_stop(trainer, dims: ParallelDims, root, step: int, rank: int, sources: dict) -> None:
@@ -79,11 +84,12 @@ def write_for_stop(trainer, dims: ParallelDims, root, step: int, rank: int, sour
     if src.kind == "local":
         trainer.apply_header(eng.restore_local(step, rank))
     if src.kind in ("live", "local"):  # else this process holds nothing: its holder writes it
-        save_rank_state(root, step, rank, trainer.state_dict(), trainer.header())
+        save_rank_state(root, step, rank, trainer.state_dict(), trainer.header(), **_at(dims))
     for owner, s in sources.items():
         if s.holder == rank and s.kind == "peer":
             flat, header, _ = outgoing(eng, "peer", owner, step, trainer.step, trainer.header)
-            save_rank_state(root, step, owner, eng.layout.state_dict(flat), decode_header(header))
+            save_rank_state(root, step, owner, eng.layout.state_dict(flat), decode_header(header),
+                            **_at(dims))
         elif s.holder == rank and s.kind == "replica":
             rep = eng.replica(owner, step)
             write_replica(eng, dims, root, step, owner, rep.flat, rep.header)
@@ -99,7 +105,7 @@ def write_held(trainer, dims: ParallelDims, root, reason: str) -> list[int]:
         if step >= floor:
             slot = eng.local_slot(step)
             save_rank_state(root, step, trainer.rank, eng.layout.state_dict(slot.flat),
-                            decode_header(slot.header))
+                            decode_header(slot.header), **_at(dims))
             write_meta(root, step, world, reason, layout=layout)
             written.append(step)
     for owner, steps in eng.replica_steps().items():

@@ -141,14 +141,14 @@ def test_async_persister_writes_off_thread_and_refuses_while_busy(tmp_path, monk
     tensors = _trained_state()
     layout, flat = _flat_copy(tensors)
     gate, on_upload_thread = threading.Event(), []
-    real_install = persister_mod._install_rank_dir
+    real_install = persister_mod.install_rank
 
     def held_install(*args):
         on_upload_thread.append(threading.current_thread() is not threading.main_thread())
         assert gate.wait(10)
         return real_install(*args)
 
-    monkeypatch.setattr(persister_mod, "_install_rank_dir", held_install)
+    monkeypatch.setattr(persister_mod, "install_rank", held_install)
     p = AsyncPersister(tmp_path, rank=0)
     header = _header(10)
     assert p.submit(10, layout.state_dict(flat), header, world_size=1) is True

@@ -168,11 +168,12 @@ def snapshot_stall_s(layout: Layout, c: Mapping) -> float:
     return float(c["snapshot_overhead_frac"]) * layout.step_time_s + over
 
 
-def relaunch_s(layout: Layout, c: Mapping, num_nodes: int | None = None) -> float:
+def relaunch_s(layout: Layout, c: Mapping, num_nodes: int | None = None, requeue: bool = True) -> float:
     """Requeue and relaunch every process (NCCL init included), before any state is loaded;
-    ``num_nodes`` (default: the layout's) is the width the job relaunches at."""
+    ``num_nodes`` (default: the layout's) is the width the job relaunches at. ``requeue=False``:
+    the job restarts inside its allocation (it holds spares: nothing to ask the scheduler for)."""
     n = layout.num_nodes if num_nodes is None else num_nodes
-    return (float(c["requeue_s"]) + float(c["launch_base_s"])
+    return ((float(c["requeue_s"]) if requeue else 0.0) + float(c["launch_base_s"])
             + float(c["launch_per_log2_nodes_s"]) * math.log2(max(n, 1))
             + float(c.get("launch_per_node_s", 0.0)) * n)
 
@@ -238,15 +239,29 @@ def restart_warmup_s(layout: Layout, c: Mapping) -> float:
     return float(c.get("restart_warmup_steps", 0.0)) * layout.step_time_s
 
 
-def restart_s(layout: Layout, c: Mapping) -> float:
-    """Job restart from a disk checkpoint."""
-    return relaunch_s(layout, c) + storage_load_s(layout, c) + restart_warmup_s(layout, c)
+def restart_s(layout: Layout, c: Mapping, requeue: bool = True) -> float:
+    """Job restart from a disk checkpoint (``requeue=False``: inside the allocation)."""
+    return relaunch_s(layout, c, requeue=requeue) + storage_load_s(layout, c) + restart_warmup_s(layout, c)
 
 
-def memory_restart_s(layout: Layout, c: Mapping) -> float:
+def memory_restart_s(layout: Layout, c: Mapping, requeue: bool = True) -> float:
     """Job restart from in-memory checkpoints: survivors load their own host copy, the replacement
-    node gets its state from its buddy (one transfer)."""
-    return relaunch_s(layout, c) + transfer_s(layout, c) + restart_warmup_s(layout, c)
+    node gets its state from its buddy (one transfer); ``requeue=False``: inside the allocation."""
+    return relaunch_s(layout, c, requeue=requeue) + transfer_s(layout, c) + restart_warmup_s(layout, c)
+
+
+def requeues(scfg: Mapping) -> bool:
+    """Whether a strategy's job restart goes through the scheduler (requeue + relaunch). A job
+    that holds spares restarts inside its allocation (``restart_in_allocation``, default true):
+    the baseline at its best; one without spares must ask for nodes again."""
+    return not (bool(scfg.get("uses_spares", True)) and bool(scfg.get("restart_in_allocation", True)))
+
+
+def rebuild_delta_s(c: Mapping) -> float:
+    """Communicator set-up when only the changed members join (TrainMover's delta-based group
+    set-up; elastic with ``rebuild: delta``): ``rebuild_delta_s``, flat in the job's size. A
+    calibration without it gives the full rebuild's base."""
+    return float(c.get("rebuild_delta_s", c["rebuild_base_s"]))
 
 
 def inplace_reload_s(layout: Layout, c: Mapping) -> float:
@@ -256,8 +271,9 @@ def inplace_reload_s(layout: Layout, c: Mapping) -> float:
     return rc.plan_s + rc.rebuild_s + storage_load_s(layout, c) + rc.warmup_s
 
 
-def disk(layout: Layout, c: Mapping, mode: str) -> DiskCosts:
-    """Disk checkpoint costs; ``mode`` is ``sync`` or ``async``."""
+def disk(layout: Layout, c: Mapping, mode: str, requeue: bool = True) -> DiskCosts:
+    """Disk checkpoint costs; ``mode`` is ``sync`` or ``async``; ``requeue``: whether a restart
+    goes through the scheduler (False: inside the allocation)."""
     write = float(c["ckpt_latency_s"]) + layout.state_bytes_total / (storage_gbps(c, "storage_write_gbps") * 1e9)
     duty = c.get("ckpt_storage_duty_max")
     min_interval = max(float(c.get("ckpt_min_interval_s", 0.0)), write / float(duty) if duty else 0.0)
@@ -269,12 +285,23 @@ def disk(layout: Layout, c: Mapping, mode: str) -> DiskCosts:
         stall, lag = snapshot_stall_s(layout, c), write
     else:
         raise ValueError(f"checkpoint mode must be sync or async, got {mode!r}")
-    return DiskCosts(stall_s=stall, persist_lag_s=lag, write_s=write, restart_s=restart_s(layout, c), **retention)
+    return DiskCosts(stall_s=stall, persist_lag_s=lag, write_s=write, restart_s=restart_s(layout, c, requeue),
+                     **retention)
 
 
-def disk_from_snapshots(layout: Layout, c: Mapping, mode: str) -> DiskCosts:
+def local_checkpoints(layout: Layout, c: Mapping) -> DiskCosts:
+    """NVRx-style local checkpoints: an asynchronous save into host memory (the same snapshot
+    engine: one snapshot's stall), replicated to a peer node (durable one node-state transfer
+    later), and an in-job restart inside the allocation that loads it (relaunch without requeue
+    + the replacement's state from its peer + warm-up). No shared storage: no minimum interval."""
+    t = transfer_s(layout, c)
+    return DiskCosts(stall_s=snapshot_stall_s(layout, c), persist_lag_s=t, write_s=t,
+                     restart_s=memory_restart_s(layout, c, requeue=False))
+
+
+def disk_from_snapshots(layout: Layout, c: Mapping, mode: str, requeue: bool = True) -> DiskCosts:
     """Disk checkpoints of a job that already takes a snapshot every step (DeadPool, in-memory
     restart): an asynchronous save is written from the newest snapshot off the training thread,
     so it adds no stall beyond the per-step overhead already charged (the runtime's persist)."""
-    d = disk(layout, c, mode)
+    d = disk(layout, c, mode, requeue)
     return dataclasses.replace(d, stall_s=0.0) if mode == "async" else d

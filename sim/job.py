@@ -59,6 +59,7 @@ class Job:
         # throughput at a reduced data-parallel width, global batch kept (sim.costs.WidthScaling)
         self.width = costs.WidthScaling()
         self._seg_t0: float | None = None
+        self.progress_log: list[tuple[float, float]] | None = None  # (time, W) points when set to a list
         self._phase: tuple[str, float] | None = None
         self._wake: simpy.Event | None = None
         self._need = 0
@@ -85,6 +86,7 @@ class Job:
                     yield from self.recover()
                     self.recovering = False
                 self._seg_t0 = self.env.now
+                self._log()
                 yield self.env.event()  # compute until interrupted or the window closes
             except simpy.Interrupt as irq:
                 self._seg_close()
@@ -134,6 +136,13 @@ class Job:
             rem *= f
         self.W = w1
         self._seg_t0 = None
+        self._log()
+
+    def _log(self) -> None:
+        """Record (time, progress) for a timeline (``progress_log``): at every segment's start and
+        end and after every rollback; progress is linear in between while computing."""
+        if self.progress_log is not None:
+            self.progress_log.append((self.env.now, self.W))
 
     def finalize(self) -> None:
         """Close the books at the end of the window (the process is left suspended)."""
@@ -214,6 +223,7 @@ class Job:
         if w < self.W:
             self.ledger.add("lost", self.W - w)
             self.W = w
+            self._log()
             for n, pw in self.poison.items():
                 self.poison[n] = min(pw, w)
 

@@ -13,6 +13,11 @@ fleet goodput).
 | ``checkpoint_restart`` | storage, Daly interval (async) | restart the job |
 | ``replication`` | a redundant computation on the pair node | fail over, replace |
 | ``elastic`` | other data-parallel replicas (+ storage) | drop a replica, regrow |
+| ``injob_restart`` | NVRx local checkpoints (host memory + a peer) | restart every process in the allocation |
+| ``trainmover`` | data-parallel peers (+ storage for a ZeRO-1 shard) | sandbox-warmed standby joins (delta set-up) |
+
+Every strategy that holds spares restarts inside its allocation (no requeue) unless its YAML says
+``restart_in_allocation: false`` (``sim.costs.requeues``).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from typing import Mapping
 from sim.strategies.checkpoint_restart import CheckpointRestart
 from sim.strategies.deadpool import DeadPool
 from sim.strategies.elastic import Elastic
+from sim.strategies.injob_restart import InJobRestart
 from sim.strategies.inmem_restart import InMemoryRestart
 from sim.strategies.replication import Replication
+from sim.strategies.trainmover import TrainMover
 
 REGISTRY = {
     "deadpool": DeadPool,
@@ -31,6 +38,8 @@ REGISTRY = {
     "checkpoint_restart": CheckpointRestart,
     "replication": Replication,
     "elastic": Elastic,
+    "injob_restart": InJobRestart,
+    "trainmover": TrainMover,
 }
 
 

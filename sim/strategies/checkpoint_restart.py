@@ -3,7 +3,8 @@
 On an unexpected failure the job loses the work since the newest durable checkpoint (since the
 newest one taken before a silent corruption began, when that is what failed), spends the shared
 detection time for the cause, takes a replacement node from the pool (waiting for a repair
-when the pool is empty) and restarts (requeue + relaunch + load). Failures during detection or
+when the pool is empty) and restarts: relaunch + load, inside its allocation when it holds
+spares (``restart_in_allocation``, the default: no requeue), else requeue + relaunch + load. Failures during detection or
 restart start the restart over. Planned maintenance drains: an on-demand synchronous
 checkpoint, then the same restart, with no lost work.
 
@@ -54,7 +55,7 @@ class CheckpointRestart(Job):
 
     @staticmethod
     def params_from_cfg(layout, scfg: Mapping, calib: Mapping, mtbf_s: float) -> CheckpointRestartParams:
-        d = costs.disk(layout, calib, scfg["ckpt_mode"])
+        d = costs.disk(layout, calib, scfg["ckpt_mode"], costs.requeues(scfg))
         return CheckpointRestartParams(detect=costs.detection(calib, layout),
                                        interval_s=checkpoint_interval_s(scfg, d, mtbf_s), disk=d)
 

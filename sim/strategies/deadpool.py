@@ -98,12 +98,12 @@ class DeadPool(Job):
         check_host_memory(layout, calib)
         return DeadPoolParams(detect=costs.detection(calib, layout), reconfig=costs.reconfig(layout, calib),
                               snap=costs.snapshots(layout, calib, float(scfg["disk_ckpt_interval_s"])),
-                              disk=costs.disk_from_snapshots(layout, calib, scfg["disk_ckpt_mode"]),
+                              disk=costs.disk_from_snapshots(layout, calib, scfg["disk_ckpt_mode"], costs.requeues(scfg)),
                               disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
                               on_no_spare=str(scfg.get("on_no_spare", "wait")),
                               buddy_placement=str(calib.get("buddy_placement", "adjacent")),
                               replicas=int(calib.get("replicas", 1)),
-                              memory_restart_s=costs.memory_restart_s(layout, calib),
+                              memory_restart_s=costs.memory_restart_s(layout, calib, costs.requeues(scfg)),
                               width=costs.width_scaling(calib))
 
     def on_interrupt(self, cause) -> None:

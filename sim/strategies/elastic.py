@@ -40,6 +40,12 @@ How the width changes (``shrink``):
   ``costs.relaunch_s`` at the new width + storage load), for a shrink and for a regrow.
 Throughput at reduced width follows the calibration (``sim.costs.WidthScaling``).
 
+What is rebuilt (``rebuild``): ``full`` (every communicator, the shared ``rebuild_*`` cost) or
+``delta`` (only the changed members set up their connections: ``costs.rebuild_delta_s``, flat in
+the job's size, TrainMover's delta-based group set-up). With ``uses_spares: true`` (the
+``elastic_spares`` preset) the pool holds spares, so a dropped replica is re-formed at once from
+its survivors and a spare, its state arriving from a live replica while the job trains narrower.
+
 Analytic expectation (tests/sim/test_strategies.py): one permanent failure with repair
 time D at full width G groups, replicated optimizer, costs about ``detect + reconfig + D/G``
 of goodput seconds.
@@ -120,12 +126,20 @@ class Elastic(Job):
         if where == "replicated":
             k = replicas_per_shard_group(layout, str(scfg.get("on_memory_overflow", "shard")))
             layout = dataclasses.replace(layout, replicas_per_group=k)
-        d = costs.disk(layout, calib, scfg["disk_ckpt_mode"])
+        d = costs.disk(layout, calib, scfg["disk_ckpt_mode"], costs.requeues(scfg))
         relaunch = None
         if shrink == "relaunch":
             npg = layout.nodes_per_group
             relaunch = tuple(d.write_s + costs.relaunch_s(layout, calib, g * npg) + costs.storage_load_s(layout, calib)
                              + costs.restart_warmup_s(layout, calib) for g in range(layout.num_groups + 1))
+        rebuild = str(scfg.get("rebuild", "full"))
+        if rebuild not in ("full", "delta"):
+            raise ValueError(f"rebuild must be full or delta, got {rebuild!r}")
+        if rebuild == "delta":  # only the changed members set up their connections (TrainMover-style)
+            rc = dataclasses.replace(rc, rebuild_s=costs.rebuild_delta_s(calib))
+        reload_s = None
+        if shard_loss == "in_place" and shrink == "in_place":
+            reload_s = rc.plan_s + rc.rebuild_s + costs.storage_load_s(layout, calib) + rc.warmup_s
         return ElasticParams(
             detect=costs.detection(calib, layout),
             shrink_s=rc.plan_s + rc.rebuild_s,
@@ -137,7 +151,7 @@ class Elastic(Job):
             disk_interval_s=checkpoint_interval_s({"ckpt_interval_s": scfg.get("disk_ckpt_interval_s")}, d, mtbf_s),
             width=costs.width_scaling(calib),
             relaunch_s=relaunch,
-            reload_s=costs.inplace_reload_s(layout, calib) if shard_loss == "in_place" and shrink == "in_place" else None,
+            reload_s=reload_s,
             regrow_transfer_s=rc.transfer_s if regrow == "background" and shrink == "in_place" else 0.0,
             group_replicas=k,
         )

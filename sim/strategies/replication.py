@@ -80,7 +80,7 @@ class Replication(Job):
             transfer_s=background,
             redundant_compute_frac=float(scfg["redundant_compute_frac"]),
             failover_throughput_frac=float(scfg["failover_throughput_frac"]),
-            disk=costs.disk(layout, calib, scfg["disk_ckpt_mode"]),
+            disk=costs.disk(layout, calib, scfg["disk_ckpt_mode"], costs.requeues(scfg)),
             disk_interval_s=float(scfg["disk_ckpt_interval_s"]),
             buddy_placement=str(calib.get("buddy_placement", "adjacent")),
         )

@@ -53,7 +53,8 @@ def test_every_group_option_composes(group, option):
 @pytest.mark.parametrize("option", STRATEGY_OPTIONS)
 def test_every_strategy_option_composes(option):
     cfg = compose_sim([f"+strategy@strategy.extra={option}", "strategies=[extra]"])
-    assert cfg.strategy.extra.kind in ("deadpool", "inmem_restart", "checkpoint_restart", "replication", "elastic")
+    assert cfg.strategy.extra.kind in ("deadpool", "inmem_restart", "checkpoint_restart", "replication", "elastic",
+                                       "injob_restart", "trainmover")
 
 
 @pytest.mark.parametrize("sweep", SWEEPS)

@@ -21,12 +21,18 @@ S2  4 processes, 20 generations of the real ``Communicator`` (dp2 x tp2 groups):
 S3  ``python -m deadpool.train``: dp4 + 1 spare, backend=nccl deterministic=true, rank 1 killed
     inside the gradient all-reduce; bitwise comparison with a failure-free run on NCCL.
 S4  dp2 x tp2 x pp2 + 1 spare, a TP peer (rank 1) killed in forward; bitwise as S3.
+S5  (only when named) as S4 on nodes of two ranks (``parallel.ranks_per_node=2``) with two
+    spares (a node of their own), and a whole node lost at once (a ``kill_node`` fault: the
+    node's agent and both its ranks SIGKILLed): one recovery of both ranks, swapped in as a
+    block onto the spares' node, bitwise equal (``nccl_jobs.py``; about 2 min).
 
-Results go to OUT_DIR/<name>.json (default check_nccl_multirank.json), rewritten after every scenario (a timeout still
-leaves what ran). Expected times: S0-S2 about 3-5 min, S3-S4 about 4-6 min; with a 10-minute
-limit per command run them as two commands (``--scenarios S0,S1,S2`` then ``--scenarios S3,S4
---name check_nccl_multirank_jobs``). ``--dry-run`` (no GPU needed) checks the arguments, the per-process
-environments and that the S3/S4 job configs compose, and writes the same file with the plan.
+Results go to OUT_DIR/<name>.json (default check_nccl_multirank.json), rewritten after every
+scenario (a timeout still leaves what ran); the jobs' run directories are temporary. Expected
+times: S0-S2 about 3-5 min, S3-S4 about 4-6 min, S5 about 2 min; with a 10-minute limit per
+command run them as separate commands (``--scenarios S0,S1,S2`` then ``--scenarios S3,S4 --name
+check_nccl_multirank_jobs``). ``--dry-run`` (no GPU needed) checks the arguments, the
+per-process environments and that the job configs compose (S5: its node layout), and writes
+the same file with the plan.
 """
 
 from __future__ import annotations
@@ -45,8 +51,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, env_info, write_json  # noqa: E402
+from nccl_jobs import JOBS, dry_run as job_dry_run, run_job  # noqa: E402
 
-SCENARIOS = ("S0", "S1", "S2", "S3", "S4")
+SCENARIOS = ("S0", "S1", "S2", "S3", "S4")  # the default set; S5 when named
+KNOWN = SCENARIOS + ("S5",)
 HERE = Path(__file__).resolve()
 
 
@@ -323,69 +331,21 @@ def run_s2(args) -> dict:
             "results": res, "tails": {s: e["tail"][-600:] for s, e in ends.items() if e["rc"] != 0}}
 
 
-# -- S3 / S4: the runtime, as a user runs it --------------------------------------------------
-def job_overrides(name: str, steps: int) -> list[str]:
-    common = [f"num_steps={steps}", "model=tiny", "device=cuda", "backend=nccl",
-              "deterministic=true", "launcher.share_gpu=true", "ft.num_spares=1",
-              "verify_against_failure_free=true", "log_every_steps=5"]
-    if name == "S3":
-        return ["parallel=dp4", *common,
-                "faults.events=[{rank:1,step:8,phase:allreduce,kind:kill}]"]
-    return ["parallel=dp2_tp2_pp2", *common,
-            "faults.events=[{rank:1,step:6,phase:forward,kind:kill}]"]
-
-
-def run_job(name: str, args, out_dir: Path) -> dict:
-    from check_hotswap import tensor_compare
-
-    from deadpool.report import compare_final_states
-
-    run_dir = out_dir / f"run_{name.lower()}"
-    cmd = [sys.executable, "-m", "deadpool.train", *job_overrides(name, args.steps),
-           f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.job_timeout_s)
-        rc, stdout = p.returncode, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, stdout = "timeout", e.stdout if isinstance(e.stdout, str) else ""
-    res = {"command": " ".join(["python", *cmd[1:-1]]), "returncode": rc,
-           "wall_s": time.perf_counter() - t0, "stdout_tail": (stdout or "")[-3000:]}
-    ref = run_dir / "reference_failure_free"
-    if (run_dir / "final").exists() and (ref / "final").exists():
-        res["bitwise_equal"], res["compare"] = compare_final_states(run_dir, ref)
-        res["per_rank"] = tensor_compare(run_dir, ref)
-    summary = run_dir / "summary.json"
-    if summary.exists():
-        recs = json.loads(summary.read_text()).get("recoveries", [])
-        res["recovery"] = [{k: r.get(k) for k in ("failed_rank", "fault", "detected_by", "sources",
-                                                   "resume_step", "detect_s", "rebuild_s",
-                                                   "transfer_s", "kill_to_first_step_s", "outcome")}
-                           for r in recs]
-    return res
-
-
 # -- entry ------------------------------------------------------------------------------------
 def dry_run(args, scenarios) -> dict:
     """What would run, checked without a GPU: environments and job configs."""
-    from deadpool.train import compose_config
     from deadpool import nccl_env
 
     plan = {"dry_run": True, "scenarios": scenarios, "env": env_info(),
             "worker_env": {k: v for k, v in proc_env(0).items()
                            if k.startswith(("NCCL_", "TORCH_NCCL_"))},
             "required": nccl_env.REQUIRED}
-    hosts = {proc_env(s)["NCCL_HOSTID"] for s in range(9)}
-    assert len(hosts) == 9, "every process needs its own NCCL_HOSTID"
+    hosts = {proc_env(s)["NCCL_HOSTID"] for s in range(10)}
+    assert len(hosts) == 10, "every process needs its own NCCL_HOSTID"
     assert "NCCL_HOSTID" not in proc_env(0, share=False)
-    for name in ("S3", "S4"):
+    for name in JOBS:
         if name in scenarios:
-            cfg = compose_config(job_overrides(name, args.steps), Path(args.out_dir) / "dry")
-            assert cfg["backend"] == "nccl" and cfg["launcher"]["share_gpu"]
-            plan[name] = {"overrides": job_overrides(name, args.steps),
-                          "faults": cfg["faults"]["events"],
-                          "parallel": {k: cfg["parallel"][k] for k in ("dp", "tp", "pp")}}
+            plan[name] = job_dry_run(name, args.steps, Path(args.out_dir))
     return plan
 
 
@@ -414,6 +374,8 @@ def main() -> None:
     ap.add_argument("--job-timeout-s", type=float, default=240.0,
                     help="S3/S4: per job (the failure-free reference run included)")
     ap.add_argument("--dry-run", action="store_true", help="check arguments and env; no GPU")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: the job scenarios (S3-S5) on gloo, a smoke run without a GPU")
     ap.add_argument("--name", default="check_nccl_multirank", help="output file stem")
     ap.add_argument("--worker", choices=SCENARIOS[:3], help=argparse.SUPPRESS)
     ap.add_argument("--slot", type=int, help=argparse.SUPPRESS)
@@ -426,9 +388,9 @@ def main() -> None:
     if not args.out_dir:
         ap.error("OUT_DIR is required")
     scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
-    bad = [s for s in scenarios if s not in SCENARIOS]
+    bad = [s for s in scenarios if s not in KNOWN]
     if bad or not scenarios:
-        ap.error(f"--scenarios must list some of {','.join(SCENARIOS)}, got {args.scenarios!r}")
+        ap.error(f"--scenarios must list some of {','.join(KNOWN)}, got {args.scenarios!r}")
     if args.generations < 3 or args.steps < 10:
         ap.error("--generations must be >= 3 and --steps >= 10")
     out_dir = Path(args.out_dir)
@@ -441,7 +403,9 @@ def main() -> None:
     import torch
 
     res = {"check": "multi-rank NCCL on one GPU", "env": env_info(), "scenarios": {}}
-    if not torch.cuda.is_available():
+    if args.device == "cpu" and not set(scenarios) <= set(JOBS):
+        ap.error("--device cpu runs the job scenarios only (S3, S4, S5)")
+    if args.device == "cuda" and not torch.cuda.is_available():
         res["skipped"] = "needs a CUDA device (use --dry-run to check the set-up)"
         write_json(out_path, res)
         print(res["skipped"])

@@ -122,6 +122,7 @@ class Keys:
     def final(rank: int) -> str:
         return f"final/{rank}"
 
+    PLAN_NEWEST = "plan/newest"  # the newest plan's generation (sealed; never collected)
     JOB_DONE = "job/done"
     JOB_STEP = "job/step"  # newest step any rank reported (read by idle spares' fault injection)
     COORD_HB = "coord/hb"  # the coordinator's heartbeat: a counter workers watch advance
@@ -166,7 +167,9 @@ class Source:
         local    its own process rolls back to its own snapshot of that step
         peer     ``holder``, a data-parallel peer, sends its own (identical) state
         replica  ``holder`` sends the replica it holds of the rank (with a sharded replica, the
-                 parameters come from the peer ``shared_from``)
+                 parameters come from the peer ``shared_from``, or, when no data-parallel copy
+                 survives, ``params_from[i]`` sends the replica of the group's i-th ZeRO shard,
+                 whose master weights together are the parameters)
         init     drawn afresh from the seed (the state of step 0)
         disk     read from the disk checkpoint in ``dir``
     """
@@ -178,6 +181,7 @@ class Source:
     shared_from: int | None = None
     owner: int | None = None  # whose state the holder sends; differs only under faults.swap_routes
     dir: str | None = None
+    params_from: list[int] | None = None  # per data-parallel rank of the group: its shard's holder
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
@@ -187,6 +191,9 @@ class Source:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     def describe(self) -> str:
+        if self.params_from is not None:
+            return (f"{self.kind} from rank {self.holder} + parameters from the master shards on "
+                    f"ranks {list(self.params_from)}")
         return f"{self.kind} from rank {self.holder}" + (
             f" + parameters from rank {self.shared_from}" if self.shared_from is not None else "")
 

@@ -51,7 +51,7 @@ import xxhash
 from deadpool.protocol import Keys, Plan, Source
 
 WIRE_VERSION = 1
-_OPTIONAL = ("shared_from", "owner", "dir")  # Source fields left out when None
+_OPTIONAL = ("shared_from", "owner", "dir", "params_from")  # Source fields left out when None
 
 
 class BaseMismatch(ValueError):

@@ -23,7 +23,11 @@ rank into a restart from scratch. (``ft.state_sources`` may swap peer and replic
 is two regions: parameters, shared with its data-parallel peers, and its optimizer shard, which
 no peer has. A peer can then only serve the parameters: the source is the shard's replica
 holder, plus ``shared_from``, a live peer that sends the parameters, unless the replicas hold the
-whole state (``ft.replicate=full``). Under ``precision=bf16`` the shard also holds the fp32
+whole state (``ft.replicate=full``). When no data-parallel copy of the parameters is left (every
+peer dead, or dirty with no snapshot of the step) the shard replicas of the whole group serve
+them: each holds its rank's master weights (``ZeroOptimizer.state_tensors``, fp32 included),
+and the group's master shards, rounded to the parameters' dtype, are the parameters
+(``params_from``: per data-parallel rank of the group, the holder of its shard's replica). Under ``precision=bf16`` the shard also holds the fp32
 master weights, of which a peer's bf16 parameters are only the rounding: the same rule keeps
 a master shard from ever being rebuilt from a peer (``test_plan.py`` shows it through
 ``decide``). The resume step is the newest step for which
@@ -96,7 +100,8 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
         pick = holders.chooser(S)  # spreads the transfers over holders (least loaded first)
         sources: dict[int, Source] = {}
         for r in world:
-            src = _source(r, S, statuses, order, bad, pick, sharded, replica_has_shared)
+            src = _source(r, S, statuses, order, bad, pick, sharded, replica_has_shared,
+                          holders.group)
             if src is None:
                 break
             sources[r] = src
@@ -106,7 +111,8 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
     # keep scanning to know which ranks have a copy at *some* step (for the message)
     for r in world:
         if r not in covered and any(_source(r, S, statuses, order, bad, holders.any_of(S),
-                                            sharded, replica_has_shared) for S in steps):
+                                            sharded, replica_has_shared, holders.group)
+                                    for S in steps):
             covered.add(r)
     lost = [r for r in world if r not in covered]
     why = (f"no consistent copy of rank(s) {lost} survives in memory" if lost else
@@ -115,14 +121,16 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
 
 
 def _source(r, S, statuses, order, bad, pick, sharded=False,
-            replica_has_shared=True) -> Source | None:
-    src = _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared)
+            replica_has_shared=True, group=None) -> Source | None:
+    src = _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared,
+                       group or (lambda r: [r]))
     if src is None and S == 0:
         return Source("init", r)
     return src
 
 
-def _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared) -> Source | None:
+def _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared,
+                 group) -> Source | None:
     st = statuses.get(r)
     if st is not None and st.live_step == S:
         return Source("live", r)
@@ -135,7 +143,12 @@ def _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared) 
         if replica_has_shared:
             return Source("replica", h)
         q = pick(r, "peer")
-        return None if q is None else Source("replica", h, shared_from=q)
+        if q is not None:
+            return Source("replica", h, shared_from=q)
+        # no data-parallel copy of the parameters is left: each ZeRO shard's replica holds its
+        # rank's master weights, which together are the parameters
+        froms = [h if d == r else pick(d, "replica") for d in group(r)]
+        return None if None in froms else Source("replica", h, params_from=froms)
     for kind in order:
         h = pick(r, kind)
         if h is not None:

@@ -21,7 +21,8 @@ from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator
 from deadpool.errors import CollectiveError, CorruptState
 from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, now
-from deadpool.snapshot.transfer import outgoing, transfer
+from deadpool.snapshot import masters
+from deadpool.snapshot.transfer import outgoing
 
 
 def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> None:
@@ -63,10 +64,17 @@ def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimin
         return
     sends, recvs = transfers(worker, plan, rank)
     mine = plan.sources[rank]
-    if sends or recvs:
+    group = worker.dims.state_peers(rank)
+    live = tr.step if worker.has_state and not tr.dirty else None
+    # no data-parallel copy of the parameters left: the group's shards rebuild them
+    msends = masters.master_sends(tr.engine, plan.sources, rank, S, live, tr.header,
+                                  worker.dims.state_peers)
+    mrecvs = masters.master_recvs(mine, rank, group)
+    if sends or recvs or msends or mrecvs:
         worker.progress.set(S, "transfer")
         try:
-            got = comm.run_abortable(lambda: transfer(tr.engine, comm, sends, recvs, S),
+            got = comm.run_abortable(lambda: masters.moves(tr.engine, comm, sends, recvs, msends,
+                                                           mrecvs, S, rank, group),
                                      "state transfer")
         except CorruptState as e:
             _report_corrupt(worker, plan, rank, comm, e)
@@ -74,6 +82,7 @@ def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimin
             tr.apply_header(tr.engine.install(S, *got))
             worker.has_state = True
             timing.bytes_received = sum(tr.engine.region(got[0], r).numel() for _, _, r in recvs)
+            timing.bytes_received += len(mrecvs) * tr.engine.region(got[0], "unique").numel()
     timing.transferred = now()
     worker.progress.set(S, "rollback")
     worker.injector.fire(S, "rollback")
@@ -106,7 +115,7 @@ def transfers(worker, plan: Plan, rank: int):
     for dst, src in sorted(plan.sources.items()):
         if src.kind not in ("peer", "replica"):
             continue
-        whole = src.kind == "peer" or src.shared_from is None
+        whole = src.kind == "peer" or (src.shared_from is None and src.params_from is None)
         region = "all" if whole and (src.kind == "peer" or eng.repl_region == "all") else "unique"
         if src.holder == rank:  # (owner differs from dst only under faults.swap_routes)
             owner = dst if src.owner is None else src.owner
@@ -117,7 +126,8 @@ def transfers(worker, plan: Plan, rank: int):
     if mine.kind == "peer":
         recvs.append((mine.holder, mine.holder, "all"))  # its own state: bad = (q, q, S)
     elif mine.kind == "replica":
-        region = "unique" if mine.shared_from is not None else "all"
+        sharded = mine.shared_from is not None or mine.params_from is not None
+        region = "unique" if sharded else "all"
         recvs.append((mine.holder, rank, region))
         if mine.shared_from is not None:
             q = mine.shared_from

@@ -116,6 +116,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool.parallel.data.buckets import GradBuckets, bucket_edges
+from deadpool.parallel.data.reshard import reshard_state  # noqa: F401 (its home before)
 
 __all__ = ["ZeroOptimizer", "state_nbytes"]
 
@@ -147,41 +148,6 @@ def state_nbytes(numel: int, dp_size: int, shard: bool, itemsize: int = 4,
     if shard:
         return {"shared": params, "unique": optim * (padded // dp_size) + _STEP_BYTES}
     return {"shared": params + optim * padded + _STEP_BYTES, "unique": 0}
-
-
-def reshard_state(old: list[dict[str, torch.Tensor]], numel: int, dp_size: int, dp_rank: int,
-                  shard: bool) -> dict[str, torch.Tensor]:
-    """The state (``state_tensors`` names) of data-parallel rank ``dp_rank`` of ``dp_size`` from
-    the states of every data-parallel rank of the same stage written at another width, in their
-    dp order (``old``; a rank written from a sharded replica may lack ``params``). AdamW's
-    moments are elementwise, so re-cutting the concatenated shards is exact: concatenate the old
-    shards (or take a whole copy), drop the old padding, pad for the new width, cut this rank's
-    shard. Used when an elastic job changes its data-parallel width."""
-    def full(name):
-        if _sharded(old, name, numel):
-            return torch.cat([st[name].reshape(-1) for st in old])[:numel]
-        return old[0][name].reshape(-1)[:numel]
-
-    def cut(t, keep_all):
-        padded = torch.zeros(_padded(numel, dp_size), dtype=t.dtype)
-        padded[:numel] = t
-        if keep_all:
-            return padded
-        n = padded.numel() // dp_size
-        return padded[dp_rank * n:(dp_rank + 1) * n].clone()
-
-    params = next(st["params"] for st in old if "params" in st)
-    out = {"params": cut(params.reshape(-1)[:numel], True)}
-    for name in ("master", "exp_avg", "exp_avg_sq"):  # master: bf16 runs only
-        if name in old[0]:
-            out[name] = cut(full(name), not shard)
-    out["step"] = old[0]["step"].clone()
-    return out
-
-
-def _sharded(old, name, numel) -> bool:
-    """The old states hold ``name`` as shards (several ranks, each less than the whole)."""
-    return len(old) > 1 and old[0][name].numel() < numel
 
 
 class ZeroOptimizer:
@@ -539,7 +505,10 @@ class ZeroOptimizer:
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:
         """``(name, tensor, shared)`` in a fixed order: the flat parameters (shared: identical on
-        every dp peer), under bf16 the fp32 ``master`` weights, then AdamW's ``exp_avg``,
+        every dp peer), the fp32 ``master`` weights (under bf16; in fp32 only when sharded, as a
+        view of the owned slice of the parameters, so that the replicas of a data-parallel
+        group's shards together hold its parameters: recovery rebuilds them from those when no
+        peer is left, ``recovery.plan``), then AdamW's ``exp_avg``,
         ``exp_avg_sq`` (the owned shard, or the whole buffer when not sharded) and ``step``;
         all but the parameters shared only when not sharded. Under bf16 with ZeRO the master
         shard is unique to the rank like the moments: no peer's bf16 parameters can give it
@@ -547,15 +516,17 @@ class ZeroOptimizer:
         lifetime, updated in place. Gradients are not state: they are rebuilt every step."""
         st = self._state
         out = [("params", self.flat_params, True)]
-        if self.mixed:
+        if self.mixed or self.shard:  # fp32 sharded: the owned slice of flat_params (a view)
             out.append(("master", self._master_data, not self.shard))
         return out + [("exp_avg", st["exp_avg"], not self.shard),
                       ("exp_avg_sq", st["exp_avg_sq"], not self.shard),
                       ("step", st["step"], not self.shard)]
 
     def state_nbytes(self) -> dict[str, int]:
-        """``{"shared": bytes, "unique": bytes}`` of ``state_tensors()`` (see ``state_nbytes``)."""
+        """``{"shared": bytes, "unique": bytes}`` the state occupies (see ``state_nbytes``): an
+        fp32 ``master`` is a view of the parameters and not counted (a snapshot holds it twice)."""
         out = {"shared": 0, "unique": 0}
-        for _, t, shared in self.state_tensors():
-            out["shared" if shared else "unique"] += t.numel() * t.element_size()
+        for name, t, shared in self.state_tensors():
+            if name != "master" or self.mixed:
+                out["shared" if shared else "unique"] += t.numel() * t.element_size()
         return out

@@ -94,8 +94,12 @@ def test_matches_single_process_adamw_and_state_layout(n, shard, adamw, bucket):
 
     # state: shared tensors identical on every rank; unique shards tile the reference state
     states = [opt.state_tensors() for _, opt in results]
-    assert [(name, sh) for name, _, sh in states[0]] == [
-        ("params", True), ("exp_avg", not shard), ("exp_avg_sq", not shard), ("step", not shard)]
+    assert [(name, sh) for name, _, sh in states[0]] == [("params", True)] + (
+        [("master", False)] if shard else []) + [
+        ("exp_avg", not shard), ("exp_avg_sq", not shard), ("step", not shard)]
+    if shard:  # the fp32 master shard is the owned slice of the parameters, not a copy
+        opt = results[0][1]
+        assert states[0][1][1].data_ptr() == opt.flat_params[slice(*opt.shard_range)].data_ptr()
     for i, (name, t0, shared) in enumerate(states[0]):
         others = [st[i][1] for st in states[1:]]
         if shared:
@@ -108,7 +112,7 @@ def test_matches_single_process_adamw_and_state_layout(n, shard, adamw, bucket):
         got = states[0][i][1] if not shard else torch.cat([st[i][1] for st in states])
         assert same(got[:35], want), name
     for st in states:
-        assert st[3][1].item() == STEPS == ref_opt.state[ref_params[0]]["step"].item()
+        assert st[-1][1].item() == STEPS == ref_opt.state[ref_params[0]]["step"].item()
     nbytes = results[0][1].state_nbytes()
     assert nbytes == state_nbytes(35, n, shard)
     assert nbytes["shared"] == 36 * 4 * (1 if shard else 3) + (0 if shard else 4)
@@ -325,6 +329,8 @@ def test_reshard_state_is_the_state_of_the_new_width(old_dp, new_dp, shard, bf16
                 t = torch.zeros(n, dtype=v.dtype)
                 t[:numel] = v
                 st[k] = t if k == "params" or not sharded else t[r * n // dp:(r + 1) * n // dp].clone()
+            if sharded and not bf16:  # an fp32 shard's master: its slice of the parameters
+                st["master"] = st["params"][r * n // dp:(r + 1) * n // dp].clone()
             st["step"] = torch.tensor(7.0)
             out.append(st)
         return out

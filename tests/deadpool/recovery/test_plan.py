@@ -137,14 +137,21 @@ def test_sharded_rank_without_a_replica_is_lost_even_with_live_peers():
     assert d.resume_step is None and 0 in d.lost and 3 in d.lost
 
 
-def test_sharded_rank_whose_peers_are_gone_has_no_parameters_from_a_unique_replica():
-    # both data-parallel copies of (tp 0) died: the shard replica alone cannot restore rank 0
+def test_sharded_rank_whose_peers_are_gone_rebuilds_its_parameters_from_the_group_shards():
+    # both data-parallel copies of (tp 0) died: no peer has the parameters, but the replicas of
+    # the group's two ZeRO shards (0's on 1, 2's on 3) hold both master shards
     peers = ParallelDims(dp=2, tp=2, ranks_per_node=4).state_peers
     statuses = {1: st(1, 7, [6, 7], {0: [6, 7]}), 3: st(3, 7, [6, 7], {2: [6, 7]})}
     d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
-    assert d.resume_step is None and set(d.lost) == {0, 2}
+    assert d.resume_step == 7
+    assert d.sources[0] == Source("replica", 1, params_from=[1, 3])
+    assert d.sources[2] == Source("replica", 3, params_from=[1, 3])
     d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=True)
     assert d.resume_step == 7 and d.sources[2] == Source("replica", 3)
+    # one of the two shard replicas reached step 6 only: both ranks go back to 6
+    statuses[3] = st(3, 7, [6, 7], {2: [6]})
+    d = plan_resume(statuses, WORLD, peers, ring, sharded=True, replica_has_shared=False)
+    assert d.resume_step == 6 and d.sources[0] == Source("replica", 1, params_from=[1, 3])
 
 
 def test_corrupt_parameters_of_a_peer_are_not_used_again():

@@ -82,7 +82,12 @@ def _ref_held_source(r, S, statuses, equivalents, buddy_of, order, bad, load, sh
         if replica_has_shared:
             return Source("replica", h)
         q = _ref_pick(r, S, "peer", statuses, equivalents, buddy_of, bad, load)
-        return None if q is None else Source("replica", h, shared_from=q)
+        if q is not None:
+            return Source("replica", h, shared_from=q)
+        # no peer left: the parameters from the group's shard replicas (their master weights)
+        froms = [h if d == r else _ref_pick(d, S, "replica", statuses, equivalents, buddy_of,
+                                            bad, load) for d in equivalents(r)]
+        return None if None in froms else Source("replica", h, params_from=froms)
     for kind in order:
         h = _ref_pick(r, S, kind, statuses, equivalents, buddy_of, bad, load)
         if h is not None:

@@ -29,6 +29,9 @@ STRATEGIES = {  # name -> (label, colour, marker)
     "replication": ("Replication", "#2ca02c", "^"),
     "elastic": ("Elastic", "#9467bd", "v"),
     "elastic_hsdp": ("Elastic, replicated optimizer", "#bcbd22", "<"),
+    "elastic_spares": ("Elastic + spares, delta rebuild", "#17becf", ">"),
+    "injob_restart": ("In-job restart (NVRx)", "#393b79", "*"),
+    "trainmover": ("TrainMover-like", "#637939", "p"),
     # runtime-only strategies (experiments/compare_strategies.py)
     "sync_snapshot": ("DeadPool, synchronous snapshots", "#e377c2", "h"),
     "none": ("No fault tolerance", "#7f7f7f", "X"),

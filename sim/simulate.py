@@ -49,10 +49,18 @@ def make_trace(tcfg: Mapping, layout: Layout, horizon_s: float, seed: int) -> Tr
                         nodes_per_rack=layout.nodes_per_rack)
     if source == "csv":
         return load_csv(tcfg["path"], horizon_s=horizon_s)
+    if source == "infinitehbd":  # the real trace shipped in sim/data/infinitehbd (sim.infinitehbd)
+        from sim import infinitehbd
+
+        horizon_d = horizon_s / DAY_S
+        if horizon_d > infinitehbd.HORIZON_DAYS + 1e-9:
+            raise ValueError(f"duration_days={horizon_d:g} is past the shipped trace's {infinitehbd.HORIZON_DAYS:g} days")
+        eps = infinitehbd.load(tcfg.get("path") or infinitehbd.HALF_TRACE)
+        return infinitehbd.to_trace(eps, layout.num_nodes, layout.num_spares, seed, horizon_d)
     if source == "addremove":
         return load_addremove(tcfg["path"], time_unit_s=float(tcfg.get("time_unit_s", 1.0)),
                               horizon_s=horizon_s, num_nodes=layout.num_nodes + layout.num_spares)
-    raise ValueError(f"trace.source must be generate, csv or addremove, got {source!r}")
+    raise ValueError(f"trace.source must be generate, csv, addremove or infinitehbd, got {source!r}")
 
 
 def job_mtbf_s(tcfg: Mapping, layout: Layout, trace: Trace | None = None) -> float:
@@ -68,8 +76,9 @@ def job_mtbf_s(tcfg: Mapping, layout: Layout, trace: Trace | None = None) -> flo
 
 
 def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Trace,
-            horizon_s: float, mtbf_s: float) -> dict:
-    """Replay ``trace`` against strategy ``name`` for ``horizon_s`` seconds; one result row."""
+            horizon_s: float, mtbf_s: float, progress_log: list | None = None) -> dict:
+    """Replay ``trace`` against strategy ``name`` for ``horizon_s`` seconds; one result row.
+    ``progress_log``: a list that receives the job's (time_s, progress_s) points (a timeline)."""
     t_start = time.perf_counter()
     env = CountingEnvironment()
     ledger = Ledger()
@@ -77,6 +86,7 @@ def run_one(name: str, scfg: Mapping, calib: Mapping, layout: Layout, trace: Tra
     cluster = Cluster(env, trace, layout.num_nodes, spares, ledger, costs.detection(calib, layout))
     kind = scfg.get("kind", name)
     job = strategies.build(kind, env, cluster, layout, ledger, scfg, calib, mtbf_s)
+    job.progress_log = progress_log
     env.run(until=horizon_s)
     job.finalize()
     goodput = job.W / horizon_s

@@ -2,7 +2,8 @@
 
     python experiments/sim/ranking.py [--samples 64] [--seed 0] [--out experiments/results/sim/ranking]
 
-Reads experiments/sim/ranking.yaml (parameters, ranges, scales). Draws ``--samples`` points with
+Reads experiments/sim/ranking.yaml (parameters, ranges, scales; a parameter with ``choices`` is
+categorical: the hypercube's coordinate picks one, and its index is what ``samples.csv`` holds). Draws ``--samples`` points with
 ``scipy.stats.qmc.LatinHypercube`` over every parameter at once (log-uniform where marked), and
 runs each point at every scale with every strategy on one trace (trace seed = sample index, so
 the failure draw varies with the parameters; within a point every strategy sees the same trace).
@@ -49,6 +50,9 @@ def draw(spec: list[dict], n: int, seed: int) -> np.ndarray:
     u = qmc.LatinHypercube(d=len(spec), seed=seed).random(n)
     out = np.empty_like(u)
     for j, p in enumerate(spec):
+        if "choices" in p:  # a categorical assumption: the index of the choice
+            out[:, j] = np.floor(u[:, j] * len(p["choices"]))
+            continue
         lo, hi = float(p["low"]), float(p["high"])
         if p.get("log"):
             out[:, j] = np.exp(np.log(lo) + u[:, j] * (np.log(hi) - np.log(lo)))
@@ -61,6 +65,9 @@ def overrides_for(spec: list[dict], values: np.ndarray, defaults: dict) -> list[
     out = []
     for p, v in zip(spec, values):
         for key in p["keys"]:
+            if "choices" in p:
+                out.append(f"{key}={p['choices'][int(v)]}")
+                continue
             val = v * defaults[key] if p.get("scale") else v
             out.append(f"{key}={val:.6g}")
     return out

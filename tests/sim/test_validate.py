@@ -15,8 +15,13 @@ def test_cli_writes_the_table_with_the_relied_on_columns(tmp_path):
                         "--days-100k", "2"], cwd=sim.config.REPO_ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     df = pd.read_csv(tmp_path / "validation.csv")
-    assert list(df.columns) == ["fleet", "metric", "published", "simulated", "source"]
-    assert {"llama3_16k", "ft_hsdp_100k", "byterobust_9600"} <= set(df.fleet)
+    assert list(df.columns) == ["fleet", "metric", "published", "simulated", "error", "sample", "fitted", "source"]
+    assert {"llama3_16k", "ft_hsdp_100k", "byterobust_9600", "infinitehbd_400"} <= set(df.fleet)
+    # every row says in or out of sample and what was fitted on what; the error is simulated - published
+    assert set(df["sample"]) == {"in", "out"} and df.fitted.str.len().min() > 10
+    assert (df.error - (df.simulated - df.published)).abs().max() < 1e-3
+    assert set(df[df.fleet == "llama3_16k"].set_index("metric")["sample"].items()) == {
+        ("unexpected_interruptions", "in"), ("ettr", "out")}
     pub = df.set_index(["fleet", "metric"]).published
     assert pub[("llama3_16k", "ettr")] == 0.90 and pub[("llama3_16k", "unexpected_interruptions")] == 419
     assert pub[("ft_hsdp_100k", "ettr_synchronous")] == 0.44 and pub[("ft_hsdp_100k", "ettr_ft_hsdp")] == 0.80

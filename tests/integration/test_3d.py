@@ -1,8 +1,10 @@
 """3D parallelism under hot-swap with real processes: dp2 x tp2 x pp2 (8 ranks) + 1 warm spare.
 
 A rank is killed at each position (a tensor-parallel peer, the first and the last pipeline stage,
-each data-parallel replica) and in each phase (forward, backward, the pipeline's warm-up and
-cool-down, the ZeRO reduce-scatter and all-gather). Every rank's state is distinct (its
+each data-parallel replica) and in each phase (between steps, forward, backward, the pipeline's
+warm-up and cool-down, the ZeRO reduce-scatter and all-gather, the snapshot copier and the
+replication thread), and a second process during a recovery (the receiving spare, the peer
+sending parameters, a survivor in the group rebuild or before its status). Every rank's state is distinct (its
 (pp, tp) shard of the model, its ZeRO-1 optimizer shard), so the final state equals the
 failure-free run only if every piece travelled to the right rank.
 """
@@ -55,6 +57,10 @@ def test_every_rank_holds_distinct_state(reference):
     (7, "mid_step"),      # the last stage's tensor-parallel peer of dp 1
     (5, "allreduce"),     # inside the ZeRO-1 gradient reduce-scatter
     (3, "optimizer"),     # before the shard update and parameter all-gather
+    (6, "step_start"),    # the last stage of dp 1, between steps
+    (0, "param_gather"),  # inside the optimizer step: its shard updated, its peer (2) mid-gather
+    (5, "snapshot_copy"), # in its snapshot copier thread, beside the next step
+    (2, "replication"),   # in its replication thread, one chunk of the snapshot sent
 ])
 def test_spare_takes_any_position_and_state_matches_failure_free(reference, tmp_path, rank, phase):
     ev = f"faults.events=[{{rank: {rank}, step: 5, phase: {phase}, kind: kill}}]"
@@ -67,6 +73,39 @@ def test_spare_takes_any_position_and_state_matches_failure_free(reference, tmp_
     # local slots: the engine blocks the step rather than fall further behind)
     assert 0 <= rec["steps_recomputed"] <= 2
     assert rec["build_s"] >= 0                 # the spare's build of its rank's stage (0: pre-built)
+    equal, why = compare_final_states(tmp_path, reference[0])
+    assert equal, why
+
+
+def ranks_lost(summary) -> list[tuple[int, int]]:
+    """(rank, slot) of every process lost, over all recoveries."""
+    out = []
+    for rec in summary["recoveries"]:
+        ranks, slots = rec["failed_rank"], rec["failed_slot"]
+        out += zip(ranks if isinstance(ranks, list) else [ranks],
+                   slots if isinstance(slots, list) else [slots])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("second", [
+    "slot:8,step:0,phase:transfer,kind:kill",  # the spare receiving rank 5 dies mid-transfer
+    "rank:7,step:0,phase:transfer,kind:kill",  # 5's data-parallel peer dies sending its parameters
+    "rank:2,step:3,phase:rebuild,kind:kill",   # a survivor of another stage, in the group rebuild
+    "rank:0,step:0,phase:status,kind:kill",    # a survivor, before it reports what it holds
+], ids=["spare-in-transfer", "peer-in-transfer", "survivor-in-rebuild", "survivor-in-status"])
+def test_a_failure_during_a_3d_recovery_is_recovered_too(reference, tmp_path, second):
+    """ZeRO-1 in 3D with ``ft.replicas=2`` and two spares: rank 5 (last stage, tp 1, dp 0) dies
+    mid-step and a second process dies during its recovery. Two processes lost, the job ends
+    bitwise equal to the failure-free run (replicas do not change training: same reference)."""
+    ev = ("faults.events=[{rank: 5, step: 5, phase: mid_step, kind: kill}, {" + second + "}]")
+    summary = run_job(compose_train(BASE + ["ft.num_spares=2", "ft.replicas=2", ev], tmp_path),
+                      log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    lost = ranks_lost(summary)
+    assert len(set(lost)) == 2 and (5, 5) in lost, lost  # (one recovery may name both)
+    assert summary["recoveries"][-1]["outcome"] == "hot-swapped"
     equal, why = compare_final_states(tmp_path, reference[0])
     assert equal, why
 

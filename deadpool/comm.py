@@ -71,6 +71,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from deadpool import reports
 from deadpool.auth import AuthError
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost, PassThrough
 from deadpool.protocol import Keys, Seal, announce_abort, wake_coordinator
@@ -526,8 +527,7 @@ class Communicator:
         return box.get("value")
 
     def report_error(self, msg: str) -> None:
-        key = self.keys.error(self.topo.rank)
-        self.store.set(key, self.seal.wrap(key, msg[:500]))  # sealed before the hint is bumped
+        reports.post(self.store, self.seal, self.keys.error(self.topo.rank), msg[:500])  # first
         self.store.add(self.keys.num_errors, 1)
         wake_coordinator(self.store)
         # Waking every survivor now is cheaper than waiting for the coordinator to confirm.

@@ -319,7 +319,7 @@ class Coordinator:
         ``on_forged(who)`` names what failed its seal ("rank 3", "node 1")."""
         if self.events is None:
             return reports.Reports(self.store, self.seal, getattr(keys, kind), ranks,
-                                   on_forged=lambda r: on_forged(f"rank {r}"))
+                                   on_forged=lambda r: on_forged(f"rank {r}"), posted=True)
         node_of, slots = self.launcher.node_of_slot, self.members.ranks
         return reports.NodeReports(self.store, self.seal, lambda n: keys.node_report(kind, n),
                                    ranks, lambda r: node_of.get(slots.get(r)),

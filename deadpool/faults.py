@@ -50,6 +50,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from deadpool import reports
 from deadpool.agent.board import NODE_DIR_ENV
 from deadpool.protocol import Keys, Seal
 
@@ -138,8 +139,7 @@ class FaultInjector:
         if self.store is not None:
             rec = {"t": t, "rank": self.rank, "step": step, "phase": ev.phase,
                    "kind": ev.kind.value, "slot": self.slot}
-            key = Keys.fault(self.slot)
-            self.store.set(key, self.seal.wrap(key, json.dumps(rec)))
+            reports.post(self.store, self.seal, Keys.fault(self.slot), json.dumps(rec))
         print(f"[fault] {ev.kind.value} at {ev.phase} of step {step} (rank {self.rank}, slot "
               f"{self.slot}, t={t:.6f})", flush=True)  # t: how far apart two faults fired
         if ev.kind is Fault.KILL_NODE and os.environ.get(NODE_DIR_ENV):

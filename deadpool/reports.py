@@ -1,21 +1,34 @@
 """Reading many per-rank reports from the store in few round trips.
 
-The coordinator waits on one key per rank at several points (statuses after an abort, the new
-generation's timings, final states). Checking each key in turn costs N round trips per poll, and
-``TCPStore.multi_get`` blocks on a key that does not exist yet. So:
+The coordinator waits on one key per rank (or per node) at several points: statuses after an
+abort, the new generation's timings, error, crash, fault and bad-copy reports, final states.
+``TCPStore.check`` is all-of and ``multi_get`` blocks on a key that does not exist yet, so
+finding which of N mostly absent keys exist costs up to 2N-1 round trips by probing alone. So
+every report the coordinator waits on during a recovery is *posted*:
 
-    present(store, keys)   which of ``keys`` exist: one ``check`` when none or all do, else a
-                           halving search, O(k log(N/k)) round trips for k present keys
-    read(store, seal, keys)  the sealed values of those that exist: ``present`` + one ``multi_get``
-    Reports                one kind of sealed per-rank report (``keys.status(r)`` ...) collected
-                           incrementally: each poll asks only about the ranks still missing, reads
-                           the new ones with one ``multi_get`` and keeps only what the job sealed
-    NodeReports            the same, from one sealed key per node that its agent rewrites as its
-                           ranks report (a JSON object, rank -> report)
-    send(...)              a rank's side: its report through its node agent, else its sealed key
+    post(store, seal, key, text)   a writer's side: the sealed value, then the key's last part
+                                   appended to its kind's index (``g3/error/17`` is listed in
+                                   ``g3/error/index``): a listed key exists
+    read_posted(store, seal, keys)  the sealed values of those of ``keys`` that exist: one
+                                   request for the index, two more (``check`` + ``multi_get``)
+                                   when it lists any of them: O(1) requests, O(found) bytes
+    read(store, seal, keys)        for keys that are expected to exist (node records, joins):
+                                   ``present`` + one ``multi_get``
+    present(store, keys)           which of ``keys`` exist: one ``check`` when all do, else a
+                                   halving search, O(k log(N/k)) round trips for k missing keys
+                                   (2N-1 when none exists: never use it for sparse reports)
+    Reports                        one kind of sealed per-rank report (``keys.status(r)`` ...)
+                                   collected incrementally: each poll asks only about the ranks
+                                   still missing, posted ones only when their index changed
+    NodeReports                    the same, from one sealed key per node that its agent
+                                   rewrites (and posts) as its ranks report (rank -> report)
+    send(...)                      a rank's side: its report through its node agent, else posted
 
-A value that fails its seal (written by a process without the job's secret) is not accepted and
-its rank stays missing: the real report, which overwrites it, is still taken when it comes.
+An index is a hint, like the ``num_errors`` counter: anyone reaching the store can append to it.
+A listed key that does not exist (a forger's entry, a deleted key) costs a probe of the listed
+keys only; a value that fails its seal (written by a process without the job's secret) is not
+accepted and its rank stays missing: the real report, which overwrites it, is still taken when
+it comes.
 """
 
 from __future__ import annotations
@@ -33,8 +46,53 @@ def send(store, seal: Seal, link, keys, kind: str, rank: int, text: str) -> None
     if link is not None:
         link.report(keys.g, kind, rank, text)
     else:
-        key = getattr(keys, kind)(rank)
-        store.set(key, seal.wrap(key, text))
+        post(store, seal, getattr(keys, kind)(rank), text)
+
+
+def index_of(key: str) -> str:
+    """The index listing the posted keys of ``key``'s kind: its last part replaced by ``index``
+    (``g3/status/5`` -> ``g3/status/index``, ``crash/7`` -> ``crash/index``)."""
+    return key.rpartition("/")[0] + "/index"
+
+
+def post(store, seal: Seal, key: str, text: str) -> None:
+    """Write the sealed report ``text`` at ``key``, then list it in its kind's index (in this
+    order: a key the index lists exists, so the reader's ``multi_get`` never blocks on it)."""
+    store.set(key, seal.wrap(key, text))
+    store.append(index_of(key), "," + key.rpartition("/")[2])
+
+
+_ABSENT = "\x00"  # an index value no writer produces
+
+
+def peek(store, key: str) -> bytes:
+    """``key``'s value, ``b""`` while it does not exist: one request that never blocks
+    (``compare_set`` with an expected value nobody writes changes nothing and answers the value
+    there, or the expected one when there is none)."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return b"" if value == _ABSENT.encode() else value
+
+
+def listed(store, keys: list[str]) -> list[str]:
+    """Those of ``keys`` (posted reports) that their indexes list, in order: one request per
+    index (``keys`` of one kind share one)."""
+    by_index: dict[str, list[str]] = {}
+    for k in keys:
+        by_index.setdefault(index_of(k), []).append(k)
+    out = set()
+    for index, ks in by_index.items():
+        names = set(peek(store, index).decode(errors="replace").split(",")) - {""}
+        out.update(k for k in ks if k.rpartition("/")[2] in names)
+    return [k for k in keys if k in out]
+
+
+def read_posted(store, seal: Seal, keys: dict, on_forged=None) -> dict:
+    """``read`` for posted reports: the sealed values of those of ``keys`` (id -> key) that
+    exist, id -> text, in O(1) requests however many keys are absent."""
+    found = listed(store, list(keys.values()))
+    if found and not store.check(found):  # a listed key that does not exist: probe the list
+        found = present(store, found)
+    return _fetch(store, seal, keys, found, on_forged)
 
 
 def present(store, keys: list[str]) -> list[str]:
@@ -52,7 +110,11 @@ def present(store, keys: list[str]) -> list[str]:
 def read(store, seal: Seal, keys: dict, on_forged=None) -> dict:
     """The sealed values of those of ``keys`` (id -> key) that exist, id -> text; a value that
     fails its seal is left out (``on_forged(id)`` is called for it)."""
-    found = present(store, list(keys.values()))
+    return _fetch(store, seal, keys, present(store, list(keys.values())), on_forged)
+
+
+def _fetch(store, seal: Seal, keys: dict, found: list[str], on_forged) -> dict:
+    """The sealed values of ``found`` (existing keys of ``keys``, id -> key), id -> text."""
     if not found:
         return {}
     by_key = {k: i for i, k in keys.items()}
@@ -72,16 +134,21 @@ class Reports:
 
     ``poll`` must be called until ``missing`` is empty (or the caller gives up); it returns the
     reports read so far, rank -> text. ``on_forged(rank)`` is called once per rank whose value
-    failed its seal.
+    failed its seal. ``posted``: the writers ``post`` (``send`` does): a poll then costs one
+    request while the index is unchanged, three when it lists news, whatever the number of ranks.
     """
 
     def __init__(self, store, seal: Seal, key_of: Callable[[int], str], ranks: Iterable[int],
-                 on_forged: Callable[[int], None] | None = None):
+                 on_forged: Callable[[int], None] | None = None, posted: bool = False):
         self.store, self.seal, self.key_of = store, seal, key_of
         self.missing: list[int] = sorted(set(ranks))
         self.got: dict[int, str] = {}
         self.on_forged = on_forged
         self.forged: set[int] = set()
+        self.posted = posted
+        self._keys: dict[int, str] = {}  # id -> key, made once (an id is a rank, or a node)
+        self._by_name: dict[str, int] = {}  # a key's last part (what its index lists) -> id
+        self._index_read = 0  # how much of the index earlier polls read (posted reports)
 
     def forget(self, ranks: Iterable[int]) -> None:
         """Stop waiting for these ranks (declared failed)."""
@@ -91,12 +158,36 @@ class Reports:
     def poll(self) -> dict[int, str]:
         if not self.missing:
             return self.got
-        new = read(self.store, self.seal, {r: self.key_of(r) for r in self.missing},
-                   on_forged=self._forged)
+        self._take(self._read(self.missing))
+        return self.got
+
+    def _take(self, new: dict[int, str]) -> None:
         if new:
             self.got.update(new)
             self.missing = [r for r in self.missing if r not in new]
-        return self.got
+
+    def _read(self, ids: list[int]) -> dict[int, str]:
+        """The sealed values of the keys of ``ids`` that exist (posted: that the index listed
+        since the last poll), id -> text."""
+        for i in ids:
+            if i not in self._keys:
+                self._keys[i] = key = self.key_of(i)
+                self._by_name[key.rpartition("/")[2]] = i
+        if not self.posted:
+            return read(self.store, self.seal, {i: self._keys[i] for i in ids},
+                        on_forged=self._forged)
+        value = peek(self.store, index_of(self._keys[ids[0]]))
+        if len(value) < self._index_read:  # deleted and begun again
+            self._index_read = 0
+        news = value[self._index_read:].decode(errors="replace").split(",")
+        self._index_read = len(value)
+        wanted = set(ids)
+        listed_ids = {self._by_name[n] for n in news if self._by_name.get(n) in wanted}
+        keys = {i: self._keys[i] for i in sorted(listed_ids)}
+        found = list(keys.values())
+        if found and not self.store.check(found):  # a listed key that does not exist
+            found = present(self.store, found)
+        return _fetch(self.store, self.seal, keys, found, self._forged)
 
     def _forged(self, r: int) -> None:
         if r not in self.forged and self.on_forged is not None:
@@ -110,14 +201,15 @@ class Reports:
 
 class NodeReports(Reports):
     """``Reports`` gathered per node: ``key_of(node)`` holds the sealed JSON object, rank -> text,
-    of that node's ranks' reports so far (``agent.node.NodeAgent.check_reports``). Each poll
-    reads the keys of the nodes that still owe a report; a report is taken only for a rank of
-    that node (``node_of(rank)``), so one node's record cannot speak for another's ranks.
-    ``on_forged`` is called with the node."""
+    of that node's ranks' reports so far (``agent.node.NodeAgent.check_reports``, posted each
+    time it is rewritten). Each poll reads the keys of the nodes that still owe a report and
+    posted since the last; a report is taken only for a rank of that node (``node_of(rank)``),
+    so one node's record cannot speak for another's ranks. ``on_forged`` is called with the
+    node."""
 
     def __init__(self, store, seal: Seal, key_of: Callable[[int], str], ranks: Iterable[int],
                  node_of: Callable[[int], int], on_forged: Callable[[int], None] | None = None):
-        super().__init__(store, seal, key_of, ranks, on_forged)
+        super().__init__(store, seal, key_of, ranks, on_forged, posted=True)
         self.node_of = node_of
 
     def poll(self) -> dict[int, str]:
@@ -126,14 +218,11 @@ class NodeReports(Reports):
         want = set(self.missing)
         nodes = sorted({self.node_of(r) for r in want})
         new = {}
-        for node, text in read(self.store, self.seal, {n: self.key_of(n) for n in nodes},
-                               on_forged=self._forged).items():
+        for node, text in self._read(nodes).items():
             try:
                 got = {int(r): t for r, t in json.loads(text).items()}
             except (ValueError, AttributeError):
                 continue
             new.update((r, t) for r, t in got.items() if r in want and self.node_of(r) == node)
-        if new:
-            self.got.update(new)
-            self.missing = [r for r in self.missing if r not in new]
+        self._take(new)
         return self.got

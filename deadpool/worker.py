@@ -424,8 +424,7 @@ def main(argv=None) -> None:
         code = 1
         try:
             store = connect(cfg["_store"]["host"], int(cfg["_store"]["port"]), secret, 5)
-            key = Keys.crash(args.slot)
-            store.set(key, Seal(secret).wrap(key, f"{type(e).__name__}: {e}"[:500]))
+            reports.post(store, Seal(secret), Keys.crash(args.slot), f"{type(e).__name__}: {e}"[:500])
         except Exception:
             pass
     sys.stdout.flush()

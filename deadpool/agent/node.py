@@ -36,6 +36,7 @@ import os
 import time
 from pathlib import Path
 
+from deadpool import reports
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.launcher import process_stopped
 from deadpool.protocol import Keys, Plan, Seal, wake_coordinator
@@ -220,8 +221,8 @@ class NodeAgent:
             del self._reports[at]
             self._unsent.discard(at)
         for g, kind in sorted(self._unsent):  # a store error leaves the rest for the next check
-            key = Keys(g).node_report(kind, self.node)
-            self.store.set(key, self.seal.wrap(key, json.dumps(self._reports[g, kind])))
+            reports.post(self.store, self.seal, Keys(g).node_report(kind, self.node),
+                         json.dumps(self._reports[g, kind]))
             self._unsent.discard((g, kind))
 
     def check_coordinator(self, error: bool = False) -> None:

@@ -10,6 +10,9 @@ Failure signals, each named in the record's ``detected_by``::
                                                                       "collective_error"
 
 Every function takes the ``Coordinator`` (its store, launcher, membership and liveness tracker).
+The reports read here (crash, error, bad copy, fault, status) are posted (``reports.post``): each
+read costs O(1) store requests and O(reports) bytes however many ranks the job has, so a
+recovery costs the store O(nodes + failures) requests, not O(ranks).
 Deadlines run on ``time.monotonic()``: a wall-clock step (NTP) during a recovery must neither
 declare silent ranks failed early nor keep the coordinator waiting. ``time.time()`` is only the
 detection timestamp ``t_detect``, which records compare with the ranks' own wall-clock stamps.
@@ -86,7 +89,7 @@ def abort_and_fence(coord, failed: dict[int, str], reason: str | None = None) ->
 
 def _crash_reports(coord, slots: dict[int, int]) -> dict[int, str]:
     """rank -> the crash report its process sealed before exiting (``crash/<slot>``)."""
-    return reports.read(coord.store, coord.seal, {r: Keys.crash(s) for r, s in slots.items()},
+    return reports.read_posted(coord.store, coord.seal, {r: Keys.crash(s) for r, s in slots.items()},
                         on_forged=lambda r: _forged(coord, f"crash report for rank {r}"))
 
 
@@ -103,7 +106,7 @@ def _collective_error(coord, keys: Keys) -> bool:
     if g != keys.g:
         confirmed = False
     if n > 0:
-        errors = reports.read(coord.store, coord.seal,
+        errors = reports.read_posted(coord.store, coord.seal,
                               {r: keys.error(r) for r in coord.members.ranks},
                               on_forged=lambda r: _forged(coord, f"error report for rank {r}"))
         for rank, text in sorted(errors.items()):
@@ -127,7 +130,7 @@ def _forged(coord, what: str) -> None:
 def _bad_reported(coord) -> bool:
     """A receiver reported a corrupt copy in the current generation."""
     keys = Keys(coord.gen)
-    return bool(reports.read(coord.store, coord.seal,
+    return bool(reports.read_posted(coord.store, coord.seal,
                              {r: keys.bad_source(r) for r in coord.members.ranks}))
 
 
@@ -191,7 +194,7 @@ def collect_bad_sources(coord, keys: Keys) -> list[dict]:
     """Copies that receivers found corrupt in the aborted generation: never used again
     (added to ``coord.bad`` as ``(holder, owner, step)``)."""
     found = []
-    got = reports.read(coord.store, coord.seal,
+    got = reports.read_posted(coord.store, coord.seal,
                        {r: keys.bad_source(r) for r in range(coord.dims.world_size)},
                        on_forged=lambda r: _forged(coord, f"bad-source report of rank {r}"))
     for rank in sorted(got):
@@ -207,7 +210,7 @@ def collect_faults(coord, dead: set[int]) -> dict[int, dict]:
     """The injected faults behind this recovery (the dead ranks' first, else one survivor's),
     newer than any already attributed: they date the failure (``t_kill``) and name its kind."""
     faults = {}
-    got = reports.read(coord.store, coord.seal,
+    got = reports.read_posted(coord.store, coord.seal,
                        {r: Keys.fault(s) for r, s in coord.members.ranks.items()},
                        on_forged=lambda r: _forged(coord, f"fault record of rank {r}"))
     for rank in sorted((r for r in coord.members.ranks if r in got), key=lambda r: r not in dead):

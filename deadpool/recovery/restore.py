@@ -137,9 +137,8 @@ def transfers(worker, plan: Plan, rank: int):
 
 def _report_corrupt(worker, plan: Plan, rank: int, comm: Communicator, e: CorruptState):
     """Tell the planner which copy failed its checksum (never used again), then regroup."""
-    key = Keys(plan.generation).bad_source(rank)
-    worker.store.set(key, worker.seal.wrap(key, json.dumps(
-        {"holder": e.holder, "owner": e.owner, "step": e.step})))
+    reports.post(worker.store, worker.seal, Keys(plan.generation).bad_source(rank), json.dumps(
+        {"holder": e.holder, "owner": e.owner, "step": e.step}))
     comm.report_error(str(e))
     raise CollectiveError(str(e)) from None
 

@@ -353,7 +353,7 @@ def test_reports_go_through_the_agent_one_sealed_key_per_node_and_kind(tmp_path)
     rewritten as more arrive; the coordinator's ``NodeReports`` takes a report only from its
     rank's node and only what the job sealed."""
     from deadpool.protocol import RankStatus
-    from deadpool.reports import NodeReports
+    from deadpool.reports import NodeReports, index_of
 
     master = master_store()
     store = auth.namespaced(client(master.port), SECRET)
@@ -383,6 +383,7 @@ def test_reports_go_through_the_agent_one_sealed_key_per_node_and_kind(tmp_path)
     # a forged node-7 record, and node 3's sealed record claiming node 7's rank: neither is taken
     store.set(key_of(7), auth.seal(auth.new_secret(), json.dumps(
         {"2": RankStatus(2, 9, 99, [99], {}).to_json()}), context=key_of(7)))
+    store.append(index_of(key_of(7)), ",7")  # (listed, as a writer posts it)
     links[0].report(2, "status", 0, RankStatus(0, 4, 7, [7], {1: [7]}).to_json())
     links[1].report(2, "status", 2, RankStatus(2, 5, 98, [98], {}).to_json())
     agent.check_rounds()

@@ -7,10 +7,16 @@ import json
 
 import pytest
 
+from deadpool import reports
 from deadpool.protocol import Keys, RankStatus, RankTimings, Source
 from deadpool.protocol_wire import fetch_plan
 from deadpool.recovery import detect, fallbacks, plan, timeline
 from tests.deadpool.recovery.helpers import coordinator
+
+
+def post(coord, key: str, text: str) -> None:
+    """A report as its writer sends it (``reports.post``: the coordinator reads posted ones)."""
+    reports.post(coord.store, coord.seal, key, text)
 
 
 def beat(coord, slot: int, n: int, progress: int = 0, step: int = 5, phase: str = "forward"):
@@ -25,7 +31,7 @@ def test_an_exited_process_is_failed_by_exit_and_a_crash_report_makes_it_an_exce
     coord.launcher.exited[2] = -9
     failed, _ = detect.failures(coord)
     assert failed == {2: "exit"}
-    coord.store.set(Keys.crash(2), "RuntimeError: boom")
+    post(coord, Keys.crash(2), "RuntimeError: boom")
     failed, _ = detect.failures(coord)
     assert failed == {2: "exception"}
 
@@ -35,7 +41,7 @@ def test_a_reported_collective_error_with_no_culprit_aborts_without_naming_anyon
     coord = coordinator(tmp_path, logs=logs)
     for s in range(5):
         beat(coord, s, 1)
-    coord.store.set(Keys(0).error(1), "connection closed by peer")
+    post(coord, Keys(0).error(1), "connection closed by peer")
     coord.store.add(Keys(0).num_errors, 1)
     assert detect.failures(coord)[0] == {}
     assert any("rank 1 reports: connection closed" in line for line in logs)
@@ -61,7 +67,7 @@ def test_statuses_are_collected_and_a_silent_stopped_rank_is_declared_failed(tmp
     coord = coordinator(tmp_path, ["ft.status_timeout_s=5"])
     keys = Keys(0)
     for r in (0, 2):
-        coord.store.set(keys.status(r), RankStatus(r, r, 7, [6, 7], {}).to_json())
+        post(coord, keys.status(r), RankStatus(r, r, 7, [6, 7], {}).to_json())
     coord.launcher.stopped.add(3)
     for s in range(5):
         beat(coord, s, 1)
@@ -74,15 +80,15 @@ def test_statuses_are_collected_and_a_silent_stopped_rank_is_declared_failed(tmp
 
 def test_a_corrupt_copy_reported_by_a_receiver_is_never_chosen_again(tmp_path):
     coord = coordinator(tmp_path)
-    coord.store.set(Keys(0).bad_source(1), json.dumps({"holder": 2, "owner": 1, "step": 9}))
+    post(coord, Keys(0).bad_source(1), json.dumps({"holder": 2, "owner": 1, "step": 9}))
     found = detect.collect_bad_sources(coord, Keys(0))
     assert found == [{"holder": 2, "owner": 1, "step": 9}] and coord.bad == {(2, 1, 9)}
 
 
 def test_the_dead_ranks_injected_fault_dates_the_failure_once(tmp_path):
     coord = coordinator(tmp_path)
-    coord.store.set(Keys.fault(1), json.dumps({"t": 100.0, "kind": "kill"}))
-    coord.store.set(Keys.fault(3), json.dumps({"t": 101.0, "kind": "stop"}))
+    post(coord, Keys.fault(1), json.dumps({"t": 100.0, "kind": "kill"}))
+    post(coord, Keys.fault(3), json.dumps({"t": 101.0, "kind": "stop"}))
     assert list(detect.collect_faults(coord, {1})) == [1]  # the dead rank's own, first
     # rank 1's is attributed now; a survivor's newer fault explains the next recovery, once
     assert list(detect.collect_faults(coord, {1})) == [3]
@@ -177,11 +183,11 @@ def test_the_record_is_completed_from_every_ranks_timings(tmp_path):
     for r in range(4):
         t = RankTimings(plan_seen=10.6, rebuilt=11.0 + r / 10, transferred=11.5, rolled_back=11.6,
                         ready=11.7, bytes_received=100 if r == 1 else 0)
-        coord.store.set(keys.timing(r), t.to_json())
+        post(coord, keys.timing(r), t.to_json())
     timeline.finish_pending(coord)
     assert coord.pending is rec  # first steps not reported yet
     for r in range(4):
-        coord.store.set(keys.first_step(r), repr(12.0 + r / 100))
+        post(coord, keys.first_step(r), repr(12.0 + r / 100))
     timeline.finish_pending(coord)
     assert coord.pending is None and coord.recoveries == [rec]
     assert rec.outcome == "hot-swapped" and rec.bytes_transferred == 100
@@ -217,8 +223,8 @@ def test_keys_of_finished_generations_are_deleted_and_the_key_count_stays_flat(t
         rec.update(t_plan=10.5, spare_slot=4)
         coord.pending, coord.members.generation = rec, g
         for r in range(4):
-            store.set(Keys(g).timing(r), RankTimings(10.6, 11.0, 11.5, 11.6, 11.7).to_json())
-            store.set(Keys(g).first_step(r), "12.0")
+            post(coord, Keys(g).timing(r), RankTimings(10.6, 11.0, 11.5, 11.6, 11.7).to_json())
+            post(coord, Keys(g).first_step(r), "12.0")
         timeline.finish_pending(coord)
         assert coord.pending is None
         while coord._garbage:
@@ -248,8 +254,8 @@ def test_each_recovery_goes_out_as_a_delta_against_the_plan_every_reader_holds(t
             beat(coord, s, g + 1)
         for r, slot in coord.members.ranks.items():  # survivors: live at step 8, each holding
             if r != dead:                             # its ring predecessor's replica
-                coord.store.set(Keys(g).status(r), RankStatus(r, slot, 8, [7, 8],
-                                                              {(r - 1) % 4: [7, 8]}).to_json())
+                post(coord, Keys(g).status(r), RankStatus(r, slot, 8, [7, 8],
+                                                  {(r - 1) % 4: [7, 8]}).to_json())
         coord.launcher.exited[coord.members.ranks[dead]] = -9
         coord.recover({dead: "exit"}, 10.0 + g)
         text = coord.store.get(Keys.plan(g + 1)).decode()

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from deadpool import reports
 from deadpool.protocol import Keys, RankStatus
 from deadpool.recovery import detect
 from tests.deadpool.recovery.helpers import coordinator
@@ -18,6 +19,10 @@ HOUR_S = 3600.0
 
 def beat(coord, slot: int, n: int):
     coord.store.set(Keys.heartbeat(slot), f"{n} 0 5 forward")
+
+
+def report_status(coord, keys: Keys, r: int) -> None:
+    reports.post(coord.store, coord.seal, keys.status(r), RankStatus(r, r, 7, [6, 7], {}).to_json())
 
 
 @pytest.fixture
@@ -48,13 +53,13 @@ def test_a_clock_step_forward_does_not_declare_answering_ranks_failed(tmp_path, 
     for s in range(5):
         beat(coord, s, 1)
     for r in (0, 2):
-        coord.store.set(keys.status(r), RankStatus(r, r, 7, [6, 7], {}).to_json())
+        report_status(coord, keys, r)
 
     def late():
         time.sleep(0.3)
         for r in (1, 3):
             beat(coord, r, 2)
-            coord.store.set(keys.status(r), RankStatus(r, r, 7, [6, 7], {}).to_json())
+            report_status(coord, keys, r)
     answer = threading.Thread(target=late)
     ntp_step(HOUR_S)
     answer.start()

@@ -32,8 +32,9 @@ from collections import deque
 # waiting for other ranks: a stall here is caused elsewhere
 PEER_WAIT = frozenset({"allreduce", "rebuild", "transfer", "snapshot_backpressure", "barrier",
                        "collective"})
-# nothing to do: never a stall
-IDLE = frozenset({"idle", "wait_plan", "wait_done", "checkpoint", "start"})
+# nothing to do: never a stall ("checkpoint", a write to disk, is watched: a writer hung on the
+# file system must be found, not waited for)
+IDLE = frozenset({"idle", "wait_plan", "wait_done", "start"})
 
 
 class Progress:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from deadpool import checkpoint
 from deadpool.policies import max_replicas
 from deadpool.protocol import Keys, Plan, Source
 from deadpool.reports import Reports
@@ -98,7 +99,7 @@ def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
     data-parallel replicas renumbered and warm spares filling what is left. When the decision
     already reads every rank from a complete disk checkpoint (a failure inside a reshape left no
     copy in memory: ``fallbacks.from_disk``), nothing is written and ``generation`` trains."""
-    from deadpool.recovery.fallbacks import write_state  # (fallbacks imports this module)
+    from deadpool.recovery.fallbacks import from_disk, write_state  # (fallbacks imports us)
 
     old = coord.dims
     on_disk = {s.dir for s in decision.sources.values() if s.kind == "disk"}
@@ -110,6 +111,14 @@ def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
         p = write_state(coord, generation, "checkpoint", decision, f"regroup at dp={dp}")
         step_dir = str(Path(coord.ft["checkpoint_dir"]) / f"step_{p.resume_step}")
         train_gen, checkpoint_s = generation + 1, time.monotonic() - t0
+    if not on_disk and not checkpoint.is_complete(step_dir):  # never plan from an incomplete step
+        coord.log(f"[coordinator] {step_dir} is not a complete checkpoint; falling back to the "
+                  "newest complete one")
+        decision.reason = f"{decision.reason}; {step_dir} incomplete"
+        decision.resume_step = None
+        if from_disk(coord, decision, rec) is None:
+            return
+        (step_dir,) = {s.dir for s in decision.sources.values()}
     layout = layout_at(coord.configured, dp)
     coord.reshape(layout)
     assignments, idle = renumber(old, coord.dims, coord.members.ranks, keep_dp)

@@ -112,8 +112,18 @@ def stop(coord, generation: int, rec: RecoveryRecord, reason: str) -> None:
 
 def checkpoint_and_stop(coord, generation: int, decision, rec: RecoveryRecord, reason: str,
                         t_detect: float) -> None:
-    """Persist the consistent state from memory (the processes left write it), then stop."""
-    p = write_state(coord, generation, "checkpoint_and_stop", decision, reason)
+    """Persist the consistent state from memory (the processes left write it), then stop. A
+    writer lost meanwhile leaves the step incomplete: the job stops saying so, never that it was
+    written, and names the newest complete checkpoint there is."""
+    try:
+        p = write_state(coord, generation, "checkpoint_and_stop", decision, reason)
+    except WriterLost as e:
+        from deadpool.recovery.preempt import resume_hint  # (preempt imports this module)
+
+        coord.launcher.fence(sorted(getattr(e, "lost", {e.rank: e.slot}).values()))
+        stop(coord, coord.gen + 1, rec, f"{reason}: {e}; the state of step "
+                                        f"{decision.resume_step} was not written; {resume_hint(coord)}")
+        return
     rec.update(outcome="checkpoint_and_stop", plan_s=p.t_written - t_detect)
     coord.recoveries.append(rec)
     coord.outcome = "checkpoint_and_stop"
@@ -130,8 +140,11 @@ def write_state(coord, generation: int, action: str, decision, reason: str,
     """Plan ``generation`` = ``action`` (``checkpoint_and_stop``: the processes exit after;
     ``checkpoint``: they wait for the next plan): every process with a rank writes the state of
     the resume step from memory (its own, or a replica it holds). Returns once every rank's
-    sealed report is in and the step's meta.json makes the checkpoint complete, or after
-    ``timeout_s`` (the checkpoint then lacks a rank: ``checkpoint.is_complete`` says so)."""
+    sealed report is in and the step's meta.json makes the checkpoint complete. Raises
+    ``WriterLost`` (``lost``: every writer rank -> slot lost) as soon as a writer that has not
+    reported exited, stopped beating (SIGSTOP, a lost node) or hangs in its write (the progress
+    watchdog: ``checkpoint`` is a watched phase), and for every writer missing after
+    ``timeout_s``: meta.json is then never written, so the step never reads as complete."""
     p = Plan(generation, action, dict(coord.members.ranks), decision.resume_step,
              decision.sources, reason=reason, layout=coord.layout)
     coord.write_plan(p)
@@ -140,8 +153,19 @@ def write_state(coord, generation: int, action: str, decision, reason: str,
     done = reports.Reports(coord.store, coord.seal, keys.checkpointed, p.assignments,
                            on_forged=lambda r: coord.log(f"[coordinator] checkpoint report of rank "
                                                          f"{r} without the job's secret: ignored"))
-
+    for slot in p.assignments.values():
+        coord.live.reset_progress(slot)  # the write's progress clock starts now
     by_slot = {s: r for r, s in p.assignments.items()}
+
+    def lost(slots, why: str) -> WriterLost:
+        gone = {by_slot[s]: s for s in slots}
+        r = min(gone)
+        e = WriterLost(r, gone[r], f"rank(s) {sorted(gone)} (slot(s) {sorted(gone.values())}) "
+                                   f"{why} while writing the state of step {p.resume_step} to "
+                                   f"disk ({reason}); the newest complete checkpoint under "
+                                   f"{coord.ft['checkpoint_dir']} is the way back")
+        e.lost = gone
+        return e
 
     def written() -> bool:
         # the counter is only a hint (anyone can bump it): each rank's sealed report counts
@@ -149,17 +173,23 @@ def write_state(coord, generation: int, action: str, decision, reason: str,
             done.poll()
             if done.complete:
                 return True
-        for slot in coord.suspects():  # a writer lost: its part never comes
-            r = by_slot.get(slot)
-            if r is not None and r not in done.got and coord.launcher.poll(slot) not in (None, 0):
-                raise WriterLost(r, slot, f"rank {r} (slot {slot}) died while writing the state "
-                                 f"of step {p.resume_step} to disk ({reason}); the newest "
-                                 f"complete checkpoint under {coord.ft['checkpoint_dir']} is "
-                                 "the way back")
+        waiting = [s for s in coord.suspects() if by_slot.get(s) is not None
+                   and by_slot[s] not in done.got]
+        gone = [s for s in waiting if coord.launcher.poll(s) not in (None, 0) or coord.lost(s)]
+        hung = [s for s in coord.live.hung(list(p.assignments.values()))[0]
+                if s in by_slot and by_slot[s] not in done.got]
+        if gone or hung:  # its part never comes
+            done.poll()  # (one that reported meanwhile is not lost)
+            missing = [s for s in set(gone) | set(hung) if by_slot[s] not in done.got]
+            if missing:
+                raise lost(missing, "died, stopped or hung")
         return False
-    # (under node agents reading their records too: a writer's exit shows there)
-    wait_until(written, every_s=0.01, timeout_s=timeout_s,
-               between=coord.tick if coord.events is None else coord.read_heartbeats)
+    # every beat read, so that a stopped writer's silence shows (under node agents, the records)
+    if not wait_until(written, every_s=0.01, timeout_s=timeout_s,
+                      between=lambda: coord.read_heartbeats()):
+        done.poll()
+        raise lost([s for s, r in by_slot.items() if r not in done.got],
+                   f"did not finish within {timeout_s:.0f} s")
     dims = coord.dims
     checkpoint.write_meta(coord.ft["checkpoint_dir"], p.resume_step, dims.world_size, p.reason,
                           layout=dims.layout)
@@ -237,9 +267,11 @@ def _regroup_in_place(coord, generation: int, decision, rec: RecoveryRecord, dea
             elastic.reshape(coord, generation, decision, rec, dp, keep, t_detect)
         except WriterLost as e:
             coord.log(f"[coordinator] {e}: planning the regroup again without it")
-            coord.members.ranks.pop(e.rank, None)
-            coord.launcher.fence([e.slot])
-            dead = dead | {e.rank}
+            gone = getattr(e, "lost", {e.rank: e.slot})
+            for r in gone:
+                coord.members.ranks.pop(r, None)
+            coord.launcher.fence(sorted(gone.values()))
+            dead = dead | set(gone)
             decision = plan.decide(coord, {r: st for r, st in statuses.items() if r not in dead})
             # the lost writer's copy may be older (its buddy's replica of an earlier step): the
             # record names the step and sources the job really resumes from

@@ -255,3 +255,27 @@ def test_a_writer_killed_while_the_shrink_writes_its_checkpoint_is_planned_aroun
     _same_processes(run, [0, 2], 0, rec["generation"])
     assert _first_step(run, rec["generation"]) == rec["resume_step"] in (5, 6), rec
     _equals_narrower_from(tmp_path, run, rec["resume_step"], 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["stop", "hang"])
+def test_a_writer_stopped_or_hung_while_the_shrink_writes_is_planned_around(tmp_path, kind):
+    # as above, but rank 3 does not die: it is SIGSTOPped (heartbeat silent, process still there)
+    # or its training thread hangs in its part of the write (heartbeat alive: only the progress
+    # watchdog sees it, so the checkpoint phase must be watched). Either way it must count as a
+    # lost writer within its bound (old code: only an exited writer did; the coordinator waited
+    # 300 s, then wrote meta.json for the incomplete step and planned from it), be fenced, and the
+    # job go on at dp2 from what the survivors hold
+    events = ("faults.events=[{rank: 1, step: 6, phase: mid_step, kind: kill},"
+              f"{{rank: 3, step: 1, phase: checkpoint, kind: {kind}}}]")
+    run, s = _train(tmp_path, "elastic", ["ft=elastic", events, "ft.progress_timeout_s=8"])
+    (rec,) = s["recoveries"]
+    assert rec["outcome"] == "shrunk to dp=2" and rec["failed_rank"] == [1, 3], rec
+    assert rec["dropped_dp"] == [1, 3] and rec["elastic"] == "in_place"
+    assert rec["checkpoint_s"] < 60, rec  # found within its bound, not after 300 s
+    assert sorted(_final(run)) == ["rank0.pt", "rank1.pt"]
+    _same_processes(run, [0, 2], 0, rec["generation"])
+    assert _first_step(run, rec["generation"]) == rec["resume_step"] in (5, 6), rec
+    if kind == "stop":
+        _equals_narrower_from(tmp_path, run, rec["resume_step"], 2)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from deadpool import auth, checkpoint, lr_schedule, netif, precision
+from deadpool import run_dir as run_dirs
 from deadpool.comm import resolve_backend
 from deadpool.agent.presence import PresenceServer
 from deadpool.coordinator import Coordinator
@@ -189,9 +190,12 @@ def validate_layout(cfg: dict) -> None:
 
 def run_job(cfg: dict, log=print, stop: Stopper | None = None) -> dict:
     """``stop``: a ``stop.Stopper`` whose signals stop the job (``train.run`` installs one); an
-    agent's stop request (``deadpool.stop``) is honoured without one too."""
+    agent's stop request (``deadpool.stop``) is honoured without one too. A run directory
+    holding another run's outputs is refused, started afresh or continued (``run_dir.check``)."""
+    cfg, earlier = run_dirs.check(cfg, log)
     cfg = resolve_resume(cfg, log)
     validate(cfg)
+    run_dirs.clear(earlier)  # (only once the config is known to be good)
     p = cfg["parallel"]
     dims = ParallelDims.from_config(p)
     for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique"),

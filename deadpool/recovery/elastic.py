@@ -140,25 +140,53 @@ def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
 class Regrow:
     """An in-place regrow under way: the processes the full width lacks are started (they join
     as warm spares, exactly like a job's first processes), training goes on meanwhile, and
-    ``ready`` turns true once every one of them announced itself warm."""
+    ``ready`` turns true once every one of them announced itself warm. A joiner that dies while
+    it warms up is replaced by a new process (``MAX_STARTS`` starts per missing process); when
+    those run out, the joiners still warming up are fenced (none is left behind) and ``ready``
+    raises: the job stays at its width."""
+
+    MAX_STARTS = 3
 
     def __init__(self, coord):
         self.coord = coord
         full = ParallelDims.from_config(coord.configured["parallel"])
         need = full.world_size - coord.dims.world_size - len(coord.members.spares)
         self.slots = coord.launcher.add_slots(need, coord.gen + 1) if need > 0 else []
-        self.joined = Reports(coord.store, coord.seal, Keys.spare_ready, list(self.slots),
-                              on_forged=lambda s: coord.log(
-                                  f"[coordinator] slot {s}: join announcement without the job's "
-                                  "secret refused"))
+        self.starts_left = max(0, need) * (self.MAX_STARTS - 1)
+        self._watch()
         if self.slots:
             coord.log(f"[coordinator] regrow: started {len(self.slots)} process(es) in slot(s) "
                       f"{self.slots}; training goes on while they warm up")
 
+    def _watch(self) -> None:
+        coord = self.coord
+        self.joined = Reports(coord.store, coord.seal, Keys.spare_ready, list(self.slots),
+                              on_forged=lambda s: coord.log(
+                                  f"[coordinator] slot {s}: join announcement without the job's "
+                                  "secret refused"))
+
     def ready(self) -> bool:
         self.joined.poll()
-        for slot in self.joined.missing:
-            if self.coord.launcher.poll(slot) is not None:
-                raise RuntimeError(f"a process started to regrow the job (slot {slot}) exited "
-                                   "during start-up:\n" + self.coord.launcher.log_tail(slot))
+        dead = [s for s in self.joined.missing if self.coord.launcher.poll(s) is not None]
+        if dead:
+            self._replace(dead)
+            return False
         return self.joined.complete
+
+    def _replace(self, dead: list[int]) -> None:
+        coord = self.coord
+        tails = "\n".join(coord.launcher.log_tail(s) for s in dead)
+        self.slots = [s for s in self.slots if s not in dead]
+        if len(dead) > self.starts_left:
+            warming = [s for s in self.slots if s not in self.joined.got]
+            if warming:
+                coord.launcher.fence(warming)
+            raise RuntimeError(f"process(es) started to regrow the job (slot(s) {dead}) exited "
+                               f"during start-up, {self.MAX_STARTS} starts each used up; the "
+                               f"others warming up ({warming}) were fenced:\n{tails}")
+        self.starts_left -= len(dead)
+        new = coord.launcher.add_slots(len(dead), coord.gen + 1)
+        coord.log(f"[coordinator] regrow: slot(s) {dead} exited during start-up; started "
+                  f"slot(s) {new} in their place")
+        self.slots += new
+        self._watch()

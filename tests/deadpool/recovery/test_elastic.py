@@ -49,3 +49,74 @@ def test_a_regrow_fills_the_new_ranks_from_spares_in_order():
     assert out == {0: 0, 1: 7, 2: 3, 3: 9} and left == [11]
     with pytest.raises(RuntimeError, match="2 rank"):  # not enough processes
         fill(ParallelDims(5), assignments, [])
+
+
+class _JoinLauncher:
+    """Starts "processes" in new slots (``add_slots``); ``exited`` marks one dead in start-up."""
+
+    def __init__(self):
+        self.next, self.started, self.exited, self.fenced = 8, [], {}, []
+
+    def add_slots(self, n, generation):
+        new = list(range(self.next, self.next + n))
+        self.next += n
+        self.started.append(new)
+        return new
+
+    def poll(self, slot):
+        return self.exited.get(slot)
+
+    def fence(self, slots):
+        self.fenced += list(slots)
+
+    def log_tail(self, slot, lines=20):
+        return f"(slot {slot}'s log)"
+
+
+def _narrow_coordinator(tmp_path, dp):
+    from deadpool.recovery.elastic import Regrow  # noqa: F401
+    from tests.deadpool.recovery.helpers import coordinator
+
+    coord = coordinator(tmp_path, ["ft.num_spares=0"])
+    coord.reshape(layout_at(coord.configured, dp))
+    coord.members.ranks = {r: r for r in range(dp)}
+    coord.launcher = _JoinLauncher()
+    return coord
+
+
+def _join(coord, slot):
+    from deadpool.protocol import Keys
+
+    key = Keys.spare_ready(slot)
+    coord.store.set(key, coord.seal.wrap(key, "1"))
+
+
+def test_a_joiner_dying_in_warm_up_is_replaced_and_the_regrow_goes_on(tmp_path):
+    """Old code: ``ready`` raised, the regrow was given up for good (never retried) and the other
+    joiner it had started was left running (issue 36, items 11 and 14)."""
+    from deadpool.recovery.elastic import Regrow
+
+    coord = _narrow_coordinator(tmp_path, 2)  # dp2 of a dp4 job: two joiners
+    grow = Regrow(coord)
+    assert grow.slots == [8, 9] and not grow.ready()
+    _join(coord, 9)
+    coord.launcher.exited[8] = 1  # dies while it imports torch
+    assert not grow.ready()       # replaced, not given up
+    assert coord.launcher.started == [[8, 9], [10]] and sorted(grow.slots) == [9, 10]
+    assert not grow.ready()
+    _join(coord, 10)
+    assert grow.ready() and coord.launcher.fenced == []
+
+
+def test_joiners_that_keep_dying_end_the_regrow_without_leaving_the_others_running(tmp_path):
+    from deadpool.recovery.elastic import Regrow
+
+    coord = _narrow_coordinator(tmp_path, 2)
+    grow = Regrow(coord)
+    dead = 8
+    with pytest.raises(RuntimeError, match="exited during start-up"):
+        for _ in range(6):  # (more than the starts a joiner gets)
+            coord.launcher.exited[dead] = 1
+            grow.ready()
+            dead = coord.launcher.started[-1][0]
+    assert coord.launcher.fenced == [9]  # the joiner still warming up: not left behind

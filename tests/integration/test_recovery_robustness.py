@@ -22,10 +22,12 @@ from deadpool.launcher import job_processes
 from deadpool.report import compare_final_states
 from tests.conftest import compose_train
 
-# Pure data parallelism with whole-state replicas (no ZeRO): every rank's state is also held by
-# its data-parallel peers and by its buddy, the setting these recovery mechanics are tested in.
-# With ZeRO-1 a shard has one replica only; tests/integration/test_3d.py covers that layout.
-BASE = ["model=tiny", "parallel=dp4", "parallel.zero=false", "ft.replicate=full", "num_steps=20",
+# dp4 with ZeRO-1 (the default) and replicas of the unique region only: every rank's optimizer
+# shard is its own, so a state sent to the wrong rank ends unequal to the failure-free run (with
+# ZeRO off and whole-state replicas all four states were identical and a wrong route passed).
+# Two replicas per rank (r+1, r+2 on this one node): a second failure during a recovery may take
+# the first holder of the shard being restored.
+BASE = ["model=tiny", "parallel=dp4", "ft.replicas=2", "num_steps=20",
         "ft.replication_chunk_mb=0.5", "log_every_steps=0", "ft.progress_timeout_s=3",
         "ft.status_timeout_s=4"]  # progress 3 s: 30x a step here
 quiet = lambda *a, **k: None  # noqa: E731
@@ -61,9 +63,9 @@ def ranks_of(rec) -> list[int]:
 @pytest.mark.parametrize("second", [
     "slot:4,step:12,phase:transfer,kind:kill",    # the receiving spare dies mid-transfer
     "rank:0,step:12,phase:transfer,kind:kill",    # the sending holder (rank 1's peer) dies
-    "rank:3,step:12,phase:rebuild,kind:kill",     # a survivor dies inside the group rebuild
+    "rank:3,step:5,phase:rebuild,kind:kill",      # a survivor dies inside the group rebuild
     "rank:2,step:0,phase:status,kind:kill",       # a survivor dies before reporting its state
-    "slot:4,step:12,phase:rollback,kind:stop",    # the new rank hangs (SIGSTOP) after restoring
+    "slot:4,step:0,phase:rollback,kind:stop",     # the new rank hangs (SIGSTOP) after restoring
 ], ids=["spare-in-transfer", "holder-in-transfer", "survivor-in-rebuild", "survivor-in-status",
         "spare-stopped"])
 def test_a_failure_during_a_recovery_is_recovered_too(reference, tmp_path, second):
@@ -82,11 +84,26 @@ def test_a_failure_during_a_recovery_is_recovered_too(reference, tmp_path, secon
 
 
 @pytest.mark.slow
-def test_a_kill_at_step_zero_before_any_replica_is_restored_from_a_data_parallel_peer(reference, tmp_path):
+def test_every_rank_holds_distinct_state(reference):
+    """What makes a wrong route fail: no two ranks' final states are equal (ZeRO-1 shards)."""
+    import torch
+
+    states = [torch.load(reference / "final" / f"rank{r}.pt") for r in range(4)]
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert any(not torch.equal(states[a][k], states[b][k]) for k in states[a]), (a, b)
+
+
+@pytest.mark.slow
+def test_a_kill_at_step_zero_takes_its_parameters_from_a_data_parallel_peer(reference, tmp_path):
     s = run_and_compare(tmp_path, reference, [
         "ft.num_spares=1", events("rank:1,step:0,phase:step_start,kind:kill")])
     (rec,) = s["recoveries"]
-    assert rec["resume_step"] == 0 and rec["sources"]["1"].startswith("peer")
+    # its shard from a replica of step 0 when one was made, else drawn from the seed
+    assert rec["resume_step"] == 0 and (
+        rec["sources"]["1"] == "init from rank 1" or
+        re.fullmatch(r"replica from rank [23] \+ parameters from rank [023]",
+                     rec["sources"]["1"])), rec["sources"]
 
 
 @pytest.mark.slow
@@ -120,18 +137,21 @@ def test_a_rank_hung_inside_a_collective_is_found_by_its_silence_and_swapped(ref
 
 @pytest.mark.slow
 def test_a_corrupted_replica_is_detected_and_another_source_used(reference, tmp_path):
-    # replicas only; rank 2 (rank 1's buddy) has its newest replica of rank 1 corrupted just
-    # before it reports. The spare must detect it and resume from another source: the older
-    # replica if the survivors still hold that step, else the newest disk checkpoint
+    # replicas only; rank 2 (rank 1's first buddy) has its newest replica of rank 1 corrupted
+    # just before it reports. The spare must detect it and resume from another source: the
+    # second buddy's copy, the older replica if the survivors still hold that step, else the
+    # newest disk checkpoint
     s = run_and_compare(tmp_path, reference, [
         "ft.num_spares=1", "ft.state_sources=[replica]", "ft.persist_interval_steps=2",
         events("rank:1,step:13,phase:step_start,kind:kill", "rank:2,step:0,phase:status,kind:corrupt")])
     bad = [b for rec in s["recoveries"] for b in rec.get("bad_sources", [])]
     assert len(bad) == 1 and bad[0]["holder"] == 2 and bad[0]["owner"] == 1
     first, last = s["recoveries"][0], s["recoveries"][-1]
-    assert first["sources"]["1"] == "replica from rank 2"
-    assert last["sources"]["1"] in ("replica from rank 2", "disk from rank 1")
-    if last["sources"]["1"].startswith("replica"):  # then an older one than the corrupt copy
+    assert first["sources"]["1"].startswith("replica from rank 2 + parameters from rank ")
+    # the second buddy's copy, an older one of the first buddy's, or the disk
+    assert last["sources"]["1"].startswith(("replica from rank 3", "replica from rank 2",
+                                            "disk from rank 1")), last["sources"]
+    if last["sources"]["1"].startswith("replica from rank 2"):  # older than the corrupt copy
         assert last["resume_step"] < bad[0]["step"]
 
 

@@ -5,14 +5,16 @@
 Fits, on the InfiniteHBD trace's days 0-174 only (``sim.infinitehbd``), every part of the
 generator that ``sim.predict_trace`` samples from, and tests each against the data:
 
-- **rate**: fault starts per 1,000 server-days over the 400 servers;
+- **rate**: fault starts per 1,000 server-days over the 400 servers (and per 1,000 days *up*:
+  a server that is down cannot start a fault, so the generator's rate is per up-time);
 - **over-dispersion across servers**: per-server counts (the 241 servers that never failed
   included) against a Poisson (one rate for all) and a negative binomial (a gamma-distributed
   rate per server: shape ``nb_shape``, mean the fleet rate), by likelihood ratio and by the
   zero count; the negative binomial's posterior gives each of the same 400 servers its rate;
 - **bursts**: faults that start at the same instant on several servers (one event touching a
   batch of servers): the batch-size distribution (empirical) and the dispersion index of daily
-  counts (variance / mean; 1 for a Poisson stream);
+  counts (variance / mean; 1 for a Poisson stream). Bursts also cluster within days, so the
+  generator resamples whole days' patterns (``day_patterns``), not single bursts;
 - **time between failures** of a server (start to start): exponential vs Weibull by maximum
   likelihood (AIC, a likelihood-ratio test) and a Kolmogorov-Smirnov test of each;
 - **repair time** (``fault_end - fault_start``, clipped at the trace's 1e-4-day resolution):
@@ -61,6 +63,8 @@ class Fit:
     cause_counts: dict[str, int]
     trend_per_day: float = 0.0  # log-linear intensity exp(a + b t): b (Cox-Lewis maximum likelihood)
     repairs_d: tuple[float, ...] = ()  # the observed repair times: the sampler draws from these (the shape exactly)
+    exposure_d: tuple[float, ...] = ()  # each server's up time in the window (a down server cannot start a fault)
+    day_patterns: tuple[tuple[tuple[float, int], ...], ...] = ()  # each day with faults: (offset in the day, burst size)
 
     @property
     def bursts_per_day(self) -> float:
@@ -73,13 +77,31 @@ class Fit:
         if not math.isfinite(a):
             return np.full(len(n), self.rate_per_server_day)
         b = a / self.rate_per_server_day  # prior Gamma(a, rate b): mean a / b = the fleet rate
-        shape, rate = a + n, b + self.horizon_d
+        exposure = np.asarray(self.exposure_d) if len(self.exposure_d) else np.full(len(n), self.horizon_d)
+        shape, rate = a + n, b + exposure
         return rng.gamma(shape, 1.0 / rate) if rng is not None else shape / rate
 
 
 def batches(episodes: list[Episode]) -> list[int]:
     """Servers per burst: faults starting at the same instant form one burst."""
     return list(collections.Counter(ep.start_d for ep in episodes).values())
+
+
+def up_time(episodes: list[Episode], population: int, horizon_d: float) -> np.ndarray:
+    """Each server's time up in [0, horizon): the exposure of its fault rate."""
+    up = np.full(population, float(horizon_d))
+    for ep in episodes:
+        up[ep.server] -= max(0.0, min(ep.end_d, horizon_d) - ep.start_d)
+    return np.maximum(up, RESOLUTION_D)
+
+
+def day_patterns(episodes: list[Episode]) -> list[tuple[tuple[float, int], ...]]:
+    """Each day with faults as its bursts: (time within the day, servers); resampling whole days
+    keeps the clustering of bursts within a day (the daily counts' dispersion)."""
+    by: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for ep in episodes:
+        by[int(ep.start_d)][ep.start_d - int(ep.start_d)] += 1
+    return [tuple(sorted(c.items())) for _, c in sorted(by.items())]
 
 
 def per_server_counts(episodes: list[Episode], population: int) -> np.ndarray:
@@ -155,7 +177,8 @@ def fit(episodes: list[Episode], horizon_d: float = infinitehbd.HORIZON_DAYS,
     """The generator and the report (parameters and test statistics, JSON-ready)."""
     counts = per_server_counts(episodes, population)
     n = int(counts.sum())
-    rate = n / (population * horizon_d)
+    exposure = up_time(episodes, population, horizon_d)
+    rate = n / float(exposure.sum())  # per server-day up
     a, ll_nb, ll_pois = fit_nb_shape(counts, horizon_d)
     lr = 2.0 * (ll_nb - ll_pois)
     gaps = within_server_gaps(episodes)
@@ -173,14 +196,16 @@ def fit(episodes: list[Episode], horizon_d: float = infinitehbd.HORIZON_DAYS,
     causes = collections.Counter(ep.cause for ep in episodes)
     p0 = a / (a + counts.mean())
     model = Fit(horizon_d=horizon_d, population=population, rate_per_server_day=rate, nb_shape=a,
-                counts=tuple(int(c) for c in counts), batch_sizes=tuple(sorted(sizes)), repair_shape=float(rk),
+                counts=tuple(int(c) for c in counts), batch_sizes=tuple(sorted(sizes)),
+                exposure_d=tuple(float(x) for x in exposure), day_patterns=tuple(day_patterns(episodes)), repair_shape=float(rk),
                 repair_scale_d=float(rl), cause_counts=dict(causes.most_common()),
                 trend_per_day=loglinear_trend(np.array(sorted(set(starts.tolist()))), horizon_d),
                 repairs_d=tuple(float(x) for x in rep))
     report = {
         "fitted_on": f"InfiniteHBD trace, days 0-{horizon_d:g} ({population} servers; sim/data/infinitehbd)",
         "fault_starts": n, "servers_with_faults": int((counts > 0).sum()), "censored_repairs": sum(ep.censored for ep in episodes),
-        "rate_per_1000_server_days": 1000.0 * rate,
+        "rate_per_1000_server_days": 1000.0 * n / (population * horizon_d),
+        "rate_per_1000_server_days_up": 1000.0 * rate,
         "per_server_counts": {
             "mean": float(counts.mean()), "variance": float(counts.var(ddof=1)),
             "zeros_observed": int((counts == 0).sum()),

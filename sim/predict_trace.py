@@ -18,9 +18,11 @@ Each replicate draws the uncertainty it can name, then one future:
    uniformly between 1 (no trend) and the log-linear trend continued (``exp(b * 174)``);
 3. each of the same 400 servers gets a rate from its gamma posterior given its own count (a
    server that failed often keeps failing often), scaled by the multiplier;
-4. bursts (faults that start together on several servers) arrive as a Poisson stream; each
-   takes a size from the resampled sizes and picks that many distinct servers with probability
-   proportional to their rates; a server already down cannot start a fault (as in the trace);
+4. days with faults arrive as a Poisson stream; each copies the pattern of a resampled day of
+   the data (its bursts: faults starting together on several servers, at their times within the
+   day), each burst picking that many distinct servers with probability proportional to their
+   rates among the servers that are up (a down server cannot start a fault, as in the trace:
+   rates are per up-time, the number of days scaled by the servers' up fraction in the data);
    a repair time is drawn from the (resampled) observed ones, so its shape is the data's, not a
    fit's (the Weibull fit passes its KS test but puts the median at 1.0 d against 1.3 d); the 3
    faults still open at day 174 end after a Weibull repair drawn given their elapsed time;
@@ -48,30 +50,31 @@ T0, T1 = infinitehbd.HORIZON_DAYS, 2 * infinitehbd.HORIZON_DAYS
 
 
 def resample_fit(model: fit_trace.Fit, episodes: list[Episode], rng: np.random.Generator) -> fit_trace.Fit:
-    """Step 1: the parameters of one bootstrap replicate."""
-    counts = np.asarray(model.counts)
-    boot = counts[rng.integers(0, len(counts), len(counts))]
-    a, _, _ = fit_trace.fit_nb_shape(boot, model.horizon_d)
+    """Step 1: the parameters of one bootstrap replicate (servers, days' patterns, repairs)."""
+    import dataclasses
+
+    counts, expo = np.asarray(model.counts), np.asarray(model.exposure_d)
+    idx = rng.integers(0, len(counts), len(counts))
+    a, _, _ = fit_trace.fit_nb_shape(counts[idx], model.horizon_d)
     rep = fit_trace.repair_times(episodes)
     rep = rep[rng.integers(0, len(rep), len(rep))]
     k, _, lam = stats.weibull_min.fit(rep, floc=0)
-    sizes = np.asarray(model.batch_sizes)
-    sizes = sizes[rng.integers(0, len(sizes), len(sizes))]
-    rate = max(boot.mean(), 1e-9) / model.horizon_d
-    return fit_trace.Fit(horizon_d=model.horizon_d, population=model.population, rate_per_server_day=rate,
-                         nb_shape=a, counts=model.counts, batch_sizes=tuple(int(x) for x in sizes),
-                         repair_shape=float(k), repair_scale_d=float(lam), cause_counts=model.cause_counts,
-                         trend_per_day=model.trend_per_day, repairs_d=tuple(float(x) for x in rep))
+    days = [model.day_patterns[i] for i in rng.integers(0, len(model.day_patterns), len(model.day_patterns))]
+    rate = max(counts[idx].sum(), 1) / float(expo[idx].sum())
+    return dataclasses.replace(model, rate_per_server_day=rate, nb_shape=a, repair_shape=float(k),
+                               repair_scale_d=float(lam), repairs_d=tuple(float(x) for x in rep), day_patterns=tuple(days))
 
 
 def sample_future(model: fit_trace.Fit, episodes: list[Episode], rng: np.random.Generator,
                   multiplier: float = 1.0, t0: float = T0, t1: float = T1) -> list[Episode]:
     """Steps 3-4: the faults of the same servers in [t0, t1) (open ones carried over)."""
     rates = model.server_rates(rng) * multiplier
-    sizes = np.asarray(model.batch_sizes, dtype=float)
-    mean_size = float(sizes.mean())
-    n_bursts = rng.poisson(rates.sum() * (t1 - t0) / mean_size)
-    times = np.sort(rng.uniform(t0, t1, n_bursts))
+    per_day = np.array([sum(n for _, n in d) for d in model.day_patterns], dtype=float)
+    up_frac = np.asarray(model.exposure_d) / model.horizon_d  # as in the data: a down server starts nothing
+    n_days = rng.poisson((rates * up_frac).sum() * (t1 - t0) / per_day.mean())
+    starts = rng.uniform(t0, t1, n_days)
+    bursts = sorted((d0 + off, n) for d0, i in zip(starts, rng.integers(0, len(per_day), n_days))
+                    for off, n in model.day_patterns[i] if d0 + off < t1)
     causes = list(model.cause_counts)
     w = np.array([model.cause_counts[c] for c in causes], dtype=float)
     k, lam = model.repair_shape, model.repair_scale_d
@@ -84,14 +87,14 @@ def sample_future(model: fit_trace.Fit, episodes: list[Episode], rng: np.random.
             rest = lam * ((e / lam) ** k - math.log(rng.random())) ** (1.0 / k)
             up_at[ep.server] = ep.start_d + rest
             out.append(Episode(ep.server, t0, ep.start_d + rest, "carried", ep.fault_class, ep.desc, False))
-    p = rates / rates.sum()
-    for t in times:
-        size = int(min(sizes[rng.integers(0, len(sizes))], model.population))
-        servers = rng.choice(model.population, size=size, replace=False, p=p)
+    for t, size in bursts:
+        up = up_at <= t  # a burst's size counts servers that were up (a down server starts no fault)
+        if not up.any():
+            continue
+        p = rates * up
+        servers = rng.choice(model.population, size=min(size, int(up.sum())), replace=False, p=p / p.sum())
         cause = causes[rng.choice(len(causes), p=w / w.sum())]
         for s in servers:
-            if up_at[s] > t:
-                continue  # down already: the trace records no second start
             d = float(repairs[rng.integers(0, len(repairs))]) if len(repairs) else lam * rng.weibull(k)
             up_at[s] = t + d
             out.append(Episode(int(s), float(t), float(t + d), "sampled", cause, cause, False))
@@ -150,7 +153,7 @@ def predict(replicates: int = 200, seed: int = 2024, job_nodes: int = 368, spare
         "made": datetime.date.today().isoformat(),
         "made_from": "days 0-174 of the InfiniteHBD trace only (sim/data/infinitehbd); written before any comparison with days 174-348",
         "method": "python -m sim.predict_trace: see its docstring (bootstrap over servers, bursts and repairs; trend multiplier "
-                  f"uniform in [1, {growth:.3f}]; per-server gamma posterior rates; bursts; resampled observed repairs)",
+                  f"uniform in [1, {growth:.3f}]; per-server gamma posterior rates per up-time; resampled days of bursts; resampled observed repairs)",
         "replicates": replicates, "seed": seed, "interval": "90 % (5th-95th percentile over replicates)",
         "servers": infinitehbd.POPULATION, "window_days": [T0, T1],
         **{k: interval(v) for k, v in metrics.items()},

@@ -11,7 +11,8 @@ import pytest
 import sim.config
 
 FIGS = sim.config.REPO_ROOT / "paper_figures"
-NEW = ("fig09_overhead", "fig10_recovery_projection", "fig11_pareto", "fig12_timeline", "fig13_ranking")
+NEW = ("fig09_overhead", "fig10_recovery_projection", "fig11_pareto", "fig12_timeline", "fig13_ranking",
+       "fig14_trace_replay", "fig15_trace_fit")
 
 
 def _env():  # the shipped results, whatever the caller's environment points at

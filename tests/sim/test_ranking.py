@@ -31,6 +31,27 @@ def test_scaled_parameters_multiply_their_defaults():
     assert ov == ["a.x=20", "a.y=6", "b=0.5"]
 
 
+def test_categorical_assumptions_take_each_choice_equally_often():
+    """Buddy placement is sampled as a choice: the hypercube's strata split evenly between the
+    choices, and the override names the choice (not its index)."""
+    spec = [{"keys": ["calibration.buddy_placement"], "choices": ["adjacent", "cross_rack"]}, {"low": 0.0, "high": 1.0}]
+    v = ranking.draw(spec, 16, seed=0)
+    assert sorted(v[:, 0]) == [0.0] * 8 + [1.0] * 8
+    assert ranking.overrides_for(spec[:1], np.array([1.0]), {}) == ["calibration.buddy_placement=cross_rack"]
+
+
+def test_the_study_samples_what_can_flip_the_ranking_against_the_strongest_baselines():
+    import yaml
+
+    spec = yaml.safe_load((HERE / "ranking.yaml").read_text())
+    by = {k: p for p in spec["parameters"] for k in p["keys"]}
+    assert by["calibration.snapshot_overhead_frac"]["low"] <= 0.0043 and by["calibration.snapshot_overhead_frac"]["high"] >= 0.03
+    assert set(by["calibration.buddy_placement"]["choices"]) == {"adjacent", "cross_rack"}
+    base = " ".join(spec["base"])
+    for s in ("injob_restart", "trainmover", "elastic_spares", "checkpoint_restart", "inmem_restart"):
+        assert s in base
+
+
 @pytest.mark.parametrize("k, n", [(0, 10), (10, 10), (3, 10)])
 def test_wilson_interval_holds_p(k, n):
     lo, hi = ranking.wilson(k, n)

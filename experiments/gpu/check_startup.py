@@ -44,7 +44,8 @@ def overrides(args) -> list[str]:
     return [f"model={args.model}", f"device={args.device}", "parallel.dp=1",
             f"ft.num_spares={args.spares}", "precision=bf16", f"batch_size={args.batch_size}",
             f"seq_len={args.seq_len}", f"num_steps={args.steps}", "log_every_steps=1",
-            *args.overrides]
+            # one GPU holds the rank and its spare: NCCL then needs the shared-GPU mode
+            *(["launcher.share_gpu=true"] if args.device == "cuda" else []), *args.overrides]
 
 
 def main() -> None:

@@ -103,6 +103,7 @@ def plain_arm(args, cfg: dict, arm: str, result: Path) -> None:
     bf16 = arm == "plain"
     with torch.device(dev):  # the default init, drawn on the device: values do not matter here
         model = GPT(model_config(cfg))
+    model = model.to(dev)  # the rotary tables are built on the host whatever the default device
     if bf16:
         model = model.to(torch.bfloat16)
     compiled = bf16 and (args.plain_compile == "on" or (args.plain_compile == "auto" and dev == "cuda"))

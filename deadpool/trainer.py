@@ -174,6 +174,7 @@ class Trainer:
                                                              nice=int(ft["snapshot_nice"]))
             self.engine.persist_world = dims.world_size
             self.engine.persister.layout = dims.layout
+            self.engine.persister.unique_state(self.shared_names(), ft.get("keep_checkpoints", 2))
             if self.snapshots_on:
                 self.engine.persist_every = self.persist_every  # written from snapshots
         self.coords = coords

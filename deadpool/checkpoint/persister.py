@@ -15,8 +15,10 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from deadpool.checkpoint.files import (WRITTEN_AT, CheckpointWriteError, _header_text,
-                                       _tmp_rank_dir, _write_error, install_rank, layout_tag,
-                                       rank_dir, write_meta)
+                                       _tmp_rank_dir, _write_error, install_rank, is_complete,
+                                       layout_tag, rank_dir, write_meta)
+from deadpool.checkpoint.retention import prune
+from deadpool.checkpoint.unique import state_bytes, unique_part
 from deadpool.threads import lower_thread_priority
 
 
@@ -80,6 +82,10 @@ class AsyncPersister:
     rename into ``rank_<r>``, then ``meta.json``. A failed write never raises on the training
     thread by itself: it is kept and raised as ``CheckpointWriteError`` from the next ``submit`` or
     ``wait``. ``rank`` may be (re)assigned before a submit (e.g. once a generation gives it).
+
+    ``unique_state(shared_names, keep)``: write only the state no data-parallel peer writes
+    (``checkpoint.unique``: the tensors named ``shared_names`` once per group, by its dp rank 0)
+    and keep the newest ``keep`` complete steps (``checkpoint.retention``).
     """
 
     def __init__(self, root, rank: int | None = None, *, reason: str = "periodic", nice: int = 0):
@@ -91,10 +97,18 @@ class AsyncPersister:
         self.last_step_written: int | None = None
         self.skipped = 0                      # submits refused because a write was in flight
         self.last_write_s: float | None = None  # seconds the last successful write took
+        self.last_bytes: int | None = None      # tensor bytes the last submit wrote
+        self.shared_names: frozenset[str] = frozenset()
+        self.keep: int | None = None
         self._job: _Job | None = None
         self._error: CheckpointWriteError | None = None
         self._stager = _NoCopyStager()
         self._closed = False
+
+    def unique_state(self, shared_names, keep: int | None) -> None:
+        """Write unique state only, and keep the newest ``keep`` complete steps (class doc)."""
+        self.shared_names = frozenset(shared_names)
+        self.keep = None if keep is None else int(keep)
 
     @property
     def in_flight(self) -> bool:
@@ -118,7 +132,9 @@ class AsyncPersister:
                 return False
             self._harvest()
         self._raise_pending()
-        rank, root, reason, layout = self.rank, self.root, self.reason, self.layout
+        rank, root, reason, layout, keep = self.rank, self.root, self.reason, self.layout, self.keep
+        state, header = unique_part(state, header, self.shared_names, layout, rank)
+        self.last_bytes = state_bytes(state)
         tag = layout_tag(world_size, layout)  # (one layout per step directory: files.py)
         # on the caller's thread: a caller bug, not an I/O failure
         text = _header_text(dict(header, **{WRITTEN_AT: tag}))
@@ -129,6 +145,8 @@ class AsyncPersister:
         def on_finish() -> None:  # on the upload thread, after the DCP files are on disk
             if install_rank(tmp, final, text, tag):
                 write_meta(root, step, world_size, reason, layout=layout)
+                if keep and is_complete(final.parent):
+                    prune(root, keep, protect=step)
             self.last_write_s = time.perf_counter() - t0
             self.last_step_written = step
 

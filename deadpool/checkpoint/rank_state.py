@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from deadpool.checkpoint.dcp_io import load_rank_state, read_rank_state, save_rank_state
-from deadpool.checkpoint.files import (latest_step_dir, rank_complete, read_header, read_meta,
-                                       write_meta)
+from deadpool.checkpoint.files import (is_complete, latest_step_dir, rank_complete, read_header,
+                                       read_meta, write_meta)
+from deadpool.checkpoint.retention import prune
+from deadpool.checkpoint.unique import unique_part
 from deadpool.snapshot.layout import StateLayout, decode_header
 from deadpool.snapshot.transfer import outgoing
 from deadpool.topology import ParallelDims
@@ -42,9 +44,14 @@ def save_live(trainer, root, step: int, dims: ParallelDims, asynchronous: bool, 
     ``dcp.async_save`` on an upload thread while training goes on; the previous write must be
     done first, since its buffer is reused. Otherwise ``dcp.save`` on this thread. ``wait``:
     block until the write is on disk (to measure it)."""
-    if not asynchronous:
-        save_rank_state(root, step, trainer.rank, trainer.state_dict(), trainer.header(), **_at(dims))
+    if not asynchronous:  # unique state only, as the persister writes it (checkpoint.unique)
+        state, header = unique_part(trainer.state_dict(), trainer.header(), trainer.shared_names(),
+                                    dims.layout, trainer.rank)
+        save_rank_state(root, step, trainer.rank, state, header, **_at(dims))
         write_meta(root, step, dims.world_size, "periodic", layout=dims.layout)
+        keep = trainer.cfg["ft"].get("keep_checkpoints")
+        if keep and is_complete(Path(root) / f"step_{step}"):
+            prune(root, keep, protect=step)
         return
     persister, layout = trainer.engine.persister, trainer.engine.layout
     persister.wait()  # raises CheckpointWriteError for a failed previous write

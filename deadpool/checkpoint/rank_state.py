@@ -9,8 +9,8 @@ The runtime writes a rank's state to disk in four situations, and reads it back 
     write_for_stop     no spare left: the consistent state of the resume step, every rank's,
                        from memory (own state, a peer's, or a replica held)
     write_held         the coordinator is gone: every protected snapshot and replica held
-    load               a rank's state from a step directory, written at this data-parallel
-                       width or another (an elastic job: ZeRO-1 state re-cut)
+    load               a rank's state from a step directory, written at this layout or another
+                       (an elastic job: ZeRO-1 state re-cut; another tp or pp: ``relayout``)
 
 ``trainer`` is the rank's ``deadpool.trainer.Trainer`` (its engine, optimizer and header).
 """
@@ -24,6 +24,7 @@ import torch
 from deadpool.checkpoint.dcp_io import load_rank_state, read_rank_state, save_rank_state
 from deadpool.checkpoint.files import (is_complete, latest_step_dir, rank_complete, read_header,
                                        read_meta, write_meta)
+from deadpool.checkpoint.relayout import load_relayout
 from deadpool.checkpoint.retention import prune
 from deadpool.checkpoint.unique import unique_part
 from deadpool.snapshot.layout import StateLayout, decode_header
@@ -130,6 +131,9 @@ def load(trainer, dims: ParallelDims, step_dir, rank: int) -> None:
     from a data-parallel peer's directory of the same step (``shared_from`` in its header)."""
     step_dir = latest_step_dir(step_dir)
     layout = read_meta(step_dir).get("layout")
+    if layout is not None and (int(layout["tp"]), int(layout["pp"])) != (dims.tp, dims.pp):
+        load_relayout(trainer, dims, step_dir, rank, layout)  # tp or pp changed (and dp, maybe)
+        return
     if layout is not None and int(layout["dp"]) != dims.dp:
         _load_resharded(trainer, dims, step_dir, rank, layout)
         return
@@ -156,9 +160,6 @@ def _load_resharded(trainer, dims: ParallelDims, step_dir: Path, rank: int, layo
     from deadpool.parallel.data.zero import reshard_state
 
     c = dims.coords(rank)
-    if (int(layout["tp"]), int(layout["pp"])) != (dims.tp, dims.pp):
-        raise ValueError(f"{step_dir} was written at tp={layout['tp']}, pp={layout['pp']}; "
-                         f"only the data-parallel width may change (tp={dims.tp}, pp={dims.pp})")
     old = ParallelDims(int(layout["dp"]), dims.tp, dims.pp, dims.tp)
     states, header = [], None
     for d in range(old.dp):

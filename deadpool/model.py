@@ -64,6 +64,7 @@ class ModelConfig:
     ffn_multiple_of: int = 32  # SwiGLU hidden size is rounded up to a multiple of this (LLaMA: 256)
     n_kv_heads: int | None = None  # key/value heads (grouped-query attention); None: n_heads
     rope_theta: float = 10000.0    # rotary base: frequencies rope_theta ** (-2i / head_dim)
+    norm_eps: float = 1e-6         # RMSNorm epsilon (LLaMA 1: 1e-6; Llama 2 and 3: 1e-5)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -96,7 +97,7 @@ class ModelConfig:
         return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
 
-_FLOAT_FIELDS = {"rope_theta"}
+_FLOAT_FIELDS = {"rope_theta", "norm_eps"}
 
 
 def _field_value(key: str, value):
@@ -264,9 +265,9 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, activation_checkpointing: str = "none"):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg, recompute_activation=activation_checkpointing == "selective")
 
     def forward(self, x, cos, sin):
@@ -282,7 +283,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, activation_checkpointing)
                                     for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)

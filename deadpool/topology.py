@@ -14,13 +14,22 @@ from dataclasses import dataclass
 from deadpool.policies import buddies_table, wards_table
 
 
+def zero_stage(value) -> int:
+    """``parallel.zero`` as a stage: false / 0 off, true / 1 ZeRO-1, 2 ZeRO-2; anything else is
+    refused (a truthy typo must not silently mean ZeRO-1)."""
+    if value in (0, 1, 2) and not isinstance(value, float):  # True == 1, False == 0
+        return int(value)
+    raise ValueError(f"parallel.zero must be false/0 (off), true/1 (ZeRO-1: optimizer state "
+                     f"sharded) or 2 (ZeRO-2: gradients sharded too), got {value!r}")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp: int
     tp: int = 1
     pp: int = 1
     ranks_per_node: int = 1
-    zero: bool = True  # ZeRO-1: the optimizer state is sharded over the data-parallel group
+    zero: int = 1  # ZeRO stage: 0 off, 1 the optimizer state sharded over dp, 2 the gradients too
     nodes_per_rack: int = 1  # nodes behind one rack switch (a failure domain of its own)
 
     @classmethod
@@ -29,10 +38,11 @@ class ParallelDims:
         ``ranks_per_node`` (a what-if estimate) a node holds one tensor-parallel group."""
         tp = int(parallel.get("tp", 1))
         return cls(int(parallel["dp"]), tp, int(parallel.get("pp", 1)),
-                   int(parallel.get("ranks_per_node", tp)), bool(parallel.get("zero", True)),
+                   int(parallel.get("ranks_per_node", tp)), zero_stage(parallel.get("zero", True)),
                    int(parallel.get("nodes_per_rack", 1)))
 
     def __post_init__(self):
+        zero_stage(self.zero)
         for axis in ("dp", "tp", "pp", "ranks_per_node", "nodes_per_rack"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis} must be >= 1, got {getattr(self, axis)}")
@@ -55,7 +65,7 @@ class ParallelDims:
     @property
     def optimizer_sharded(self) -> bool:
         """Each rank holds an optimizer shard no data-parallel peer has (ZeRO-1 with dp > 1)."""
-        return self.zero and self.dp > 1
+        return self.zero >= 1 and self.dp > 1
 
     def replica_region(self, replicate: str) -> str:
         """What a buddy holds of each rank's state in this layout (``replica_region``): the

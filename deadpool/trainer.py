@@ -147,7 +147,8 @@ class Trainer:
                                  first_bucket_bytes=int(float(par.get("first_bucket_mb", 1)) * 2**20),
                                  decays=lambda p: p.ndim >= 2,
                                  grad_reduce_dtype=precision.grad_reduce_dtype(cfg),
-                                 overlap_param_gather=bool(par.get("overlap_param_gather", False)))
+                                 overlap_param_gather=bool(par.get("overlap_param_gather", False)),
+                                 shard_grads=dims.zero >= 2)  # ZeRO-2 (grad_shard.py)
         self.opt.hook_forward(self.stage)  # waits for each parameter bucket before first use
         # the global gradient norm counts a tensor-parallel-replicated parameter on tp rank 0 only
         once = {id(p) for n, p in self.stage.named_parameters()

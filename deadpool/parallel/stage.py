@@ -44,7 +44,7 @@ class StageModel(nn.Module):
         self.blocks = nn.ModuleDict({str(i): ParallelBlock(cfg, tp, activation_checkpointing)
                                      for i in self.layers})
         if self.is_last:
-            self.norm = RMSNorm(cfg.d_model)
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp)
             self.vocab_start = tp_rank * (cfg.vocab_size // tp)
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)

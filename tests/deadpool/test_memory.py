@@ -16,7 +16,7 @@ from tests.deadpool.helpers import run_threads
 # published sizes: LLaMA (Touvron et al. 2023a, Table 2: 6.7B, 13.0B, 32.5B, 65.2B), Llama 2
 # 70B (Touvron et al. 2023b: "70B"), Llama 3 8B (Meta's model card: "8B")
 SIZES = {"llama_7b": 6.7e9, "llama_13b": 13.0e9, "llama_30b": 32.5e9, "llama_65b": 65.2e9,
-         "llama2_70b": 70e9, "llama3_8b": 8e9}
+         "llama2_70b": 70e9, "llama3_8b": 8e9, "llama3_70b": 70.6e9}
 
 
 def layout_cfg(model, layout, tmp_path, gpu_gb=None, **over):

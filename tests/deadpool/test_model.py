@@ -176,3 +176,38 @@ def test_the_threaded_init_draws_the_bits_of_a_serial_one(monkeypatch):
         assert torch.equal(p, serial[n]), n
     # each parameter its own draw: a wrong pairing of generator and tensor would show here
     assert not torch.equal(serial["blocks.0.attn.qkv.weight"][:8], serial["blocks.1.attn.qkv.weight"][:8])
+
+
+def test_norm_eps_comes_from_the_model_config_everywhere():
+    """``model.norm_eps`` reaches every RMSNorm of the model and of a pipeline/tensor-parallel
+    stage, and the export's ``rms_norm_eps``; Llama 2/3 configs say 1e-5, the default (LLaMA 1,
+    every existing config's bits) stays 1e-6."""
+    import yaml
+    from pathlib import Path
+
+    from deadpool.export.llama import hf_config
+    from deadpool.model import RMSNorm
+    from deadpool.parallel.stage import build_stage
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "model"
+    for name, want in (("llama3_8b", 1e-5), ("llama3_70b", 1e-5), ("llama2_70b", 1e-5),
+                       ("llama_7b", 1e-6), ("tiny", 1e-6)):
+        m = yaml.safe_load((conf / f"{name}.yaml").read_text())
+        assert model_config(m).norm_eps == want, name
+        assert hf_config(m, torch.bfloat16)["rms_norm_eps"] == want, name
+    cfg = dict(GQA, norm_eps=1e-5)
+    for module in (build_model(cfg, 0), build_stage(cfg, 0, pp_rank=1, pp=2, tp_rank=0, tp=2)):
+        norms = [m for m in module.modules() if isinstance(m, RMSNorm)]
+        assert norms and all(n.eps == 1e-5 for n in norms)
+    x, y = tokens()
+    assert not torch.equal(build_model(cfg, 0)(x, y), build_model(GQA, 0)(x, y))
+
+
+def test_llama3_70b_has_its_published_shape():
+    import yaml
+    from pathlib import Path
+
+    m = model_config(yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "model"
+                                     / "llama3_70b.yaml").read_text()))
+    assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.ffn_hidden, m.vocab_size,
+            m.rope_theta) == (80, 8192, 64, 8, 28672, 128256, 500000.0)

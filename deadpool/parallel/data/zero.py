@@ -1,4 +1,4 @@
-"""ZeRO-1: AdamW state sharded across the data-parallel group.
+"""ZeRO-1 (and ZeRO-2): AdamW state sharded across the data-parallel group.
 
 Layout. All parameters of the rank (its pipeline stage's tensor-parallel shard) live in one flat
 fp32 buffer ``flat_params``, zero-padded to a multiple of ``dp_size`` so it splits into
@@ -72,40 +72,7 @@ done or its peers are known to be gone.
 The communicator is an argument of every call: recovery replaces it, and nothing here keeps a
 process group.
 
-Overlapped parameter all-gather (``overlap_param_gather``, off by default). As in Megatron's
-distributed optimizer, ``step`` of step s posts the gather and returns, and the forward of step
-s + 1 waits for each piece just before its first use (forward pre-hooks, ``hook_forward``), so
-the gather overlaps the tail of step s and the head of the next forward:
-  - pieces: the gradient buckets, in buffer order (the forward's: the embedding first). Buckets
-    lie inside one owner's shard, so each piece is one ``broadcast`` from its owner, in place
-    (a gloo broadcast's wait polls like the all-gather's; ``test_zero.py``). Cutting pieces
-    across every shard as Megatron does would change the shard layout the snapshots and
-    ``reshard_state`` rely on, and turn the per-bucket ``reduce`` into a reduce-scatter,
-    unpollable on gloo. The values are copies either way: bitwise the non-overlapped result.
-  - waits: a module holding parameters waits, in posting order, for every pending bucket that
-    starts below the end of its own parameters. Once a step's buckets are waited (the first
-    micro-batch of a pipeline stage) the hooks find nothing pending: later micro-batches,
-    activation recomputation and evaluation do not wait. Every wait is ``comm.wait``, so a
-    dead peer aborts the forward (``Aborted`` out of the hook) instead of hanging it.
-  - readers other than the forward (snapshot, checkpoint, evaluation, the end of training, the
-    next ``step``) must first call ``wait_param_gather`` (the trainer's ``settle_params``).
-    A snapshot step therefore waits at its end as without overlap: on snapshot steps only the
-    post is overlapped, which ``experiments/bench_overhead.py`` measures (arms ``off_ov``,
-    ``on_ov``).
-  - fault tolerance: step s is done once the master shards are updated, but the live state is
-    torn (other owners' buckets in flight) until the last bucket has arrived, so
-    ``param_gather_pending`` keeps ``Trainer.dirty`` true until then (stream-ordered, until a
-    host sync has seen the waits complete: an op cut by an abort completes with junk). An abort
-    in that window rolls the rank back to a snapshot or a peer instead of resuming from its
-    live state; the state is never resumed torn. The ``param_gather`` fault phase still fires
-    between the update and the posts. Left to build: report the clean regions (own shard,
-    master, moments) after such an abort and re-gather the parameters from their owners
-    instead of rolling back; on NCCL the window lasts until the next step's host sync.
-Measured before it was built (``param_gather_s``, gloo on 2 CPU cores, default workload, steps
-40-79): the gather took 3.6 ms of a 77 ms step at dp=2 (4.7 %), 9.5 ms of 154 ms at dp=4, and
-2.8 / 6.8 ms alone after a barrier: the rest is the ranks' skew, which overlap only moves to the
-next wait, and gloo moves the bytes on CPU threads that compete with the forward for the same
-cores. With overlap on, ``param_gather_s`` is the host time a step spends posting and waiting.
+Overlapped parameter all-gather (``overlap_param_gather``, off by default): ``param_gather.py``.
 """
 
 from __future__ import annotations
@@ -116,6 +83,8 @@ import torch
 import torch.distributed as dist
 
 from deadpool.parallel.data.buckets import GradBuckets, bucket_edges
+from deadpool.parallel.data.grad_shard import ShardedGrads
+from deadpool.parallel.data.param_gather import ParamGather
 from deadpool.parallel.data.reshard import reshard_state  # noqa: F401 (its home before)
 
 __all__ = ["ZeroOptimizer", "state_nbytes"]
@@ -150,8 +119,11 @@ def state_nbytes(numel: int, dp_size: int, shard: bool, itemsize: int = 4,
     return {"shared": params + optim * padded + _STEP_BYTES, "unique": 0}
 
 
-class ZeroOptimizer:
-    """ZeRO-1 AdamW over one flat parameter buffer (see the module docstring).
+class ZeroOptimizer(ParamGather):
+    """ZeRO-1 AdamW over one flat parameter buffer (see the module docstring); with
+    ``shard_grads`` (``parallel.zero=2``, sharded and dp > 1) ZeRO-2: no full gradient buffer,
+    each micro-batch's gradients reduced per bucket into this rank's shard (``grad_shard.py``;
+    ``flat_grads`` and ``main_grads`` are None, ``grads`` the ``ShardedGrads``).
 
     Attributes: ``numel`` (real parameter elements), ``padded_numel`` (``flat_params.numel()``,
     a multiple of ``dp_size``), ``shard_numel`` (``padded_numel // dp_size``), ``shard_range``
@@ -171,7 +143,8 @@ class ZeroOptimizer:
                  adamw: str = "fused", bucket_bytes: int = 25 << 20,
                  first_bucket_bytes: int = 1 << 20, decays=None,
                  grad_reduce_dtype: torch.dtype = torch.float32,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, shard_grads: bool = False,
+                 max_buckets_in_flight: int = 2):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.params = list({id(p): p for p in params}.values())  # tied weights once
@@ -200,17 +173,20 @@ class ZeroOptimizer:
         self.shard_range = (lo, lo + self.shard_numel)
 
         self.flat_params = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-        self.flat_grads = torch.zeros_like(self.flat_params)
+        # ZeRO-2 keeps no full gradient buffer: autograd's gradients go to ShardedGrads
+        self.grads_sharded = bool(shard_grads) and shard and dp_size > 1
+        self.flat_grads = None if self.grads_sharded else torch.zeros_like(self.flat_params)
         self.offsets, off = [], 0
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
                 self.offsets.append(off)
                 self.flat_params[off:off + n].copy_(p.reshape(-1))
-                if p.grad is not None:
-                    self.flat_grads[off:off + n].copy_(p.grad.reshape(-1))
                 p.data = self.flat_params[off:off + n].view_as(p)
-                p.grad = self.flat_grads[off:off + n].view_as(p)
+                if self.flat_grads is not None:
+                    if p.grad is not None:
+                        self.flat_grads[off:off + n].copy_(p.grad.reshape(-1))
+                    p.grad = self.flat_grads[off:off + n].view_as(p)
                 off += n
 
         # The tensor AdamW updates: the owned shard (views, so updates land in flat_params), or
@@ -222,15 +198,19 @@ class ZeroOptimizer:
         # gradients of the bf16 parameters accumulate (over micro-batches, from autograd hooks)
         # and are reduced in main_grads when grad_reduce_dtype is fp32; otherwise in flat_grads
         self.main_grads = (torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-                           if self.mixed and grad_reduce_dtype == torch.float32 else None)
+                           if self.mixed and grad_reduce_dtype == torch.float32
+                           and not self.grads_sharded else None)
         self._reduce_buf = self.flat_grads if self.main_grads is None else self.main_grads
+        # the dtype the buckets travel in: ZeRO-2 stages each bucket in it
+        reduce_dtype = grad_reduce_dtype if self.mixed else dtype
         if self.mixed:
             self._master = torch.nn.Parameter(self._param_shard.float())
             self._master.grad = (self.main_grads[sl] if self.main_grads is not None
                                  else torch.zeros_like(self._master))
         else:
             self._master = torch.nn.Parameter(self._param_shard)
-            self._master.grad = self.flat_grads[sl]
+            self._master.grad = (self.flat_grads[sl] if self.flat_grads is not None
+                                 else torch.zeros_like(self._master))
         if adamw not in ADAMW_IMPLS:
             raise ValueError(f"adamw must be one of {ADAMW_IMPLS}, got {adamw!r}")
         impl = {"fused": dict(fused=True), "foreach": dict(foreach=True),
@@ -261,9 +241,18 @@ class ZeroOptimizer:
                 p.register_post_accumulate_grad_hook(self._folder(off, p.numel()))
         # gradient buckets, each inside one shard when sharded (reduced to its owner)
         cuts = [r * self.shard_numel for r in range(dp_size)] if shard else []
-        self.buckets = GradBuckets(self.params, self.offsets, self.padded_numel,
-                                   bucket_edges(self.padded_numel, self._reduce_buf.element_size(),
-                                                bucket_bytes, first_bucket_bytes, cuts))
+        edges = bucket_edges(self.padded_numel, reduce_dtype.itemsize, bucket_bytes,
+                             first_bucket_bytes, cuts)
+        if self.grads_sharded:  # ZeRO-2: the reduced shard is AdamW's gradient itself
+            self.grads = ShardedGrads(self.params, self.offsets, shard_numel=self.shard_numel,
+                                      dp_size=dp_size, dp_rank=dp_rank, edges=edges,
+                                      reduce_dtype=reduce_dtype,
+                                      max_in_flight=max_buckets_in_flight)
+            self._master.grad = self.grads.shard
+            self.buckets = self.grads
+        else:
+            self.grads = None
+            self.buckets = GradBuckets(self.params, self.offsets, self.padded_numel, edges)
         # overlapped parameter all-gather (module docstring): the same buckets in buffer order,
         # which is the forward's; posted by step, each waited by the first forward that reads it
         self.overlap_param_gather = bool(overlap_param_gather) and shard and dp_size > 1
@@ -275,7 +264,7 @@ class ZeroOptimizer:
         self._owned = [(lo, hi) for lo, hi in self.buckets.edges
                        if shard and lo // self.shard_numel == dp_rank]
         self._inbox: dict[int, torch.Tensor] = {}
-        self._nothing = self._reduce_buf.new_empty(0)
+        self._nothing = self._master.new_empty(0, dtype=reduce_dtype)
 
     def _folder(self, off: int, n: int):
         def fold(p: torch.Tensor) -> None:
@@ -326,7 +315,11 @@ class ZeroOptimizer:
     # -- a step ----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Zero ``flat_grads`` in place; ``p.grad`` stay views of it (never set them to None,
-        e.g. with ``module.zero_grad()``: autograd would then allocate fresh tensors)."""
+        e.g. with ``module.zero_grad()``: autograd would then allocate fresh tensors). ZeRO-2:
+        forget the step's buckets and zero the gradient shard (``ShardedGrads.reset``)."""
+        if self.grads is not None:
+            self.grads.reset()
+            return
         self.flat_grads.zero_()
         if self.main_grads is not None:
             self.main_grads.zero_()
@@ -337,7 +330,9 @@ class ZeroOptimizer:
         self.zero_grad()
         self.last_gather_s = None
         pg = self._dp_group(comm)
-        if pg is not None:
+        if pg is not None and self.grads is not None:
+            self.grads.arm(comm, pg)  # every micro-batch's buckets, reduced as they land
+        elif pg is not None:
             self.buckets.arm(self._poster(comm, pg), num_microbatches)
 
     def _poster(self, comm, pg):
@@ -387,6 +382,8 @@ class ZeroOptimizer:
         if pg is None:
             if on_posted is not None:
                 on_posted()
+        elif self.grads is not None:  # ZeRO-2: sums into the shard, which is master's grad
+            self.grads.finish(comm, pg, on_posted)
         else:
             waits = []
             self.buckets.finish(self._poster(comm, pg), waits.append)
@@ -398,7 +395,7 @@ class ZeroOptimizer:
                 for lo, hi in self._owned:
                     torch.sum(self._inbox[lo].view(self.dp_size, hi - lo), 0,
                               out=self._reduce_buf[lo:hi])
-        if self.mixed and self.main_grads is None:  # reduced in bf16: AdamW reads fp32
+        if self.mixed and self.main_grads is None and self.grads is None:  # bf16: AdamW reads fp32
             self._master.grad.copy_(self.flat_grads[self._sl])
         if pg is not None or self.grad_div != 1:  # an elastic dp=1 rank computing 2+ batches
             self._master.grad.div_(self.grad_div)
@@ -432,75 +429,6 @@ class ZeroOptimizer:
             else:
                 comm.wait(pg._allgather_base(self.flat_params, self._param_shard))
             self._add_gather_time(t0)
-
-    # -- the overlapped parameter all-gather ---------------------------------------------------
-    def _add_gather_time(self, t0: float) -> None:
-        self.last_gather_s = (self.last_gather_s or 0.0) + time.perf_counter() - t0
-
-    def _post_gathers(self, comm, pg) -> None:
-        """Post one broadcast per bucket from the rank owning it, in buffer (forward) order."""
-        if self._gathers:
-            raise RuntimeError("the previous step's parameter all-gather was never finished")
-        self._gather_comm = comm
-        for lo, hi in self._gather_edges:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = lo // self.shard_numel
-            self._gathers.append((lo, pg.broadcast([self.flat_params[lo:hi]], opts)))
-
-    @property
-    def param_gather_pending(self) -> bool:
-        """Some parameters are not yet known to hold the last step's values: a posted bucket
-        not waited for, or (stream-ordered) waited but not yet confirmed by ``synced``."""
-        return bool(self._gathers) or self._unsynced
-
-    def wait_param_gather(self, upto: int | None = None) -> None:
-        """Wait, in posting order, for the pending buckets starting below flat offset ``upto``
-        (None: all of them), through ``comm.wait`` (abortable: raises ``Aborted`` and leaves the
-        rest pending). A no-op when nothing is pending."""
-        if not self._gathers:
-            return
-        t0 = time.perf_counter()
-        comm = self._gather_comm
-        while self._gathers and (upto is None or self._gathers[0][0] < upto):
-            comm.wait(self._gathers[0][1])
-            self._gathers.pop(0)
-            self._unsynced = comm.stream_ordered
-        if not self._gathers:
-            self._gather_comm = None
-        self._add_gather_time(t0)
-
-    def synced(self) -> None:
-        """Stream-ordered: the caller's ``comm.sync()`` just confirmed every wait queued so far
-        (an op cut by an abort also completes on the device, with junk: only a sync that saw the
-        device finish before the abort makes its output count)."""
-        self._unsynced = False
-
-    def abandon_param_gather(self) -> None:
-        """Forget the pending buckets (the generation was aborted and the live state replaced:
-        their works belong to a parked communicator). See the module docstring on abandoned ops."""
-        self._gathers, self._gather_comm, self._unsynced = [], None, False
-
-    def hook_forward(self, module: torch.nn.Module) -> None:
-        """With ``overlap_param_gather``: register a forward pre-hook on every submodule of
-        ``module`` that holds some of these parameters itself; it waits for the pending buckets
-        up to the last of them (``wait_param_gather``), so the first micro-batch's forward
-        waits for each bucket just before its first use and every later forward (micro-batches,
-        activation recomputation, evaluation) finds nothing pending. Every parameter must be
-        read only inside the forward of the module that holds it (a parent reading a child's
-        weight would see the previous step's values: the bitwise tests catch that)."""
-        if not self.overlap_param_gather:
-            return
-        where = {id(p): off + p.numel() for p, off in zip(self.params, self.offsets)}
-        for m in module.modules():
-            ends = [where[id(p)] for p in m.parameters(recurse=False) if id(p) in where]
-            if ends:
-                m.register_forward_pre_hook(self._pre_hook(max(ends)))
-
-    def _pre_hook(self, end: int):
-        def wait(module, args):
-            if self._gathers:
-                self.wait_param_gather(end)
-        return wait
 
     # -- state -----------------------------------------------------------------------------------
     def state_tensors(self) -> list[tuple[str, torch.Tensor, bool]]:

@@ -192,9 +192,9 @@ class ParallelBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: int, activation_checkpointing: str = "none"):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = ParallelAttention(cfg, tp)
-        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = ParallelSwiGLU(cfg, tp, activation_checkpointing == "selective")
 
     def forward(self, x, cos, sin, comm):

@@ -67,6 +67,7 @@ def test_study_writes_its_summaries(tmp_path):
     assert set(pf.num_gpus) == {16384, 131072} and set(pf.metric) == {"goodput", "fleet_goodput"}
     assert np.allclose(pf.groupby(["num_gpus", "metric"]).p_first.sum(), 1.0)
     s = pd.read_csv(tmp_path / "samples.csv")
-    assert len(s) == 2 * 2 * 6 and s.feasible.all()
+    assert len(s) == 2 * 2 * 9  # samples x scales x strategies (ranking.yaml base)
+    assert s.groupby("strategy").feasible.any().all()  # a strategy may refuse a sample (memory), not all
     assert {"q05", "median", "q95", "p_positive"} <= set(pd.read_csv(tmp_path / "margin.csv").columns)
     assert len(pd.read_csv(tmp_path / "drivers.csv")) > 10

@@ -23,7 +23,7 @@ def compose_sim(overrides=(), hydra_cfg=False):
 
 def test_defaults_compose_and_build():
     cfg = compose_sim()
-    assert list(cfg.strategies) == ["deadpool", "inmem_restart", "checkpoint_restart", "elastic", "elastic_hsdp"]
+    assert list(cfg.strategies) == ["deadpool", "inmem_restart", "checkpoint_restart", "injob_restart", "trainmover", "elastic", "elastic_hsdp", "elastic_spares"]  # the strongest baselines
     assert set(cfg.strategies) <= set(cfg.strategy) and "replication" in cfg.strategy  # runnable, not in the headline
     assert cfg.calibration.name == "gpu_h100"  # GPU projections use a GPU profile
     lay = Layout.from_cfg(OmegaConf.to_container(cfg.cluster))

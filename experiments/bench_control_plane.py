@@ -23,7 +23,8 @@ connections each, speaking the worker's store protocol (no torch, no training):
     every collective_poll_s     a training rank checks g<g>/abort (the abort watcher, comm.py)
     every 10 ms                 a process waiting for a plan checks plan/<g> (every 10th poll
                                 also job/stop); an idle spare also reads job/step every 50 ms
-    after an abort              write its sealed RankStatus, then wait for the next plan
+    after an abort              post its sealed RankStatus (``reports.post``), then wait for
+                                the next plan
     every --snapshot-every-s    a training rank's snapshot agreements (``deadpool.rounds``):
                                 its replicated step (an ``add`` on ``repl_done/<step>``), and
                                 every 16th an interval vote (2 adds, 2 reads)
@@ -40,7 +41,10 @@ Per N it measures, in order:
             ranks' and the coordinator's; a multi_get counts one), and the coordinator's CPU (its
             loop and heartbeat threads, not the store's own thread) as a fraction of one core
     exit    rank 1's process exits (the launcher's poll reports it) -> detected
-            (``exit_detect_s``); plan g+1 written -> read by every live fake process
+            (``exit_detect_s``) -> plan g+1 written (``detect_to_plan_s``: the abort, every
+            survivor's status, the crash, error, bad-copy and fault reports, planning, the plan;
+            ``recovery_store_ops``: the coordinator's store requests meanwhile, O(nodes +
+            failures) with posted reports) -> read by every live fake process
             (``plan_everywhere_s``)
     node    every rank of one node goes silent, no exit seen (as under srun) -> detected
             (``node_detect_s``: bounded below by ``ft.heartbeat_hard_timeout_s``, 10 s, unless
@@ -58,7 +62,9 @@ rank dead, and both recoveries were planned and read everywhere in time; the siz
 first one that does not survive are not run.
 
 Writes ``DIR/table.csv`` (``ranks, protocol, store_ops_per_s_per_rank, exit_detect_s,
-node_detect_s, plan_everywhere_s, coordinator_cpu_frac, dilation, survived``) and
+node_detect_s, plan_everywhere_s, coordinator_cpu_frac, detect_to_plan_s, recovery_store_ops,
+dilation, survived``; ``detect_to_plan_s`` is divided by D, as the statuses come at the
+fake processes' dilated pace) and
 ``DIR/runs.json``. Not modelled in either protocol: the progress line, group rendezvous and
 transfers.
 """
@@ -78,7 +84,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deadpool import auth  # noqa: E402
+from deadpool import auth, reports  # noqa: E402
 from deadpool.agent.events import EventLog  # noqa: E402
 from deadpool.coordinator import Coordinator  # noqa: E402
 from deadpool.launcher import AgentLauncher  # noqa: E402
@@ -90,7 +96,8 @@ from deadpool.train import compose_config  # noqa: E402
 from deadpool.watchdog import NodeLiveness  # noqa: E402
 
 COLUMNS = ["ranks", "protocol", "store_ops_per_s_per_rank", "exit_detect_s", "node_detect_s",
-           "plan_everywhere_s", "coordinator_cpu_frac", "dilation", "survived"]
+           "plan_everywhere_s", "coordinator_cpu_frac", "detect_to_plan_s", "recovery_store_ops",
+           "dilation", "survived"]
 STEP = 10  # the step every fake rank is at
 VOTE_EVERY = 16  # snapshots between snapshot-interval votes (snapshot.schedule's default every)
 MAX_GEN = 3
@@ -160,8 +167,8 @@ class FakeRanks:
             if self.store.check([keys.abort]):
                 r = st["rank"]
                 status = RankStatus(r, slot, STEP, [STEP], {self.ward[r]: [STEP]})
-                self.store.set(keys.status(r), self.seal.wrap(keys.status(r), status.to_json()))
-                self._op()
+                reports.post(self.store, self.seal, keys.status(r), status.to_json())
+                self._op(2)
                 st["wait"] = st["gen"] + 1
                 return self.periods["plan"]
             return self.periods["poll"]
@@ -374,7 +381,7 @@ class FakeNodes:
                 if r is not None and agent.ranks_gen[s] == g:
                     status = RankStatus(r, s, STEP, [STEP], {self.ward.get(r, r): [STEP]})
                     write_report(agent.board, agent.node_dir, agent.index[s], g, "status", r,
-                                 status.to_json())
+                                 status.to_json(), seal=self.seal)
                     agent.ranks_gen[s] = None
             agent.check_reports()  # (the agent's rounds thread: within a few ms)
             return
@@ -483,16 +490,18 @@ def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags
 
 # -- the coordinator's side ------------------------------------------------------------------------
 class Counted:
-    """The coordinator's store, counting requests (a multi_get or a multi-key check is one)."""
+    """The coordinator's store, counting requests (a multi_get or a multi-key check is one),
+    in all and by method."""
 
     def __init__(self, store):
-        self._store, self.requests = store, 0
+        self._store, self.requests, self.by_method = store, 0, {}
 
     def __getattr__(self, name):
         fn = getattr(self._store, name)
 
         def call(*a, **k):
             self.requests += 1
+            self.by_method[name] = self.by_method.get(name, 0) + 1
             return fn(*a, **k)
         return call
 
@@ -547,20 +556,34 @@ class BenchAgents(AgentLauncher):
 
 
 class BenchCoordinator(Coordinator):
-    """The real coordinator, noting when it detected each failure and wrote each plan."""
+    """The real coordinator, noting when it detected each failure and wrote each plan, and per
+    recovery how long from its detection to its plan written (``time.monotonic()``) and how
+    many store requests the coordinator made meanwhile (abort, fences, status, report and fault
+    collection, the plan)."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.detected: list[tuple[dict, float]] = []
         self.plans: dict[int, float] = {}
+        self.to_plan: dict[int, tuple[float, int]] = {}  # generation -> (seconds, requests)
+        self.to_plan_by_method: dict[int, dict[str, int]] = {}
+        self._found: tuple[float, int, dict] | None = None
 
     def recover(self, failed, t_detect):
         self.detected.append((dict(failed), t_detect))
+        self._found = (time.monotonic(), self.store.requests,  # (failures() just returned)
+                       dict(self.store.by_method))
         super().recover(failed, t_detect)
 
     def write_plan(self, p):
         super().write_plan(p)
         self.plans[p.generation] = p.t_written
+        if self._found is not None:
+            t, n, by = self._found
+            self.to_plan[p.generation] = (time.monotonic() - t, self.store.requests - n)
+            self.to_plan_by_method[p.generation] = {
+                k: v - by.get(k, 0) for k, v in self.store.by_method.items() if v > by.get(k, 0)}
+            self._found = None
 
 
 def thread_cpu(thread) -> float:
@@ -581,9 +604,9 @@ def config(n: int, rpn: int, dilation: float, run_dir: Path) -> dict:
 
 
 def wait_for(cond, timeout_s: float) -> bool:
-    deadline = time.time() + timeout_s
+    deadline = time.monotonic() + timeout_s
     while not cond():
-        if time.time() > deadline:
+        if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
     return True
@@ -681,6 +704,7 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         out["store_ops_per_s_per_rank"] = rate / n
         out["coordinator_cpu_frac"] = (cpu1 - cpu0) / (t_b - t_a)
         out["coordinator_requests_per_s"] = (req1 - req0) / (t_b - t_a)
+        out["fake_ops_per_s_per_rank"] = (ops1 - ops0) / (t_b - t_a) * D / n
         if coord.detected:
             bad = coord.detected[0][0]
             out["failed"] = (f"{len(bad)} healthy rank(s) declared failed in steady state, e.g. "
@@ -706,6 +730,11 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         out["exit_detect_s"] = coord.detected[0][1] - t_exit
         out["exit_detected_by"] = coord.detected[0][0]
         out["plan_everywhere_s"] = (last_read(1) - coord.plans[1]) / D
+        # detection -> plan: the abort, the survivors' statuses (through their agents: period
+        # driven, so divided by D like the plan reads), reports, faults, planning, the plan
+        out["detect_to_plan_measured_s"], out["recovery_store_ops"] = coord.to_plan[1]
+        out["detect_to_plan_s"] = coord.to_plan[1][0] / D
+        out["recovery_store_ops_by_method"] = coord.to_plan_by_method[1]
         out["plan_bytes"] = len(store.get(Keys.plan(1) if protocol == "new" else Keys.plan_full(1)))
         time.sleep(1.0 * D)
         # a node goes silent (no exit seen)
@@ -722,6 +751,8 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         out["node_detect_s"] = (coord.detected[1][1] - t_node) / D
         out["node_detected_by"] = coord.detected[1][0]
         out["plan_everywhere_node_s"] = (last_read(2) - coord.plans[2]) / D
+        out["detect_to_plan_node_s"] = coord.to_plan[2][0] / D
+        out["recovery_store_ops_node"] = coord.to_plan[2][1]
         out["survived"] = "failed" not in out
         return out
     finally:

@@ -5,8 +5,9 @@ largest total: the first holds the embedding and the most micro-batches in fligh
 the LM head and the logits), what training keeps resident, and per node what DeadPool's snapshot
 engine adds in host memory. ``check_fits(cfg)`` refuses a job that cannot fit before any process
 starts (``deadpool.job.validate`` calls it). ``python -m deadpool.memory`` prints the table of
-the LLaMA-shaped models on A100 nodes that README.md shows; ``--measured`` the table that checks
-the counts against the runtime's own objects (``measure``).
+the LLaMA-shaped models on A100 nodes that README.md shows; ``--measured`` the tables that check
+the counts against the runtime's own objects; ``--json <job overrides>`` one job's worst rank
+(``memory_tables.py``).
 
 What is counted, and why (all sizes in GiB = 2**30 bytes; ``gpu_gb`` means GiB too):
 
@@ -17,6 +18,7 @@ What is counted, and why (all sizes in GiB = 2**30 bytes; ``gpu_gb`` means GiB t
   ``deadpool.parallel.data.zero`` (``state_bytes``).
 * Gradients: one per parameter, unsharded (ZeRO-1 shards only the optimizer); under bf16 with
   ``grad_reduce_dtype=fp32`` (the default) also the fp32 accumulation buffer they are reduced in.
+  ZeRO-2 (``parallel.zero=2``): the fp32 gradient shard and the buckets in flight (``state_bytes``).
 * Optimizer: AdamW ``exp_avg`` + ``exp_avg_sq`` (+ the fp32 master copy under bf16), divided
   by dp when ``zero`` and dp > 1.
 * Activations: what autograd keeps for backward, per micro-batch of ``T = micro_bs x seq``
@@ -155,27 +157,38 @@ def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: in
 
 
 def state_bytes(numel: int, dp: int, sharded: bool, precision: str = "fp32",
-                grad_reduce_dtype: str = "fp32", grad_inbox: bool = False) -> dict:
+                grad_reduce_dtype: str = "fp32", grad_inbox: bool = False, zero: int = 1,
+                bucket_bytes: int = 25 << 20, buckets_in_flight: int = 2) -> dict:
     """``{"params", "grads", "optimizer"}`` bytes of a rank holding ``numel`` parameters, as
     ``ZeroOptimizer`` allocates them: flat buffers padded to a multiple of dp, the AdamW state
     (and the fp32 master copy under bf16) of its shard when ``sharded``, plus the step counter;
     with ``grad_inbox`` (gloo, sharded, dp > 1) the owned buckets' inboxes: one more reduction
-    buffer."""
+    buffer. ZeRO-2 (``zero=2``, sharded, dp > 1: ``parallel/data/grad_shard.py``): no full
+    gradient buffer; the fp32 gradient shard, plus at most ``buckets_in_flight`` + 1 buckets of
+    ``bucket_bytes`` staged in the reduction dtype (and on gloo an inbox of dp copies of each
+    bucket in flight)."""
     b = PRECISIONS[precision]
     padded = -(-numel // dp) * dp
     fp32_reduce = precision == "bf16" and grad_reduce_dtype == "fp32"
+    optimizer = (padded // dp if sharded else padded) * b["optim"] + _STEP_BYTES
+    if zero >= 2 and sharded and dp > 1:
+        item = 4 if precision == "fp32" or fp32_reduce else 2
+        bucket = min(bucket_bytes // item, padded // dp) * item  # buckets stop at shard edges
+        grads = padded // dp * 4 + (buckets_in_flight + 1) * bucket
+        if grad_inbox:
+            grads += buckets_in_flight * dp * bucket
+        return {"params": padded * b["param"], "grads": grads, "optimizer": optimizer}
     grad = b["grad"] + (4 if fp32_reduce else 0)
     if grad_inbox and sharded and dp > 1:
         grad += 4 if fp32_reduce else b["grad"]
-    return {"params": padded * b["param"], "grads": padded * grad,
-            "optimizer": (padded // dp if sharded else padded) * b["optim"] + _STEP_BYTES}
+    return {"params": padded * b["param"], "grads": padded * grad, "optimizer": optimizer}
 
 
 def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbatches: int,
              precision: str = "fp32", activation_checkpointing: str = "none",
              grad_reduce_dtype: str = "fp32", num_local_slots: int = 3, replica_buffers: int = 2,
              replicate: str = "unique", persist: bool = True, overhead_gb: float = 1.0,
-             replicas: int = 1, grad_inbox: bool = False) -> dict:
+             replicas: int = 1, grad_inbox: bool = False, bucket_bytes: int = 25 << 20) -> dict:
     """Memory of the worst rank of a layout, in bytes.
 
     ``batch_size`` is sequences per data-parallel rank per step, split into ``microbatches``.
@@ -186,7 +199,8 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     replicas and sends its own that many times (``replicated_per_step``: bytes sent per
     snapshot, all buddies together). ``grad_inbox`` (gloo): a sharded optimizer's gradient
     buckets reach their owner by all-to-all, into one more reduction buffer's worth of inboxes
-    (``parallel/data/zero.py``, Collectives), counted in ``grads``.
+    (``parallel/data/zero.py``, Collectives), counted in ``grads``. ``parallel_cfg["zero"]``
+    2: ZeRO-2's gradient terms (``state_bytes``), buckets of ``bucket_bytes``.
     """
     if int(replicas) < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -205,7 +219,7 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
     for s in range(pp):
         n = stage_params(model_cfg, tp, pp, s)
         gpu = {**state_bytes(n, dp, dims.optimizer_sharded, precision, grad_reduce_dtype,
-                             grad_inbox),
+                             grad_inbox, dims.zero, bucket_bytes),
                "activations": stage_activations(model_cfg, tp, pp, s, micro_bs=micro_bs,
                                                 seq_len=seq_len, microbatches=int(microbatches),
                                                 act_bytes=act_bytes, mode=activation_checkpointing),
@@ -252,30 +266,45 @@ def check_fits(cfg: dict) -> None:
     training state when it is swapped in); every rank is counted as the worst one, which errs
     on the safe side. Otherwise nothing is checked.
     """
-    p, ft = cfg["parallel"], cfg.get("ft", {})
-    snapshots = bool(ft.get("snapshot", True))
+    p = cfg["parallel"]
     mem = {k: v for k, v in (cfg.get("memory") or {}).items() if v is not None}  # null: not given
     mb = num_microbatches(cfg)
     cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
-    est = estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),
-                   microbatches=mb, precision=cfg.get("precision", "fp32"),
-                   activation_checkpointing=cfg.get("activation_checkpointing", "none"),
-                   grad_reduce_dtype=cfg.get("grad_reduce_dtype", "fp32"),
-                   # without snapshots no slot is allocated, and no ward's replica is received
-                   num_local_slots=int(ft.get("num_local_slots", 3)) if snapshots else 0,
-                   replica_buffers=2 if snapshots else 0,
-                   replicate=ft.get("replicate", "unique"), replicas=int(ft.get("replicas", 1)),
-                   persist=bool(ft.get("persist_interval_steps")),
-                   overhead_gb=0.25 if cpu and not mem else 1.0,
-                   # gloo: a CPU run sized for this machine (a memory section sizes GPUs: NCCL)
-                   grad_inbox=cfg.get("backend", "auto") == "gloo" or (
-                       cfg.get("backend", "auto") == "auto" and cpu and not mem))
+    est = estimate_job(cfg)
     g, h = est["gpu"], est["host_per_rank"]
     micro_tokens = int(cfg["batch_size"]) // mb * int(cfg["seq_len"])
     layout = f"dp{p['dp']} x tp{p['tp']} x pp{p['pp']}"
     breakdown = (f"params {_gb(g['params'])} + grads {_gb(g['grads'])} + optimizer "
                  f"{_gb(g['optimizer'])} + activations {_gb(g['activations'])} + overhead "
                  f"{_gb(g['overhead'])}")
+    _check(cfg, est, mem, cpu, layout, breakdown, micro_tokens)
+
+
+def estimate_job(cfg: dict) -> dict:
+    """``estimate`` of a resolved job config (what ``check_fits`` checks)."""
+    p, ft = cfg["parallel"], cfg.get("ft", {})
+    snapshots = bool(ft.get("snapshot", True))
+    mem = {k: v for k, v in (cfg.get("memory") or {}).items() if v is not None}
+    cpu = not str(cfg.get("device", "cpu")).startswith("cuda")
+    return estimate(cfg["model"], p, batch_size=int(cfg["batch_size"]), seq_len=int(cfg["seq_len"]),
+                   microbatches=num_microbatches(cfg), precision=cfg.get("precision", "fp32"),
+                   activation_checkpointing=cfg.get("activation_checkpointing", "none"),
+                   grad_reduce_dtype=cfg.get("grad_reduce_dtype", "fp32"),
+                   # without snapshots no slot is allocated, and no ward's replica is received
+                   num_local_slots=int(ft.get("num_local_slots", 3)) if snapshots else 0,
+                   replica_buffers=2 if snapshots else 0,
+                   replicate=ft.get("replicate", "unique"), replicas=int(ft.get("replicas", 1)),
+                   bucket_bytes=int(float(p.get("bucket_mb", 25)) * 2**20),
+                   persist=bool(ft.get("persist_interval_steps")),
+                   overhead_gb=0.25 if cpu and not mem else 1.0,
+                   # gloo: a CPU run sized for this machine (a memory section sizes GPUs: NCCL)
+                   grad_inbox=cfg.get("backend", "auto") == "gloo" or (
+                       cfg.get("backend", "auto") == "auto" and cpu and not mem))
+
+
+def _check(cfg, est, mem, cpu, layout, breakdown, micro_tokens) -> None:
+    p, ft = cfg["parallel"], cfg.get("ft", {})
+    g, h = est["gpu"], est["host_per_rank"]
 
     gpu_gb = mem.get("gpu_gb")
     if gpu_gb is None and not cpu:
@@ -312,133 +341,18 @@ def check_fits(cfg: dict) -> None:
                 f"{_gb(need - have)} GB over. Hint: a smaller model, or {_hint(cfg, micro_tokens)}")
 
 
-# -- the README table ---------------------------------------------------------------------------
-
-# usable memory of the GPUs as torch reports it (A100-SXM4 40 GB / 80 GB)
-A100_GB = {"40g": 39.4, "80g": 79.1}
-# model -> the layouts' name prefix (the grouped-query models share the LLaMA layout of their shape)
-MODELS = {"llama_7b": "llama7b", "llama3_8b": "llama7b", "llama_13b": "llama13b",
-          "llama_30b": "llama30b", "llama_65b": "llama65b", "llama2_70b": "llama65b"}
-MODES = ("none", "selective", "full")
+_TABLES = ("A100_GB", "MODELS", "MODES", "_load", "table", "measure", "measured_table",
+           "job_terms", "zero2_table", "issue_rows", "measure_grads", "main")
 
 
-def _load(group: str, name: str) -> dict:
-    import yaml
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "conf" / group / f"{name}.yaml"
-    return yaml.safe_load(path.read_text())
-
-
-def table(precisions=("fp32", "bf16"), seq_len: int = 2048) -> str:
-    """Markdown table: each LLaMA-shaped model on its 40 GB and 80 GB A100 layouts, micro-batches
-    of one ``seq_len``-token sequence (``batch_size = microbatches = 2 x pp``, as ``microbatches:
-    auto`` picks), without activation checkpointing and with each mode."""
-    rows = ["| model | GPU | layout (dp x tp x pp) | GPUs | precision | GPU GB per rank, no "
-            "checkpointing: params / grads / optimizer / activations / total (with 1 GB overhead) "
-            "| fits? | activations / total GB with selective; with full checkpointing | host GB "
-            "per node (snapshots + replicas) | replicated MB per rank per step |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for model, prefix in MODELS.items():
-        m = _load("model", model)
-        for gpu, cap in A100_GB.items():
-            name = f"{prefix}_a100_{gpu}"
-            p = _load("parallel", name)
-            mb = 2 * p["pp"] if p["pp"] > 1 else 1
-            for prec in precisions:
-                e = {mode: estimate(m, p, batch_size=mb, seq_len=seq_len, microbatches=mb,
-                                    precision=prec, activation_checkpointing=mode)
-                     for mode in MODES}
-                g = e["none"]["gpu"]
-                parts = " / ".join(_gb(g[k]) for k in ("params", "grads", "optimizer",
-                                                        "activations", "total"))
-                ckpt = "; ".join(
-                    f"{_gb(e[mode]['gpu']['activations'])} / {_gb(e[mode]['gpu']['total'])}"
-                    + ("" if e[mode]["gpu"]["total"] <= cap * GiB else " (**no**)")
-                    for mode in ("selective", "full"))
-                fits = "yes" if g["total"] <= cap * GiB else "**no**"
-                rows.append(
-                    f"| {model} | A100 {gpu[:2]} GB | `{name}`: {p['dp']} x {p['tp']} x {p['pp']} "
-                    f"| {p['dp'] * p['tp'] * p['pp']} | {prec} | {parts} | {fits} | {ckpt} | "
-                    f"{_gb(e['none']['host_per_node'])} | "
-                    f"{e['none']['replicated_per_step'] / 2**20:.0f} |")
-    return "\n".join(rows)
-
-
-# -- the measured path ----------------------------------------------------------------------------
-
-def measure(model_cfg, *, pp: int, pp_rank: int, dp: int, micro_bs: int, seq_len: int,
-            precision: str = "fp32", activation_checkpointing: str = "none") -> dict:
-    """Bytes the runtime's own objects hold for one rank (tp 1) on the CPU: the stage
-    (``build_stage``, cast to the precision's dtype as the trainer does) with its
-    ``ZeroOptimizer`` (the flat parameter buffer; the gradient buffers, bf16's fp32 accumulation
-    buffer included; the AdamW state, with bf16's fp32 master, of its shard), and the storages
-    autograd saves in one micro-batch's forward (``saved_tensors_hooks``; the stage's parameters
-    and buffers excluded). ``state_bytes`` and ``saved_activations`` must equal them."""
-    import torch
-
-    from deadpool.parallel.data.zero import ZeroOptimizer
-    from deadpool.parallel.stage import build_stage
-
-    m = model_config(model_cfg)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    stage = build_stage(m, 0, pp_rank=pp_rank, pp=pp, tp_rank=0, tp=1,
-                        activation_checkpointing=activation_checkpointing).to(dtype)
-    opt = ZeroOptimizer(list(stage.parameters()), dp_size=dp, dp_rank=0, lr=1e-3,
-                        weight_decay=0.0, shard=dp > 1)
-
-    def nbytes(t):
-        return 0 if t is None else t.numel() * t.element_size()
-
-    params = nbytes(opt.flat_params)
-    region = opt.state_nbytes()  # the optimizer state is the unique region (sharded) or shared
-    state = {"params": params, "grads": nbytes(opt.flat_grads) + nbytes(opt.main_grads),
-             "optimizer": region["unique"] if dp > 1 else region["shared"] - params}
-    skip = {t.untyped_storage().data_ptr() for t in [*stage.parameters(), *stage.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        # detached: a saved output returned as itself would hold its own graph node (a cycle
-        # that keeps the whole graph, and what it references, alive)
-        return t.detach()
-
-    gen = torch.Generator().manual_seed(0)
-    shape = (micro_bs, seq_len)
-    inp = (torch.randint(0, m.vocab_size, shape, generator=gen) if pp_rank == 0 else
-           torch.randn(*shape, m.d_model, generator=gen).to(dtype).requires_grad_())
-    targets = torch.randint(0, m.vocab_size, shape, generator=gen) if pp_rank == pp - 1 else None
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stage(inp, None, targets)
-    return {"state": state, "activations": sum(saved.values())}
-
-
-def measured_table(model: str = "tiny", layout=(2, 2), micro_bs: int = 2, seq_len: int = 64) -> str:
-    """Markdown table: the estimate against ``measure`` for each stage of ``model`` at dp x pp =
-    ``layout`` (tp 1), every checkpointing mode, fp32 and bf16 activations."""
-    dp, pp = layout
-    m = _load("model", model)
-    rows = [f"| `{model}` stage (dp{dp} x pp{pp}) | precision | checkpointing | state bytes: params "
-            "/ grads / optimizer, measured | activations bytes per micro-batch: estimated / "
-            "measured |", "|---|---|---|---|---|"]
-    for s in range(pp):
-        for prec in ("fp32", "bf16"):
-            for mode in MODES:
-                got = measure(m, pp=pp, pp_rank=s, dp=dp, micro_bs=micro_bs, seq_len=seq_len,
-                              precision=prec, activation_checkpointing=mode)
-                want = saved_activations(m, 1, pp, s, tokens=micro_bs * seq_len,
-                                         act_bytes=PRECISIONS[prec]["act"], mode=mode)
-                est = tuple(state_bytes(stage_params(m, 1, pp, s), dp, dp > 1, prec).values())
-                meas = tuple(got["state"][k] for k in ("params", "grads", "optimizer"))
-                state = " / ".join(f"{b:,}" for b in meas) + (" (= estimate)" if meas == est
-                                                              else f" (estimated {est})")
-                rows.append(f"| {s} | {prec} | {mode} | {state} | {want:,} / "
-                            f"{got['activations']:,} |")
-    return "\n".join(rows)
+def __getattr__(name):  # the tables live in memory_tables.py, which imports this module
+    if name in _TABLES:
+        from deadpool import memory_tables
+        return getattr(memory_tables, name)
+    raise AttributeError(name)
 
 
 if __name__ == "__main__":
-    import sys
+    from deadpool.memory_tables import main
 
-    print(measured_table() if "--measured" in sys.argv[1:] else table())
+    main()

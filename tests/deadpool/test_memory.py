@@ -365,3 +365,67 @@ def test_readme_shows_the_current_tables():
     measured = measured_table()  # builds the runtime's stages and optimizers, measures them
     assert measured in readme
     assert "(estimated" not in measured and measured.count("(= estimate)") == 12
+
+
+def test_zero2_gradients_measured_equal_the_estimate_and_shrink_with_dp():
+    """ZeRO-2's gradient bytes (the fp32 shard + the peak of staged buckets over a real backward)
+    are what ``state_bytes`` counts, and fall with dp; ZeRO-1's do not."""
+    from deadpool.memory import measure_grads, state_bytes
+
+    m = _load("model", "tiny")
+    n = stage_params(m, 1, 1, 0)
+    got = {}
+    for dp in (2, 4):
+        for prec in ("fp32", "bf16"):
+            for z in (1, 2):
+                got[dp, prec, z] = measure_grads(m, dp=dp, micro_bs=1, seq_len=16, precision=prec,
+                                                 zero=z, bucket_bytes=1 << 14)
+                assert got[dp, prec, z] == state_bytes(n, dp, True, prec, zero=z,
+                                                       bucket_bytes=1 << 14)["grads"]
+            assert got[dp, prec, 2] < got[dp, prec, 1]
+    assert got[4, "bf16", 2] < got[2, "bf16", 2] and got[4, "bf16", 1] == got[2, "bf16", 1]
+
+
+def test_memory_json_prints_the_worst_ranks_terms_and_zero2_shrinks_grads():
+    import json
+    import subprocess
+    import sys
+
+    def terms(*over):
+        p = subprocess.run([sys.executable, "-m", "deadpool.memory", "--json", "model=llama3_8b",
+                            "parallel=dp4", "parallel.dp=512", "parallel.ranks_per_node=8",
+                            "precision=bf16", "seq_len=8192", "batch_size=1", "device=cuda",
+                            "memory.gpu_gb=79.1", *over], capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)
+
+    one, two = terms("parallel.zero=1"), terms("parallel.zero=2")
+    for t in (one, two):
+        assert {"params_gb", "grads_gb", "optimizer_gb", "activations_gb", "total_gb"} <= t.keys()
+        assert t["total_gb"] == pytest.approx(sum(t[k] for k in ("params_gb", "grads_gb",
+                                                                  "optimizer_gb", "activations_gb",
+                                                                  "overhead_gb")), abs=0.01)
+    assert (one["zero"], two["zero"]) == (1, 2)
+    assert one["grads_gb"] == pytest.approx(6 * 8.03e9 / 2**30, rel=0.01)  # bf16 + fp32, full
+    assert two["grads_gb"] < 0.2 and two["params_gb"] == one["params_gb"]
+    assert one["total_gb"] > 79.1 > two["total_gb"]  # ZeRO-1 refused, ZeRO-2 fits
+
+
+def test_zero_stage_is_validated():
+    from deadpool.topology import ParallelDims
+
+    for ok, stage in ((True, 1), (1, 1), (False, 0), (0, 0), (2, 2)):
+        assert ParallelDims.from_config(dict(dp=2, zero=ok)).zero == stage
+    for bad in (3, "yes", 2.5, None, -1):
+        with pytest.raises(ValueError, match="parallel.zero must be"):
+            ParallelDims.from_config(dict(dp=2, zero=bad))
+
+
+def test_readme_shows_the_zero2_rows():
+    from pathlib import Path
+
+    from deadpool.memory import issue_rows, zero2_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert issue_rows() in readme and zero2_table() in readme

@@ -50,14 +50,16 @@ def test_dp2_zero2_is_bitwise_zero1(tmp_path_factory):
 
 @pytest.mark.slow
 def test_3d_zero2_matches_zero1_to_rounding(runs_3d):
-    """Tolerance: the per-step gradients differ by fp32 summation order (~1e-7 relative); AdamW
-    normalises the update, so after 10 steps at lr 1e-3 the parameters agree to ~1e-6."""
+    """Tolerance: the per-step gradients differ by fp32 summation order (~1e-7 relative). AdamW
+    divides by sqrt(v): where a gradient is near zero that rounding moves the update by up to
+    about lr per step (measured: 1.2e-5 on one element of 133k after 10 steps), so the bound is
+    an absolute 1e-4 (a thirtieth of one step at lr 3e-3) plus 1e-4 relative."""
     one, two = final_states(runs_3d[1], 8), final_states(runs_3d[2], 8)
     differ = 0
     for a, b in zip(one, two):
         assert a.keys() == b.keys()
         for k in a:
-            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4)
             differ += not torch.equal(a[k], b[k])
     assert differ  # the summation order does change bits: ZeRO-2 really ran
 

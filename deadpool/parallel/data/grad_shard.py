@@ -73,6 +73,9 @@ class ShardedGrads:
         self.index = {id(p): i for i, p in enumerate(params)}
         self._nothing = torch.empty(0, dtype=reduce_dtype, device=device)
         self.posted = 0  # buckets posted this step (diagnostics, tests)
+        # bytes of staging buffers and inboxes alive now, and their peak (the memory estimator's
+        # in-flight term is checked against it: ``deadpool.memory_tables.measure``)
+        self.live_bytes = self.peak_bytes = 0
         self._pg = self._comm = None
         self.reset()
         for p in params:
@@ -86,6 +89,7 @@ class ShardedGrads:
         self._seen: list[set[int]] = [set() for _ in self.edges]
         self._written = [False] * len(self.edges)
         self._in_flight: deque = deque()
+        self.live_bytes = 0
         self._next = 0
         self.posted = 0
         self.shard.zero_()
@@ -111,6 +115,7 @@ class ShardedGrads:
                 lo, hi = self.edges[b]
                 st = self._staging[b] = torch.zeros(hi - lo, dtype=self.reduce_dtype,
                                                     device=g.device)
+                self._count(st)
             st[sa:sz].add_(g[a:z])
             self._seen[b].add(i)
             self._post_ready()
@@ -132,6 +137,7 @@ class ShardedGrads:
         st = self._staging[b]
         if st is None:
             st = torch.zeros(n, dtype=self.reduce_dtype, device=self.shard.device)
+            self._count(st)
         self._staging[b], self._seen[b] = None, set()
         self._next = (b + 1) % len(self.edges)
         while len(self._in_flight) >= self.max_in_flight:
@@ -141,6 +147,7 @@ class ShardedGrads:
         if self._comm.backend == "gloo":  # the owner receives every rank's copy (zero.py)
             if owner == self.dp_rank:
                 inbox, out_splits = st.new_empty(self.dp_size * n), [n] * self.dp_size
+                self._count(inbox)
             else:
                 out_splits = [0] * self.dp_size
             in_splits = [n if r == owner else 0 for r in range(self.dp_size)]
@@ -157,6 +164,9 @@ class ShardedGrads:
         """Wait for the oldest bucket in flight and add it into the shard if this rank owns it."""
         b, st, inbox, work = self._in_flight.popleft()
         self._comm.wait(work)
+        self._count(st, -1)
+        if inbox is not None:
+            self._count(inbox, -1)
         lo, hi = self.edges[b]
         if lo // self.shard_numel != self.dp_rank:
             return
@@ -167,6 +177,10 @@ class ShardedGrads:
         else:
             dst.copy_(total)
             self._written[b] = True
+
+    def _count(self, t: torch.Tensor, sign: int = 1) -> None:
+        self.live_bytes += sign * t.numel() * t.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     # -- the end of the step ---------------------------------------------------------------------
     def finish(self, comm, pg, on_posted=None) -> None:

@@ -7,6 +7,7 @@ view of the same slice of one flat ``flat_grads`` buffer. Both buffers are alloc
 autograd accumulates micro-batch gradients straight into ``flat_grads`` and the collectives run
 on one contiguous tensor with no packing. Data-parallel rank ``r`` owns shard ``r``: it keeps
 AdamW's ``exp_avg``/``exp_avg_sq`` only for that slice (1/dp of the optimizer memory).
+ZeRO-2 (``shard_grads``, ``parallel.zero=2``) keeps no ``flat_grads``: ``grad_shard.py``.
 
 A step:
   0. ``begin_step(comm, m)``: zero ``flat_grads`` and arm the gradient buckets (``buckets.py``):
@@ -84,39 +85,14 @@ import torch.distributed as dist
 
 from deadpool.parallel.data.buckets import GradBuckets, bucket_edges
 from deadpool.parallel.data.grad_shard import ShardedGrads
+from deadpool.parallel.data.layout import _padded, state_nbytes
 from deadpool.parallel.data.param_gather import ParamGather
 from deadpool.parallel.data.reshard import reshard_state  # noqa: F401 (its home before)
 
 __all__ = ["ZeroOptimizer", "state_nbytes"]
 
-_STEP_BYTES = 4  # AdamW's step counter: a float32 scalar
 PARAM_DTYPES = (torch.float32, torch.bfloat16)
 ADAMW_IMPLS = ("fused", "foreach", "for_loop")
-
-
-def _padded(numel: int, dp_size: int) -> int:
-    return -(-numel // dp_size) * dp_size
-
-
-def state_nbytes(numel: int, dp_size: int, shard: bool, itemsize: int = 4,
-                 precision: str = "fp32") -> dict[str, int]:
-    """Bytes of a rank's training state for ``numel`` parameters, without building anything
-    (memory estimator, benchmark). ``shared``: identical on every data-parallel peer (parameters,
-    plus the optimizer state when not sharded); ``unique``: this rank's own (its optimizer
-    shard), i.e. what no peer can supply and must be replicated elsewhere per snapshot. Padding
-    included. ``precision``: ``fp32`` (parameters of ``itemsize`` bytes, no master copy) or
-    ``bf16`` / ``bf16-mixed`` (bf16 parameters, shared; fp32 master weights and moments, unique
-    under ZeRO). Matches ``ZeroOptimizer.state_nbytes()``."""
-    padded = _padded(numel, dp_size)
-    if precision in ("bf16", "bf16-mixed"):
-        params, optim = padded * 2, 3 * 4  # bf16 parameters; fp32 master + 2 moments
-    elif precision == "fp32":
-        params, optim = padded * itemsize, 2 * itemsize
-    else:
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
-    if shard:
-        return {"shared": params, "unique": optim * (padded // dp_size) + _STEP_BYTES}
-    return {"shared": params + optim * padded + _STEP_BYTES, "unique": 0}
 
 
 class ZeroOptimizer(ParamGather):

@@ -26,7 +26,8 @@ from deadpool.model import model_config
 A100_GB = {"40g": 39.4, "80g": 79.1}
 # model -> the layouts' name prefix (the grouped-query models share the LLaMA layout of their shape)
 MODELS = {"llama_7b": "llama7b", "llama3_8b": "llama7b", "llama_13b": "llama13b",
-          "llama_30b": "llama30b", "llama_65b": "llama65b", "llama2_70b": "llama65b"}
+          "llama_30b": "llama30b", "llama_65b": "llama65b", "llama2_70b": "llama65b",
+          "llama3_70b": "llama65b"}
 MODES = ("none", "selective", "full")
 
 

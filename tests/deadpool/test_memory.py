@@ -299,7 +299,8 @@ def test_a_layout_that_does_not_fit_is_refused_naming_the_per_rank_gb(tmp_path):
 
 # as the README table says: (model, GPU) whose layout needs checkpointing (or bf16) in fp32
 NEEDS_CHECKPOINTING_IN_FP32 = {("llama_30b", "40g"), ("llama_65b", "40g"), ("llama_65b", "80g"),
-                               ("llama2_70b", "40g"), ("llama2_70b", "80g")}
+                               ("llama2_70b", "40g"), ("llama2_70b", "80g"),
+                               ("llama3_70b", "40g"), ("llama3_70b", "80g")}
 
 
 @pytest.mark.parametrize("model", list(MODELS))

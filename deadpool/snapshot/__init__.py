@@ -12,6 +12,7 @@ Modules, in the order a snapshot travels:
     buffers.py      a ring slot and a held replica
     engine.py       ``SnapshotEngine``: the ring, the copier thread, what the rank can resume from
     replication.py  ``Replicator``: sends each snapshot to the buddy, receives the ward's
+    held.py         the replicas held: what is kept, and whether a step counts replicated
     wire.py         the wire format of one state (meta, header, chunks)
     transfer.py     recovery transfers: what a holder sends, and receiving a rank's pieces
     schedule.py     which steps are snapshotted (the interval, widened when the cycle lags)

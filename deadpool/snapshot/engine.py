@@ -405,18 +405,6 @@ class SnapshotEngine:
                 s.replicating = False
             self._lock.notify_all()
 
-    def _commit_replica(self, rep: Replica, repl: "Replicator") -> bool:
-        with self._lock:
-            if repl.stopped:
-                return False
-            reps = [r for r in self.replicas.get(rep.owner, []) if r.step != rep.step]
-            reps.append(rep)
-            reps.sort(key=lambda r: r.step)
-            # keep the newest protected replica and everything newer (at least two)
-            keep_from = min(self._protected, reps[-2].step if len(reps) > 1 else rep.step)
-            self.replicas[rep.owner] = [r for r in reps if r.step >= keep_from]
-            return True
-
     def _drop_unneeded_replicas(self) -> None:
         """Forget replicas older than the newest protected one held (the invariant keeps that one
         and anything newer), so the next receive reuses their buffer."""
@@ -435,11 +423,6 @@ class SnapshotEngine:
                     s.step = -1
             for owner in list(self.replicas):
                 self.replicas[owner] = [r for r in self.replicas[owner] if r.step <= step]
-
-    def verify_replica(self, flat: torch.Tensor, crc: tuple) -> bool:
-        if self.repl_region == "all":
-            return self.verify_region(flat, "all", crc)
-        return checksum(flat) == crc[1]
 
     def _release(self, slot: Slot) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ import torch
 from deadpool import reports
 from deadpool.groups import repl_name
 from deadpool.rounds import rounds_for
-from deadpool.snapshot.buffers import Replica
+from deadpool.snapshot.held import keep_received
 from deadpool.snapshot.wire import blocking, post_sends, recv_state
 from deadpool.threads import lower_thread_priority
 
@@ -121,22 +121,16 @@ class Replicator(threading.Thread):
                 self.engine._release(slot)
                 return
             self.engine._release(slot)
-            for ward, step, buf, header, crc in got:
-                verified = None
-                if self.engine.verify == "eager":
-                    if not self.engine.verify_replica(buf, crc):
-                        continue  # a torn or corrupt replica never counts
-                    verified = True
-                rep = Replica(ward, step, buf, header, crc, self.engine.repl_region, verified)
-                if not self.engine._commit_replica(rep, self):
-                    return
+            kept = keep_received(self.engine, got, self)
+            if kept is None:
+                return
             self.engine.last_replicate_s = time.perf_counter() - t0
             self.engine.done_step = slot.step
             self.engine.last_cycle_s = time.perf_counter() - slot.taken_at
-            if self.rounds.replicated(slot.step):
+            if kept and self.rounds.replicated(slot.step):  # (a dropped replica: not replicated)
                 with self.engine._lock:
                     self.engine._protected = max(self.engine._protected, slot.step)
-            if not self.protected_reported:
+            if kept and not self.protected_reported:
                 keys, comm = self.comm.keys, self.comm
                 reports.send(store, comm.seal, comm.link, keys, "protected", comm.topo.rank,
                              repr(time.time()))

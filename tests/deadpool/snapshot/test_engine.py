@@ -299,3 +299,61 @@ def test_two_replicas_reach_both_buddies_and_every_rank_holds_two_wards():
         c.park()
     for e in engines.values():
         e.stop_replication()
+
+
+def test_a_replica_dropped_by_eager_verification_leaves_its_step_unprotected(monkeypatch):
+    """Rank 0's replica of step 1 reaches its buddy (rank 1) with a checksum that does not
+    match (a corrupted transfer); under ``verify="eager"`` rank 1 drops it. Step 1 must then not
+    count as protected on any rank (rank 1 holds no copy of rank 0 at step 1: protecting it
+    would let every rank drop its older replicas); step 2, replicated cleanly, is protected."""
+    from deadpool.snapshot import replication
+    from deadpool.snapshot.layout import decode_header
+
+    real = replication.post_sends
+
+    def corrupting(out, dst, step, region, header, crc, *a, **k):
+        if step == 1 and decode_header(header)["who"] == 0:
+            crc = (crc[0], crc[1] ^ 1)
+        return real(out, dst, step, region, header, crc, *a, **k)
+    monkeypatch.setattr(replication, "post_sends", corrupting)
+    n = 3
+    master = master_store()
+    engines = {}
+
+    def snapshot_and_replicate(eng, model, opt, r, step):
+        train_one_step(model, opt, 10 * step + r)
+        eng.wait_copy()
+        eng.snapshot(step, {"step": step, "who": r})
+        deadline = time.monotonic() + 30
+        while eng.done_step < step:
+            assert time.monotonic() < deadline, (r, step, eng.done_step)
+            time.sleep(0.01)
+
+    def rank_fn(r):
+        store = client(master.port)
+        comm = Communicator.build(Topology(ParallelDims(dp=n), r, 0), store)
+        model, opt = make_state(seed=r)
+        eng = SnapshotEngine(state_tensors(model, opt), chunk_bytes=1 << 16, verify="eager")
+        engines[r] = eng
+        eng.snapshot(0, {"step": 0, "who": r})
+        eng.drain()
+        eng.start_replication(comm, lambda: client(master.port), first_step=0)
+        snapshot_and_replicate(eng, model, opt, r, 1)
+        return comm, model, opt
+
+    states = run_threads(rank_fn, n)
+    assert engines[1].replica_steps()[0] == [0]  # the corrupt step-1 replica was dropped
+    assert engines[2].replica_steps()[1] == [0, 1]
+    time.sleep(0.2)  # (every rank's count of step 1 is in)
+    assert [engines[r]._is_protected(1) for r in range(n)] == [False] * n
+    assert all(engines[r].protected_floor() < 1 for r in range(n))
+    run_threads(lambda r: snapshot_and_replicate(engines[r], states[r][1], states[r][2], r, 2), n)
+    deadline = time.monotonic() + 30
+    while not all(engines[r]._is_protected(2) for r in range(n)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engines[1].replica_steps()[0][-1] == 2
+    for c, _, _ in states:
+        c.park()
+    for e in engines.values():
+        e.stop_replication()

@@ -95,14 +95,15 @@ def stage_flat(dims: ParallelDims, states: dict[int, dict], pp_rank: int, tp_ran
             raise ExportError(f"no rank of stage (pp {pp_rank}, tp {tp_rank}) holds its "
                               f"parameters (ranks {ranks})")
         return states[holder]["params"].reshape(-1), holder
-    if any("master" not in states[r] for r in ranks):
+    holders = [r for r in ranks if "master" in states[r]]
+    params = next((states[r]["params"] for r in ranks if "params" in states[r]), None)
+    if holders and params is not None and states[holders[0]]["master"].numel() == params.numel():
+        # not sharded: every replica holds all of it (a unique-state checkpoint: dp rank 0 only)
+        return states[holders[0]]["master"].reshape(-1), holders[0]
+    if len(holders) != len(ranks):
         raise ExportError(f"stage (pp {pp_rank}, tp {tp_rank}) has no master weights on every "
                           f"rank {ranks} (not a mixed-precision run?)")
-    shards = [states[r]["master"].reshape(-1) for r in ranks]
-    params = next((states[r]["params"] for r in ranks if "params" in states[r]), None)
-    if params is not None and shards[0].numel() == params.numel():
-        return shards[0], ranks[0]  # not sharded: every replica holds all of it
-    return torch.cat(shards), ranks[0]
+    return torch.cat([states[r]["master"].reshape(-1) for r in ranks]), ranks[0]
 
 
 def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],

@@ -8,7 +8,8 @@ The runtime writes a rank's state to disk in four situations, and reads it back 
                        the same AsyncPersister (``SnapshotEngine._persist``)
     write_for_stop     no spare left: the consistent state of the resume step, every rank's,
                        from memory (own state, a peer's, or a replica held)
-    write_held         the coordinator is gone: every protected snapshot and replica held
+    write_held         the coordinator is gone: the rank's own snapshots from the newest
+                       protected step on, unique state only (no replicas)
     load               a rank's state from a step directory, written at this layout or another
                        (an elastic job: ZeRO-1 state re-cut; another tp or pp: ``relayout``)
 
@@ -104,24 +105,22 @@ def write_for_stop(trainer, dims: ParallelDims, root, step: int, rank: int, sour
 
 
 def write_held(trainer, dims: ParallelDims, root, reason: str) -> list[int]:
-    """Write every consistent state this rank holds: its local snapshots and the replicas it
-    holds of the newest protected step it knows and anything newer (the snapshot invariant keeps
-    those). Returns the steps of its own state written."""
+    """The coordinator is gone: write this rank's own consistent state, unique state only
+    (``checkpoint.unique``: the group's parameters by its dp rank 0), as a step directory that
+    resumes like any checkpoint. Its snapshots from the newest step it knows protected on: a
+    rank may know an older protected step than another, but every rank holds a snapshot of the
+    newest one any rank knows (the snapshot invariant), so that step is complete on disk once
+    every rank has written. No replicas: the ranks are alive (each writes its own), and a replica
+    written too would be the whole job's state again. Returns the steps written."""
     eng, world, layout, written = trainer.engine, dims.world_size, dims.layout, []
     floor = eng.protected_floor()
-    for step in eng.local_steps():
-        if step >= floor:
-            slot = eng.local_slot(step)
-            save_rank_state(root, step, trainer.rank, eng.layout.state_dict(slot.flat),
-                            decode_header(slot.header), **_at(dims))
-            write_meta(root, step, world, reason, layout=layout)
-            written.append(step)
-    for owner, steps in eng.replica_steps().items():
-        for step in steps:
-            rep = eng.replica(owner, step)
-            if step >= floor and eng.verify_replica(rep.flat, rep.crc):
-                write_replica(eng, dims, root, step, owner, rep.flat, rep.header)
-                write_meta(root, step, world, reason, layout=layout)
+    for step in sorted((s for s in eng.local_steps() if s >= floor), reverse=True):
+        slot = eng.local_slot(step)
+        state, header = unique_part(eng.layout.state_dict(slot.flat), decode_header(slot.header),
+                                    trainer.shared_names(), layout, trainer.rank)
+        save_rank_state(root, step, trainer.rank, state, header, **_at(dims))
+        write_meta(root, step, world, reason, layout=layout)
+        written.append(step)
     return written
 
 

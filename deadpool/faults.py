@@ -35,6 +35,10 @@ Kinds::
     kill_node  SIGKILL the process's node agent, then the process: the whole node is lost (its
                other processes die with their agent; needs launcher.agents=true)
     stop       SIGSTOP the process (a hung node: sockets stay open, heartbeats stop)
+    stop_agent SIGSTOP the process's node agent (a hung agent, its processes running on): its
+               record and board beat stop together, so the job declares the node lost and the
+               node's processes fence themselves; the stopped agent is killed at the fence
+               (needs launcher.agents=true)
     exception  raise in the thread that reached the phase (the step, or a helper thread)
     hang       that thread sleeps forever while the process and its heartbeat live on
                (a stuck kernel or collective: only the progress watchdog can see it)
@@ -65,6 +69,7 @@ class Fault(str, enum.Enum):
     KILL = "kill"
     KILL_NODE = "kill_node"
     STOP = "stop"
+    STOP_AGENT = "stop_agent"
     EXCEPTION = "exception"
     HANG = "hang"
     CORRUPT = "corrupt"
@@ -145,7 +150,11 @@ class FaultInjector:
         if ev.kind is Fault.KILL_NODE and os.environ.get(NODE_DIR_ENV):
             os.kill(os.getppid(), signal.SIGKILL)  # the agent: its children die with it
             os.kill(os.getpid(), signal.SIGKILL)
-        if ev.kind in (Fault.KILL, Fault.KILL_NODE):
+        if ev.kind is Fault.STOP_AGENT:
+            if not os.environ.get(NODE_DIR_ENV):
+                raise InjectedFault("a stop_agent fault needs node agents (launcher.agents=true)")
+            os.kill(os.getppid(), signal.SIGSTOP)  # the agent; this process trains on
+        elif ev.kind in (Fault.KILL, Fault.KILL_NODE):
             os.kill(os.getpid(), signal.SIGKILL)
         elif ev.kind is Fault.STOP:
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -88,8 +88,9 @@ def validate(cfg: dict) -> None:
     if agents and not 0 < float(ft["agent_interval_s"]) <= float(ft["node_timeout_s"]) / 4:
         raise ValueError("ft.agent_interval_s must be > 0 and <= ft.node_timeout_s / 4 (a node is "
                          "lost after missing several records, not one)")
-    if not agents and any(str(ev.get("kind")) == "kill_node" for ev in cfg["faults"]["events"]):
-        raise ValueError("a kill_node fault needs node agents (launcher.agents=true)")
+    if not agents and any(str(ev.get("kind")) in ("kill_node", "stop_agent")
+                          for ev in cfg["faults"]["events"]):
+        raise ValueError("kill_node and stop_agent faults need node agents (launcher.agents=true)")
     if ft["progress_timeout_s"] <= ft["heartbeat_timeout_s"]:
         raise ValueError("ft.progress_timeout_s must exceed ft.heartbeat_timeout_s")
     if not float(ft["stop_timeout_s"]) > float(ft["status_timeout_s"]):

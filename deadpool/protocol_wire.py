@@ -163,17 +163,24 @@ def _assign_delta(new: dict[int, int], old: dict[int, int]) -> dict:
             "drop": [r for r in old if r not in new]}
 
 
-def _self_kind(r: int, s: Source) -> str | None:
-    """The kind of ``s`` if it is ``Source(kind, r)`` with nothing else set (a default's form)."""
-    if s.holder == r and s.shared_from is None and s.owner is None and s.dir is None:
-        return s.kind
+def _self_kind(r: int, s: Source) -> tuple[str, str | None] | None:
+    """``(kind, dir)`` if ``s`` is ``Source(kind, r, dir=dir)`` with nothing else set (a
+    default's form: every rank of a disk plan, or of an in-place reshape, reads the same
+    checkpoint directory, so ``dir`` is part of the default, not listed per rank)."""
+    if s.holder == r and s.shared_from is None and s.owner is None:
+        return s.kind, s.dir
     return None
 
 
+def _default_form(default: tuple[str, str | None]) -> str | dict:
+    kind, where = default
+    return kind if where is None else {"kind": kind, "dir": where}  # (a bare kind: as before dirs)
+
+
 def _sources_with_default(sources: dict[int, Source], assignments: dict[int, int]) -> dict:
-    """The kind most assigned ranks take from themselves becomes the default, when it names more
-    ranks than it would have to list as having no source."""
-    counts: dict[str, int] = {}
+    """The (kind, directory) most assigned ranks take from themselves becomes the default, when
+    it names more ranks than it would have to list as having no source."""
+    counts: dict[tuple, int] = {}
     missing = 0
     for r in assignments:
         s = sources.get(r)
@@ -188,7 +195,7 @@ def _sources_with_default(sources: dict[int, Source], assignments: dict[int, int
         default = None
     if default is None:
         return {"default": None, "none": [], "except": {str(r): _src(s) for r, s in sources.items()}}
-    return {"default": default,
+    return {"default": _default_form(default),
             "none": [r for r in assignments if r not in sources],
             "except": {str(r): _src(s) for r, s in sources.items()
                        if r not in assignments or _self_kind(r, s) != default}}
@@ -196,13 +203,15 @@ def _sources_with_default(sources: dict[int, Source], assignments: dict[int, int
 
 def _sources_from(d: dict, assignments: dict[int, int]) -> dict[int, Source]:
     out: dict[int, Source] = {}
-    kind = d["default"]
-    if kind is not None:
+    default = d["default"]
+    if default is not None:
+        kind, where = (default, None) if isinstance(default, str) else (default["kind"],
+                                                                          default["dir"])
         skip = set(d["none"])
         skip.update(int(r) for r in d["except"])
         for r in assignments:
             if r not in skip:
-                out[r] = Source(kind, r)
+                out[r] = Source(kind, r, dir=where)
     for r, s in d["except"].items():
         out[int(r)] = Source(**s)
     return out
@@ -244,28 +253,58 @@ def _keep_from(d: dict, all_group_keys: Iterable[str] | None, g: int) -> list[st
 def publish_plan(store, seal, plan: Plan, prev: Plan | None,
                  all_group_keys: Iterable[str] | None = None) -> int:
     """Write ``plan`` sealed: in full under ``Keys.plan_full`` (for a process that holds no plan),
-    then as a delta against ``prev`` under ``Keys.plan`` (what processes reading in order fetch).
-    Returns the bytes of the form processes read."""
+    then as a delta against ``prev`` under ``Keys.plan`` (what processes reading in order fetch),
+    then its generation under ``Keys.PLAN_NEWEST`` (a reader whose plan was collected jumps
+    there: ``fetch_plan``). Returns the bytes of the form processes read."""
     full = Keys.plan_full(plan.generation)
     store.set(full, seal.wrap(full, encode_plan(plan, None)))
     key = Keys.plan(plan.generation)
     text = encode_plan(plan, prev, all_group_keys)
     store.set(key, seal.wrap(key, text))
+    store.set(Keys.PLAN_NEWEST, seal.wrap(Keys.PLAN_NEWEST, str(plan.generation)))
     return len(text)
+
+
+def newest_plan(store, seal) -> int | None:
+    """The generation of the newest plan written (sealed by the job), None before the first."""
+    if not store.check([Keys.PLAN_NEWEST]):
+        return None
+    text = seal.open(Keys.PLAN_NEWEST, store.get(Keys.PLAN_NEWEST))
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        return None
+
+
+def plan_skipped(store, seal, generation: int) -> bool:
+    """Plan ``generation`` will never be read: a newer one is written and this one was
+    collected (``protocol.finished_key``: the coordinator keeps one plan behind the one
+    running). A reader waiting for it must take the newest instead (``fetch_plan`` does)."""
+    newest = newest_plan(store, seal)
+    return newest is not None and newest > generation and not store.check([Keys.plan(generation)])
 
 
 def fetch_plan(store, seal, generation: int, prev: Plan | None,
                all_group_keys: Iterable[str] | None = None, decode=None) -> tuple[Plan, str]:
-    """Plan ``generation``, which must be written, and the text it was decoded from: the delta
-    against ``prev`` when that is the plan it was made against, else the full form. Raises
-    ``auth.AuthError`` for a plan the job did not seal. (``decode``: ``decode_plan`` or a
-    stand-in with its signature.)"""
+    """Plan ``generation`` and the text it was decoded from: the delta against ``prev`` when
+    that is the plan it was made against, else the full form. A reader whose plan was collected
+    meanwhile (two generations behind) gets the newest plan in full instead: a spare needs only
+    the newest, and every rank's state comes from what the newest names. A delta that fails its
+    seal (overwritten by a client without the secret) is read from the full form. Raises
+    ``auth.AuthError`` if neither form is the job's. (``decode``: ``decode_plan`` or a stand-in
+    with its signature.)"""
     decode = decode or decode_plan
+    if not store.check([Keys.plan(generation)]):  # written, then collected: the newest instead
+        newest = newest_plan(store, seal)
+        if newest is not None and newest > generation:
+            generation, prev = newest, None
     key = Keys.plan(generation)
-    text = seal.unwrap(key, store.get(key))
-    try:
-        return decode(text, prev, all_group_keys), text
-    except BaseMismatch:
-        full = Keys.plan_full(generation)
-        text = seal.unwrap(full, store.get(full))
-        return decode(text, None), text
+    text = seal.open(key, store.get(key))  # (the job's first plan is in full here too)
+    if text is not None:
+        try:
+            return decode(text, prev, all_group_keys), text
+        except BaseMismatch:
+            pass
+    full = Keys.plan_full(generation)
+    text = seal.unwrap(full, store.get(full))
+    return decode(text, None), text

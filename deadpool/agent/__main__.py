@@ -8,9 +8,12 @@ the node's board, starts the node's processes as its children (each dies with it
 ``PR_SET_PDEATHSIG``, so the agent's death is the loss of its node), and runs these threads around
 one ``NodeAgent``:
 
-    main      tick every ft.agent_interval_s (record, coordinator heartbeat)
-    beat      the agent's own beat on the board, apart from any store request
-    events    follow the coordinator's pushed events (blocking store waits)
+    main      tick every ft.agent_interval_s: the record and the board beat, one signal (its
+              ranks fence themselves when it stops, as the job declares the node lost); the
+              coordinator's silence judged on this clock; under srun, the cut-off probe
+    reader    the coordinator's heartbeat and the job's step (store reads, its own client)
+    events    follow the coordinator's pushed events (blocking store waits); a failing event
+              is retried, then the node leaves (``agent.loops.EventApplier``), never deaf
     rounds    woken by the board's doorbell (or every 0.1 s): the ranks' agreement words
               (deadpool.rounds) and their reports
     waiters   one per child: its exit is written at once (waitpid, milliseconds)
@@ -42,8 +45,10 @@ from pathlib import Path
 from deadpool import auth, netif
 from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard, waker_name
 from deadpool.agent.events import EventFollower
+from deadpool.agent.loops import EventApplier, store_reader
 from deadpool.agent.node import NodeAgent
 from deadpool.agent.presence import PROBE_S, PresenceClient
+from deadpool.agent.shm import UnsafeNodeDir, make_node_dir
 from deadpool.groups import layout_group_keys
 from deadpool.launcher import fork_worker, job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
@@ -79,7 +84,8 @@ def node_dir(cfg: dict, node: int, environ=os.environ) -> Path:
     is RAM on the node itself, so the board costs no I/O and dies with the node. The Slurm job id
     in the name keeps two jobs on one node apart even with the same run directory (a resubmission
     while the last job's step still ends). A SIGKILLed agent leaves its (tiny) directory behind;
-    the next agent of the same job and node removes it."""
+    the next agent of the same job and node removes it. The name is predictable: it is made
+    with ``agent.shm.make_node_dir``, which refuses a parent it does not own alone."""
     tag = hashlib.blake2b(str(Path(cfg["run_dir"]).resolve()).encode(), digest_size=6).hexdigest()
     job = environ.get("SLURM_JOB_ID")
     if job:
@@ -168,8 +174,11 @@ def main(argv=None) -> int:
 
     slots = [int(x) for x in args.slots.split(",")] if args.slots else node_slots(cfg, args.node)
     where = node_dir(cfg, args.node)
-    shutil.rmtree(where, ignore_errors=True)
-    where.mkdir(parents=True, mode=0o700)
+    try:
+        make_node_dir(where)
+    except UnsafeNodeDir as e:
+        print(f"[agent {args.node}] {e}", flush=True)
+        return 2
     board = NodeBoard.create(where / "board", slots)
     bell = Doorbell(where)  # before the children start: each opens it once
     wakers = [Doorbell(where, waker_name(i)) for i in range(len(slots))]  # each child's
@@ -179,9 +188,9 @@ def main(argv=None) -> int:
                       kill=lambda slot: sigkill(procs.get(slot)),
                       group_keys=partial(layout_group_keys, cfg),
                       wake=lambda: [w.ring() for w in wakers])
-    lock = threading.Lock()  # the store client and the agent's state are shared by the threads
-    with lock:
-        agent.publish()
+    agent.on_forged = lambda name: print(f"[agent {args.node}] {name} not sealed by the job: "
+                                         "ignored", flush=True)
+    agent.publish()  # (the agent guards its own state: agent.lock, never held across a store call)
     env = job_env(secret, netif.socket_env(cfg))  # this host's interface, never assumed
     env[NODE_DIR_ENV] = str(where)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -198,12 +207,8 @@ def main(argv=None) -> int:
     stop = threading.Event()
 
     def coordinator_lost():  # a signal with the store unreachable: its ranks write what they hold
-        held = lock.acquire(timeout=2.0)  # (the main thread may be stuck in a store call)
-        try:
+        with agent.lock:
             agent.lose_coordinator()
-        finally:
-            if held:
-                lock.release()
 
     # SIGTERM, SIGUSR1, SIGINT (srun forwards a job's signals): the coordinator stops the job and
     # this agent ends with its processes, or kills them once the coordinator's bound is past
@@ -213,16 +218,22 @@ def main(argv=None) -> int:
 
     def wait_child(slot, p):
         code = p.wait()
-        with lock:
-            try:
-                agent.on_exit(slot, code)
-            except Exception:  # the store is gone (the job ended): the exit is kept for the
-                pass           # last record, which the main loop still tries to write
+        try:
+            agent.on_exit(slot, code)
+        except Exception:  # the store is gone (the job ended): the exit is kept for the
+            pass           # last record, which the main loop still tries to write
 
     waiters = [threading.Thread(target=wait_child, args=(s, p), daemon=True, name=f"wait-{s}")
                for s, p in procs.items()]
     for t in waiters:
         t.start()
+
+    def deaf(why):  # events it cannot apply: the node leaves rather than stay deaf but fresh
+        print(f"[agent {args.node}] leaving the job: its events cannot be applied ({why})",
+              flush=True)
+        for p in procs.values():
+            sigkill(p)
+        _leave(where, code=5)
 
     def follow():
         events = EventFollower(lambda: open_store(timeout_s=max(60.0, ft["coordinator_timeout_s"])),
@@ -230,64 +241,66 @@ def main(argv=None) -> int:
                                    f"[agent {args.node}] event {i} without the job's secret ignored",
                                    flush=True))
         events.i = args.first_event
+        apply = EventApplier(agent, lambda: open_store(timeout_s=10.0),
+                             give_up_s=float(ft.get("node_timeout_s", 3.0)) / 2,
+                             log=lambda m: print(m, flush=True), on_deaf=deaf)
         while not stop.is_set():
             try:
                 ev = events.next(stop)
             except Exception:  # the store is gone: the coordinator died
-                with lock:
-                    agent.check_coordinator(error=True)
+                agent.check_coordinator(error=True)
                 time.sleep(0.5)
                 continue
-            if ev is not None:
-                with lock:
-                    agent.apply(ev)
+            if ev is not None and not apply(ev):
+                return
 
     threading.Thread(target=follow, daemon=True, name="events").start()
-
-    def beat():  # the agent's own beat, never behind a store request: its processes leave if it
-        while not stop.is_set():  # stops (client.BoardHeartbeat), not when the store is slow
-            try:
-                board.beat_agent()
-            except ValueError:  # the board was closed: the agent is ending
-                return
-            # cut off: probed from half a second before the coordinator's node timeout, so that
-            # the node has stopped by the time the job declares it lost
-            if presence is not None and agent.silent_for() > agent.node_timeout_s - PROBE_S \
-                    and presence.cut_off():
-                _fence_self(args.node, agent.silent_for(), procs, where)
-            time.sleep(float(ft.get("agent_interval_s", 0.25)))
-
-    threading.Thread(target=beat, daemon=True, name="agent-beat").start()
+    threading.Thread(target=store_reader, args=(agent, open_store, stop, agent.coord_every_s * 2),
+                     daemon=True, name="agent-reader").start()
 
     def rounds():  # the ranks' agreements (deadpool.rounds): their words on the board, folded
         while not stop.is_set():  # and written as soon as they move; their reports sent on
-            with lock:
-                try:
-                    agent.check_rounds()
-                except ValueError:  # the board was closed: the agent is ending
-                    return
-                except Exception:  # a store hiccup: the main loop reconnects; try again later
-                    pass
+            try:
+                agent.check_rounds()
+            except ValueError:  # the board was closed: the agent is ending
+                return
+            except Exception:  # a store hiccup: the main loop reconnects; try again later
+                pass
             bell.wait(ROUNDS_IDLE_S)
 
     threading.Thread(target=rounds, daemon=True, name="agent-rounds").start()
+    reconnecting = threading.Event()
+
+    def reconnect(err):  # off the main loop: a connect to a stopped host may block for long
+        try:
+            store = _reopen(open_store, err, args.node)
+            if store is not None:
+                agent.store = store
+        finally:
+            reconnecting.clear()
+
     interval = float(ft.get("agent_interval_s", 0.25))
     while any(t.is_alive() for t in waiters):
         time.sleep(interval)
-        with lock:
-            try:
-                agent.tick()
-            except Exception as e:  # a store hiccup: the next tick retries
-                agent.store = store = _reopen(open_store, e, args.node)
-                if store is None:
-                    agent.check_coordinator(error=True)
-    stop.set()
-    with lock:
         try:
-            agent.observe()
-            agent.publish()
-        except Exception:
-            pass
+            agent.tick()  # the record and the board beat: the node's one liveness signal
+        except ValueError:  # the board was closed: the agent is ending
+            break
+        except Exception as e:  # a store hiccup: reconnect on the side, the next tick retries
+            if not reconnecting.is_set():
+                reconnecting.set()
+                threading.Thread(target=reconnect, args=(e,), daemon=True).start()
+        # cut off: probed from half a second before the coordinator's node timeout, so that
+        # the node has stopped by the time the job declares it lost
+        if presence is not None and agent.silent_for() > agent.node_timeout_s - PROBE_S \
+                and presence.cut_off():
+            _fence_self(args.node, agent.silent_for(), procs, where)
+    stop.set()
+    try:
+        agent.observe()
+        agent.publish()
+    except Exception:
+        pass
     board.close()
     shutil.rmtree(where, ignore_errors=True)
     try:

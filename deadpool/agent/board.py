@@ -16,7 +16,12 @@ value did)::
                                sends on: ``agent.node.report_file``);
                                (the agent writes) fence
 
-A (generation, step) pair is packed into one word (``pack``), so it is read whole.
+A (generation, step) pair is packed into one word (``pack``), and a (generation, step, value)
+triple (an interval vote or decision) into one word too (``pack3``): one aligned 64-bit store, so
+a reader on any architecture sees the old triple or the new one, never a value of one with the
+step of the other (a "value first, then the step word" protocol relies on x86's store order;
+aarch64, e.g. GH200, may make the second store visible first, and Python has no barrier to
+order them).
 
 A process reads the header between its polled waits without a system call, where it used to ask
 the store; its heartbeat is a few word writes, where it used to be three store round trips.
@@ -37,17 +42,16 @@ import os
 import select
 from pathlib import Path
 
-MAGIC = 0x4450_4E42_0003  # "DPNB" v3
+MAGIC = 0x4450_4E42_0004  # "DPNB" v4
 HEADER_WORDS = 16
 SLOT_WORDS = 24
 PHASE_BYTES = 64  # slot words 8-15
 # header words
-_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECISION, \
-    _DECISION_K = range(10)
+_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECISION = range(9)
 # slot words
 _SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE, _REPLICATED, _VOTE = range(8)
 _PHASE_WORD = 8
-_VOTE_K, _REPORTS = 16, 17
+_REPORTS = 17  # (16: free)
 _STEP_BITS = 40
 
 
@@ -60,6 +64,26 @@ def unpack(word: int) -> tuple[int, int]:
     if word < 0:
         return -1, -1
     return word >> _STEP_BITS, (word & ((1 << _STEP_BITS) - 1)) - 1
+
+
+_K_BITS, _S3_BITS, _G3_BITS = 16, 30, 17  # 16 + 30 + 17 = 63: the word stays positive
+
+
+def pack3(generation: int, step: int, value: int) -> int:
+    """(generation, step, value) in one word: value below 2**16, step >= -1 below 2**30 - 1,
+    generation below 2**17. Out of range raises (never a silently wrapped word)."""
+    if not (0 <= value < 1 << _K_BITS and -1 <= step < (1 << _S3_BITS) - 1
+            and 0 <= generation < 1 << _G3_BITS):
+        raise ValueError(f"(generation {generation}, step {step}, value {value}) does not fit "
+                         "one board word")
+    return (generation << (_S3_BITS + _K_BITS)) | ((step + 1) << _K_BITS) | value
+
+
+def unpack3(word: int) -> tuple[int, int, int]:
+    if word < 0:
+        return -1, -1, 0
+    return (word >> (_S3_BITS + _K_BITS), ((word >> _K_BITS) & ((1 << _S3_BITS) - 1)) - 1,
+            word & ((1 << _K_BITS) - 1))
 
 COORD_SEEN, COORD_LOST, JOB_DONE, JOB_STOP = 1, 2, 4, 8
 # set by the agent in its children's environment: where the board is, and the child's record
@@ -219,12 +243,10 @@ class NodeBoard:
     @property
     def decision(self) -> tuple[int, int, int]:
         """(generation, vote step, interval) of the newest snapshot-interval decision."""
-        g, s = unpack(int(self.words[_DECISION]))
-        return g, s, int(self.words[_DECISION_K])
+        return unpack3(int(self.words[_DECISION]))
 
     def set_decision(self, generation: int, step: int, interval: int) -> None:
-        self.words[_DECISION_K] = interval  # first: a reader that sees the step sees its value
-        self.words[_DECISION] = pack(generation, step)
+        self.words[_DECISION] = pack3(generation, step, interval)  # one store: read whole
 
     # -- slot records ---------------------------------------------------------------------------------
     def _base(self, index: int) -> int:
@@ -279,15 +301,11 @@ class NodeBoard:
         return unpack(int(self.words[self._base(index) + _REPLICATED]))
 
     def set_vote(self, index: int, generation: int, step: int, interval: int) -> None:
-        b = self._base(index)
-        self.words[b + _VOTE_K] = interval  # first, as set_decision
-        self.words[b + _VOTE] = pack(generation, step)
+        self.words[self._base(index) + _VOTE] = pack3(generation, step, interval)  # one store
 
     def vote(self, index: int) -> tuple[int, int, int]:
         """(generation, step, interval) of a local rank's latest snapshot-interval vote."""
-        b = self._base(index)
-        g, s = unpack(int(self.words[b + _VOTE]))
-        return g, s, int(self.words[b + _VOTE_K])
+        return unpack3(int(self.words[self._base(index) + _VOTE]))
 
     def set_reports(self, index: int, n: int) -> None:
         """A local rank wrote its ``n``-th report (the file first)."""

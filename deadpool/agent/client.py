@@ -21,24 +21,37 @@ from pathlib import Path
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
                                   NODE_INDEX_ENV, Doorbell, NodeBoard, open_doorbell, ring,
                                   waker_name)
-from deadpool.agent.node import plan_file, report_file, write_whole
+from deadpool import auth
+from deadpool.agent.node import file_context, plan_file, read_file, report_file, write_whole
+from deadpool.protocol import Seal
 from deadpool.watchdog import Progress
 
 
 def write_report(board, node_dir: Path, index: int, generation: int, kind: str, rank: int,
-                 text: str) -> None:
-    """Local record ``index``'s next report: its file (``agent.node.report_file``), then its
-    count on the board (the process of that record is the count's only writer)."""
+                 text: str, seal: Seal | None = None) -> None:
+    """Local record ``index``'s next report: its file (``agent.node.report_file``, sealed with
+    the job's secret: the agent sends on nothing else), then its count on the board (the
+    process of that record is the count's only writer)."""
+    seal = seal or Seal(None)
     n = board.reports(index) + 1
-    write_whole(report_file(node_dir, index, n),
-                json.dumps({"g": generation, "kind": kind, "rank": rank, "text": text}))
+    path = report_file(node_dir, index, n)
+    write_whole(path, seal.wrap(file_context(path), json.dumps(
+        {"g": generation, "kind": kind, "rank": rank, "text": text})))
     board.set_reports(index, n)
 
 
+def _job_seal(environ=os.environ) -> Seal:
+    """The job's seal, from the secret the agent passed its children (none: unsealed, tests)."""
+    if environ.get(auth.SECRET_ENV) or environ.get(auth.SECRET_FILE_ENV):
+        return Seal(auth.load_secret(environ))
+    return Seal(None)
+
+
 class NodeLink:
-    def __init__(self, node_dir: Path, index: int):
+    def __init__(self, node_dir: Path, index: int, seal: Seal | None = None):
         self.node_dir = Path(node_dir)
         self.index = index
+        self.seal = seal if seal is not None else _job_seal()
         self.board = NodeBoard.open(self.node_dir / "board")
         self.slot = self.board.slot_of(index)
         self._lock = threading.Lock()
@@ -61,17 +74,30 @@ class NodeLink:
 
     def plan_text(self, generation: int) -> str | None:
         """Plan ``generation``'s wire text (``protocol_wire``) once the agent holds it (it writes
-        each plan in turn); the caller decodes it against the plan it holds."""
-        if self.board.plan_generation < generation:
+        each plan in turn); the caller decodes it against the plan it holds. A reader so far
+        behind that the agent dropped that plan's file (it keeps the newest few) gets the
+        newest plan's text instead: the caller decodes it, or on ``BaseMismatch`` reads the
+        newest in full (``protocol_wire.fetch_plan`` jumps to it too). Raises
+        ``auth.AuthError`` for a file the job did not seal."""
+        newest = self.board.plan_generation
+        if newest < generation:
             return None
-        return plan_file(self.node_dir, generation).read_text()
+        for g in (generation, newest):
+            path = plan_file(self.node_dir, g)
+            try:
+                return self.seal.unwrap(file_context(path), read_file(path))
+            except FileNotFoundError:
+                continue
+        # (the agent replaced the newest meanwhile: the next poll finds it)
+        return None
 
     def report(self, generation: int, kind: str, rank: int, text: str) -> None:
         """Rank ``rank``'s report of ``kind`` (status, timing, first_step, protected) for the
         coordinator: the file, then the board word the agent watches; the agent sends its
         node's reports on together (``NodeAgent.check_reports``)."""
         with self._lock:  # the training and replication threads both report
-            write_report(self.board, self.node_dir, self.index, generation, kind, rank, text)
+            write_report(self.board, self.node_dir, self.index, generation, kind, rank, text,
+                         self.seal)
         self.wake()
 
     def aborted(self, generation: int) -> bool:

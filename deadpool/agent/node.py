@@ -5,10 +5,17 @@ state.
 or by the control-plane benchmark for thousands of simulated nodes::
 
     tick()          every ft.agent_interval_s: read the board (each local process's beat and
-                    progress), judge them with a ``watchdog.Liveness`` on this node's clock, and
-                    write one sealed record ``node/<n>`` (format: ``watchdog.NodeLiveness``);
-                    every second or so, check the coordinator's heartbeat
-    apply(event)    a pushed event (agent/events.py): abort -> the board's abort generation;
+                    progress), judge them with a ``watchdog.Liveness`` on this node's clock,
+                    write one sealed record ``node/<n>`` (format: ``watchdog.NodeLiveness``) and
+                    beat the board: the one liveness signal of the node. The coordinator
+                    declares the node lost when the record stops, its processes fence
+                    themselves when the board beat stops (``client.BoardHeartbeat``), and both
+                    stop together (a stopped or deaf agent, a tick stuck in a store call). A
+                    tick never reads the store: the coordinator's silence is judged on this
+                    clock from what ``poll_store`` (another thread, its own client) last saw
+    poll_store()    every second or so: the coordinator's heartbeat, the job's step
+    apply(event)    a pushed event (agent/events.py; ``fetch`` first does its store reads, and
+                    ``agent.loops.EventApplier`` retries or escalates): abort -> the board's abort generation;
                     plan -> fetch the plan once for the node (a delta), hand its text to the
                     local processes (a file next to the board) and restart their progress clocks; fence ->
                     SIGKILL the named local processes; done / stop -> board flags
@@ -24,6 +31,11 @@ or by the control-plane benchmark for thousands of simulated nodes::
                     -> one sealed key per node, kind and generation (``Keys.node_report``),
                     rewritten as more arrive
 
+The agent's state is guarded by its own lock, never held across a store call: a read that
+stalls (a stopped coordinator, a plan fetch) holds up its own thread only. An agent that cannot
+go on (``go_deaf``: events it cannot apply) stops its record and board beat, so that its node is
+lost to the job rather than deaf to it.
+
 What the node costs the store in steady state: one record per interval and one coordinator
 heartbeat read per second, whatever the number of its processes; per recovery, a write or two
 per node and kind of report instead of one per rank.
@@ -33,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -52,20 +65,41 @@ def node_key(node: int) -> str:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Write ``path`` so that a reader sees all of ``text`` or no file."""
+    """Write ``path`` so that a reader sees all of ``text`` or no file (never through a link:
+    the temporary file is created anew, ``O_EXCL | O_NOFOLLOW``)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
+    try:
+        tmp.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     os.replace(tmp, path)
 
 
+def read_file(path: Path) -> str:
+    """A node file's text, never through a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
 def plan_file(node_dir: Path, generation: int) -> Path:
+    """Plan ``generation``'s wire text for the node's processes, sealed (``file_context``)."""
     return Path(node_dir) / f"plan-{generation}.wire"
 
 
 def report_file(node_dir: Path, index: int, n: int) -> Path:
     """The ``n``-th report of the process of local record ``index`` (``agent.client.NodeLink
-    .report``): JSON ``{"g", "kind", "rank", "text"}``."""
+    .report``): JSON ``{"g", "kind", "rank", "text"}``, sealed (``file_context``)."""
     return Path(node_dir) / f"report-{index}-{n}.json"
+
+
+def file_context(path: Path) -> str:
+    """The seal context of a node file: its name (a sealed plan or report cannot be replayed
+    under another name; the directory is private to the job's user, ``agent.shm``)."""
+    return f"node-file/{Path(path).name}"
 
 
 class NodeAgent:
@@ -88,6 +122,10 @@ class NodeAgent:
         self._layout: dict = {}  # the layout of the plan held ({}: the configured width)
         self.decode = decode  # protocol_wire.decode_plan (the benchmark shares one per process)
         self.clock = clock
+        self.lock = threading.RLock()  # the agent's state; never held across a store call
+        self._send = threading.Lock()  # records go out in order (held across a write only)
+        self.deaf: str | None = None  # why this agent cannot go on (``go_deaf``)
+        self.on_forged = None  # called with a node file's name that failed its seal
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
         self.coordinator_timeout_s = float(ft["coordinator_timeout_s"])
@@ -111,11 +149,12 @@ class NodeAgent:
 
     # -- the periodic part ----------------------------------------------------------------------------
     def observe(self) -> None:
-        for i, slot in enumerate(self.slots):
-            pid, beat, prog, step, phase = self.board.read_beat(i)
-            if beat > 0:
-                self.pids[slot] = pid
-                self.live.update(slot, beat, prog, step, phase)
+        with self.lock:
+            for i, slot in enumerate(self.slots):
+                pid, beat, prog, step, phase = self.board.read_beat(i)
+                if beat > 0:
+                    self.pids[slot] = pid
+                    self.live.update(slot, beat, prog, step, phase)
 
     def record(self) -> str:
         """This node's sealed-record text (``watchdog.NodeLiveness`` reads it)."""
@@ -135,7 +174,7 @@ class NodeAgent:
                 slow[str(s)] = [round(age, 3), pid is not None and process_stopped(pid)]
         head = f"{self.seq} {self.plan_generation} {max(steps, default=-1)} {len(busy)} {len(stalled)}"
         detail = {}
-        self._rounds = replicated, vote = self.fold()
+        self._rounds = replicated, vote = self._fold()
         if replicated is not None:
             detail["repl"] = replicated
         if vote is not None:
@@ -148,14 +187,31 @@ class NodeAgent:
             detail["own"] = own
         return head + (" " + json.dumps(detail, separators=(",", ":")) if detail else "")
 
-    def publish(self, urgent: bool = False) -> None:
-        self.seq += 1
+    def publish(self, urgent: bool = False) -> bool:
+        """Write the record (False, nothing written, once the agent went deaf). The text is
+        made under the lock, the write is not."""
         key = node_key(self.node)
-        self.store.set(key, self.seal.wrap(key, self.record()))
+        with self._send:
+            with self.lock:
+                if self.deaf is not None:
+                    return False
+                self.seq += 1
+                text = self.seal.wrap(key, self.record())
+            self.store.set(key, text)
         self.last_contact = self.clock()
         if urgent:
             self.store.add(NODES_CHANGED, 1)
             wake_coordinator(self.store)
+        return True
+
+    def go_deaf(self, why: str) -> None:
+        """This agent cannot carry out the coordinator's events: from now on it writes no
+        record and no board beat, so the job declares its node lost within
+        ``ft.node_timeout_s`` and the node's processes fence themselves at the same timeout
+        (a node that is deaf but fresh would stall recoveries and never carry out a fence)."""
+        with self.lock:
+            if self.deaf is None:
+                self.deaf = why
 
     def silent_for(self) -> float:
         """Seconds since the store last took this node's record: past ``ft.node_timeout_s`` the
@@ -163,16 +219,41 @@ class NodeAgent:
         return self.clock() - self.last_contact
 
     def tick(self) -> None:
+        """Record and board beat, one signal; then the coordinator's silence, on this clock
+        (no store read: ``poll_store`` reads, on its own thread and client). A failed write
+        raises after the beat: the node's processes follow the agent, not the store (a stopped
+        coordinator is the coordinator-loss path, a cut-off node fences itself by presence)."""
         self.observe()
-        self.publish()
+        try:
+            if self.publish():
+                self.board.beat_agent()
+        except Exception:
+            if self.deaf is None:
+                self.board.beat_agent()
+            raise
+        finally:
+            self.judge_coordinator()
+
+    def poll_store(self, store=None) -> None:
+        """The store reads the node needs now and then (every ``coord_every_s``): the
+        coordinator's heartbeat, and the job's step for an idle spare's faults (faults.py).
+        ``store``: the caller's own client (a read that stalls holds up only its caller)."""
+        store = store or self.store
         now = self.clock()
-        if now - self._coord_checked >= self.coord_every_s:
-            self._coord_checked = now
-            self.check_coordinator()
-        if any(s not in self.assigned and s not in self.exits for s in self.slots):
-            self._job_step()  # an idle spare's faults key on the job's step (faults.py)
+        if now - self._coord_checked < self.coord_every_s:
+            return
+        self._coord_checked = now
+        self.check_coordinator(store=store)
+        with self.lock:
+            idle_spare = any(s not in self.assigned and s not in self.exits for s in self.slots)
+        if idle_spare:
+            self._job_step(store)
 
     def fold(self) -> tuple[list | None, list | None]:
+        with self.lock:
+            return self._fold()
+
+    def _fold(self) -> tuple[list | None, list | None]:
         """This node's part of the agreements of generation ``plan_generation``: [g, the newest
         step every local rank replicated] once each has replicated one, and [g, step, the widest
         interval] once each voted at that step (``deadpool.rounds``). None where not yet."""
@@ -200,47 +281,75 @@ class NodeAgent:
     def check_reports(self) -> None:
         """Send on the reports the local ranks wrote since the last check: one sealed key per
         generation and kind, holding every local rank's report of it so far (rewritten when
-        one more arrives). Reports of generations two behind the newest are dropped."""
-        for i in range(self.board.num_slots):
-            n, done = self.board.reports(i), self._reports_read.get(i, 0)
-            for k in range(done + 1, n + 1):
-                path = report_file(self.node_dir, i, k)
-                try:
-                    r = json.loads(path.read_text())
-                    path.unlink()
-                except (OSError, ValueError):
-                    continue  # (the rank writes the file before the word: not expected)
-                at = (int(r["g"]), str(r["kind"]))
-                self._reports.setdefault(at, {})[str(int(r["rank"]))] = r["text"]
-                self._unsent.add(at)
-            self._reports_read[i] = max(n, done)
-        if not self._unsent:
-            return
-        newest = max(g for g, _ in self._reports)
-        for at in [at for at in self._reports if at[0] < newest - 1]:
-            del self._reports[at]
-            self._unsent.discard(at)
-        for g, kind in sorted(self._unsent):  # a store error leaves the rest for the next check
-            reports.post(self.store, self.seal, Keys(g).node_report(kind, self.node),
-                         json.dumps(self._reports[g, kind]))
-            self._unsent.discard((g, kind))
+        one more arrives). Reports of generations two behind the newest are dropped, and so is
+        a file that fails its seal (``on_forged``)."""
+        with self.lock:
+            for i in range(self.board.num_slots):
+                n, done = self.board.reports(i), self._reports_read.get(i, 0)
+                for k in range(done + 1, n + 1):
+                    r = self._read_report(report_file(self.node_dir, i, k))
+                    if r is None:
+                        continue
+                    at = (int(r["g"]), str(r["kind"]))
+                    self._reports.setdefault(at, {})[str(int(r["rank"]))] = r["text"]
+                    self._unsent.add(at)
+                self._reports_read[i] = max(n, done)
+            if not self._unsent:
+                return
+            newest = max(g for g, _ in self._reports)
+            for at in [at for at in self._reports if at[0] < newest - 1]:
+                del self._reports[at]
+                self._unsent.discard(at)
+            out = [(g, kind, json.dumps(self._reports[g, kind])) for g, kind in sorted(self._unsent)]
+            self._unsent.clear()
+        for n, (g, kind, text) in enumerate(out):
+            try:
+                reports.post(self.store, self.seal, Keys(g).node_report(kind, self.node), text)
+            except Exception:  # a store error leaves the rest for the next check
+                with self.lock:
+                    self._unsent.update((g2, k2) for g2, k2, _ in out[n:] if (g2, k2) in self._reports)
+                raise
 
-    def check_coordinator(self, error: bool = False) -> None:
-        """The coordinator's heartbeat advanced lately; else its processes save and exit."""
+    def _read_report(self, path: Path) -> dict | None:
+        try:
+            raw = read_file(path)
+            path.unlink()
+        except OSError:
+            return None  # (the rank writes the file before the word: not expected)
+        text = self.seal.open(file_context(path), raw)
+        if text is None:
+            if self.on_forged is not None:
+                self.on_forged(path.name)
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+
+    def check_coordinator(self, error: bool = False, store=None) -> None:
+        """Read the coordinator's heartbeat (``store``: the caller's client), then judge its
+        silence (``judge_coordinator``)."""
         beat = None
-        if not error:
+        store = store or self.store
+        if not error and store is not None:
             try:  # once seen, the key always exists: one request, not two
-                text = self.seal.open(Keys.COORD_HB, self.store.get(Keys.COORD_HB)) \
-                    if self._coord[0] >= 0 or self.store.check([Keys.COORD_HB]) else None
+                text = self.seal.open(Keys.COORD_HB, store.get(Keys.COORD_HB)) \
+                    if self._coord[0] >= 0 or store.check([Keys.COORD_HB]) else None
                 beat = None if text is None else int(text)
             except Exception:
                 beat = None
-        now = self.clock()
-        if beat is not None and beat > self._coord[0]:
-            self._coord = (beat, now)
-            self.board.set_flag(COORD_SEEN)
-        elif now - self._coord[1] > self.coordinator_timeout_s:
-            self.lose_coordinator()
+        with self.lock:
+            if beat is not None and beat > self._coord[0]:
+                self._coord = (beat, self.clock())
+                self.board.set_flag(COORD_SEEN)
+        self.judge_coordinator()
+
+    def judge_coordinator(self) -> None:
+        """The coordinator's heartbeat advanced within ``coordinator_timeout_s`` on this clock;
+        else its processes save and exit. No store call: a read that hangs cannot delay it."""
+        with self.lock:
+            if self.clock() - self._coord[1] > self.coordinator_timeout_s:
+                self.lose_coordinator()
 
     def lose_coordinator(self) -> None:
         """The coordinator is gone (its heartbeat stopped, or a signal found the store silent):
@@ -250,24 +359,43 @@ class NodeAgent:
             self.board.set_flag(COORD_LOST)
             self.wake()
 
-    def _job_step(self) -> None:
-        if self.store.check([Keys.JOB_STEP]):
-            text = self.seal.open(Keys.JOB_STEP, self.store.get(Keys.JOB_STEP))
+    def _job_step(self, store) -> None:
+        if store.check([Keys.JOB_STEP]):
+            text = self.seal.open(Keys.JOB_STEP, store.get(Keys.JOB_STEP))
             if text is not None:
                 self.board.set_job_step(int(text))
 
     # -- the pushed part ------------------------------------------------------------------------------
     def on_exit(self, slot: int, code: int) -> None:
-        self.exits[slot] = code
+        with self.lock:
+            self.exits[slot] = code
         self.observe()  # the last beats, the dead process's included
         self.publish(urgent=True)
 
-    def apply(self, event: dict) -> None:
+    def fetch(self, event: dict, store=None):
+        """The store reads an event needs, done before ``apply`` and outside the lock (only the
+        events thread changes the plan held): a plan's ``(plan, text)``, else None."""
+        if event["kind"] != "plan":
+            return None
+        # fetched once per node; its processes get the same wire text (a delta of a few hundred
+        # bytes), which each decodes against the plan it holds (NodeLink.plan_text)
+        return fetch_plan(store or self.store, self.seal, int(event["g"]), self.plan,
+                          self.group_keys, self.decode)
+
+    def apply(self, event: dict, fetched=None) -> None:
         kind = event["kind"]
+        if kind == "plan" and fetched is None:
+            fetched = self.fetch(event)
+        with self.lock:
+            self._apply(event, kind, fetched)
+        if kind in ("plan", "done", "stop"):
+            self.wake()  # a process waiting for its plan (a warm spare) blocks on its waker
+
+    def _apply(self, event: dict, kind: str, fetched) -> None:
         if kind == "abort":
             self.board.announce_abort(int(event["g"]))
         elif kind == "plan":
-            self._take_plan(int(event["g"]))
+            self._take_plan(*fetched)
         elif kind == "fence":
             for slot in event["slots"]:
                 if slot in self.index and slot not in self.fenced:
@@ -282,20 +410,26 @@ class NodeAgent:
             self.board.set_flag(JOB_DONE)
         elif kind == "stop":
             self.board.set_flag(JOB_STOP)
-        if kind in ("plan", "done", "stop"):
-            self.wake()  # a process waiting for its plan (a warm spare) blocks on its waker
 
-    def _take_plan(self, g: int) -> None:
-        # fetched once per node; its processes get the same wire text (a delta of a few hundred
-        # bytes), which each decodes against the plan it holds (NodeLink.plan_text)
-        plan, text = fetch_plan(self.store, self.seal, g, self.plan, self.group_keys, self.decode)
+    def _take_plan(self, plan: Plan, text: str) -> None:
+        """Hand plan ``g`` (or the newer one ``fetch_plan`` jumped to) to the node's processes:
+        its file, sealed, then the board's plan word; older files beyond the newest
+        ``KEEP_PLAN_FILES`` go (a reader behind them gets the newest: ``NodeLink.plan_text``)."""
+        g = plan.generation
+        if g <= self.plan_generation:
+            return  # (a jump already took it)
         if self._keys_for is not None and plan.layout != self._layout:  # an in-place reshape
             self._layout, self.group_keys = plan.layout, self._keys_for(plan.layout)
-        write_whole(plan_file(self.node_dir, g), text)
+        path = plan_file(self.node_dir, g)
+        write_whole(path, self.seal.wrap(file_context(path), text))
         self.plan, self.plan_generation = plan, g
         self.assigned = {s for s in self.slots if s in plan.slot_ranks}
         for s in self.assigned:  # every process starts the new generation's clock
             self.live.reset_progress(s)
         self.board.publish_plan(g)
-        old = plan_file(self.node_dir, g - KEEP_PLAN_FILES)
-        old.unlink(missing_ok=True)
+        for old in self.node_dir.glob("plan-*.wire"):
+            try:
+                if int(old.stem.split("-")[1]) <= g - KEEP_PLAN_FILES:
+                    old.unlink(missing_ok=True)
+            except ValueError:
+                pass

@@ -32,3 +32,23 @@ def test_bad_phase_is_rejected():
         FaultEvent.from_cfg({"rank": 0, "step": 1, "phase": "lunch", "kind": "kill"})
     with pytest.raises(ValueError):
         FaultEvent.from_cfg({"rank": 0, "step": 1, "phase": "mid_step", "kind": "explode"})
+
+
+def test_a_stop_agent_fault_stops_the_node_agent_and_not_the_process(monkeypatch):
+    import os
+    import signal
+
+    from deadpool.agent.board import NODE_DIR_ENV
+    sent = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    ev = FaultEvent.from_cfg({"rank": 0, "step": 2, "phase": "mid_step", "kind": "stop_agent"})
+    inj = FaultInjector([ev], slot=0)
+    inj.set_rank(0)
+    monkeypatch.delenv(NODE_DIR_ENV, raising=False)
+    with pytest.raises(InjectedFault, match="needs node agents"):
+        inj.fire(2, "mid_step")
+    inj = FaultInjector([ev], slot=0)
+    inj.set_rank(0)
+    monkeypatch.setenv(NODE_DIR_ENV, "/nonexistent")
+    inj.fire(2, "mid_step")
+    assert sent == [(os.getppid(), signal.SIGSTOP)]

@@ -116,14 +116,55 @@ def test_a_killed_node_agent_loses_its_node_and_spares_take_both_ranks(reference
     assert job_processes(tmp_path) == []
 
 
+def run_watching(overrides, run_dir, before: int, after: int):
+    """Run the job on a thread; the workers' pids (slot -> pid) once a step >= ``before`` is
+    written and again once one >= ``after`` is (None where the job ended first)."""
+    result, seen = {}, {}
+    job = threading.Thread(target=lambda: result.update(
+        run_job(compose_train(overrides, run_dir), log=quiet)))
+    job.start()
+    for name, step in (("before", before), ("after", after)):
+        deadline = time.time() + 240
+        while newest_step(run_dir) < step and time.time() < deadline and job.is_alive():
+            time.sleep(0.05)
+        seen[name] = slot_pids(run_dir) if job.is_alive() else None
+    job.join(300)
+    assert not job.is_alive()
+    return result, seen
+
+
 def test_a_rank_and_its_agent_dying_together_are_one_node_loss(reference, tmp_path):
+    """One recovery, naming both of the node's ranks; the other node's processes (slots 2, 3)
+    are the same processes before and after it."""
     ev = "faults.events=[{rank:0,step:8,phase:mid_step,kind:kill_node}]"
-    summary = run_job(compose_train(BASE + ["ft.num_spares=2", ev], tmp_path), log=quiet)
+    summary, pids = run_watching(BASE + ["ft.num_spares=2", ev], tmp_path, before=4, after=12)
     assert summary["outcome"] == "completed", summary["message"]
-    assert lost(summary) == {0, 1}
+    (rec,) = summary["recoveries"]
+    assert sorted(rec["failed_rank"]) == [0, 1] and rec["outcome"] == "hot-swapped", rec
+    assert pids["before"] and pids["after"], pids
+    assert {s: pids["before"][s] for s in (2, 3)} == {s: pids["after"][s] for s in (2, 3)}, pids
     assert on_one_spare_node(tmp_path, [0, 1]), final_slots(tmp_path)
     equal, why = compare_final_states(tmp_path, reference)
     assert equal, why
+
+
+def test_a_stopped_agent_loses_its_node_and_its_processes_fence_themselves(reference, tmp_path):
+    """A SIGSTOPped agent (its processes train on): its record and its board beat stop
+    together, so the job declares the node lost at ``ft.node_timeout_s`` and the node's
+    processes fence themselves at the same timeout; the stopped agent is killed at the fence
+    (nothing is left), spares take both ranks, and the end state is the failure-free one."""
+    ev = "faults.events=[{rank:2,step:8,phase:mid_step,kind:stop_agent}]"
+    summary, pids = run_watching(BASE + ["ft.num_spares=2", ev], tmp_path, before=4, after=14)
+    assert summary["outcome"] == "completed", summary["message"]
+    (rec,) = summary["recoveries"]
+    assert sorted(rec["failed_rank"]) == [2, 3] and rec["outcome"] == "hot-swapped", rec
+    assert {s: pids["before"][s] for s in (0, 1)} == {s: pids["after"][s] for s in (0, 1)}, pids
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").glob("*.log"))
+    assert "the node agent has been silent" in logs  # a process of the node fenced itself
+    assert on_one_spare_node(tmp_path, [2, 3]), final_slots(tmp_path)
+    equal, why = compare_final_states(tmp_path, reference)
+    assert equal, why
+    assert job_processes(tmp_path) == []  # the stopped agent too
 
 
 def test_a_node_lost_while_its_spare_receives_a_state_is_recovered_by_the_next_spare(

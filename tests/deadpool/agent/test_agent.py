@@ -87,7 +87,7 @@ def test_a_waiting_process_is_woken_by_its_agent_on_a_plan_or_flag_and_only_then
     clock = Clock()
     agent = NodeAgent(3, board, store, Seal(SECRET), FT, tmp_path, clock=clock,
                       wake=lambda: [w.ring() for w in wakers])
-    links = [NodeLink(tmp_path, i) for i in range(2)]
+    links = [NodeLink(tmp_path, i, seal=Seal(SECRET)) for i in range(2)]
     t0 = time.monotonic()
     assert not links[1].sleep(0.1) and time.monotonic() - t0 >= 0.1  # nothing rang
     seal = Seal(SECRET)
@@ -116,7 +116,7 @@ def test_a_rank_s_step_is_on_the_board_as_it_enters_it_not_at_its_next_beat(tmp_
     from functools import partial
 
     board = NodeBoard.create(tmp_path / "board", [0, 1])
-    link = NodeLink(tmp_path, 1)
+    link = NodeLink(tmp_path, 1, seal=Seal(SECRET))
     p = Progress()
     hb = BoardHeartbeat(link, 60.0, p)  # not started: no beat but the ones written here
     p.on_step = partial(link.board.set_step, link.index)
@@ -159,7 +159,7 @@ def test_agent_record_is_one_sealed_line_naming_only_what_is_wrong(tmp_path):
     key = Keys.plan(0)
     store.set(key, seal.wrap(key, _plan(0, {0: 0, 1: 1}).to_json()))
     agent.apply({"kind": "plan", "g": 0})
-    links = [NodeLink(tmp_path, i) for i in range(2)]
+    links = [NodeLink(tmp_path, i, seal=Seal(SECRET)) for i in range(2)]
     ps = [Progress() for _ in range(2)]
     hbs = [BoardHeartbeat(link, 0.05, p) for link, p in zip(links, ps)]
     for link, p in zip(links, ps):  # (the step word is the training thread's, as in Worker)
@@ -195,7 +195,7 @@ def test_agent_applies_pushed_events_to_its_board_and_processes(tmp_path):
     store = auth.namespaced(client(master.port), SECRET)
     killed = []
     agent, board = _agent(tmp_path, store, slots=(4, 5), killed=killed)
-    link = NodeLink(tmp_path, 1)
+    link = NodeLink(tmp_path, 1, seal=Seal(SECRET))
     seal = Seal(SECRET)
     p = _plan(2, {0: 5, 1: 9})
     store.set(Keys.plan(2), seal.wrap(Keys.plan(2), p.to_json()))
@@ -276,8 +276,13 @@ def test_events_are_followed_in_order_with_blocking_waits_and_forgeries_are_skip
     seal = Seal(SECRET)
     log = EventLog(auth.namespaced(client(master.port), SECRET), seal)
     forged = []
-    follower = EventFollower(lambda: auth.namespaced(client(master.port), SECRET), seal,
-                             wait_s=0.3, on_forged=forged.append)
+    opened = []
+
+    def open_store():
+        opened.append(1)
+        return auth.namespaced(client(master.port), SECRET)
+
+    follower = EventFollower(open_store, seal, wait_s=0.3, on_forged=forged.append)
     got = []
 
     def follow():
@@ -286,7 +291,12 @@ def test_events_are_followed_in_order_with_blocking_waits_and_forgeries_are_skip
 
     t = threading.Thread(target=follow, daemon=True)
     t.start()
-    time.sleep(0.5)  # the follower's first wait times out once: it retries on a fresh client
+    # the follower's first wait times out (nothing pushed): it retries on a fresh client. Pushed
+    # only once that happened (a second client), however slowly the thread got there
+    deadline = time.monotonic() + 30
+    while len(opened) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(opened) >= 2, "the follower's wait never timed out and retried"
     log.push("abort", g=0)
     auth.namespaced(client(master.port), SECRET).set(event_key(1), "forged")  # no secret
     time.sleep(0.2)
@@ -359,7 +369,7 @@ def test_reports_go_through_the_agent_one_sealed_key_per_node_and_kind(tmp_path)
     store = auth.namespaced(client(master.port), SECRET)
     seal = Seal(SECRET)
     agent, board = _agent(tmp_path, store, slots=(4, 5))
-    links = [NodeLink(tmp_path, i) for i in range(2)]
+    links = [NodeLink(tmp_path, i, seal=Seal(SECRET)) for i in range(2)]
     node_of = {0: 3, 1: 3, 2: 7}.get  # ranks 0, 1 on this node (3), rank 2 on node 7
     keys = Keys(2)
 
@@ -448,7 +458,7 @@ def test_an_agent_follows_an_in_place_width_change_and_reads_the_next_plans_as_d
     fixed, rec_fixed = agent(keys({}), tmp_path / "fixed")
     for a in (follows, fixed):
         for g in (0, 1, 2):
-            a._take_plan(g)
+            a.apply({"kind": "plan", "g": g})
         assert a.plan == p2
     assert Keys.plan_full(2) not in rec.got  # the delta, decoded at the new width
     assert Keys.plan_full(2) in rec_fixed.got  # the configured width's keys: the full form

@@ -58,7 +58,7 @@ def _job(tmp_path):
         agent = NodeAgent(node, NodeBoard.create(where / "board", slots), store, seal, FT, where)
         agent.apply({"kind": "plan", "g": G})
         agents.append(agent)
-        rounds += [BoardRounds(NodeLink(where, i), G) for i in range(2)]
+        rounds += [BoardRounds(NodeLink(where, i, seal=Seal(SECRET)), G) for i in range(2)]
     live = NodeLiveness(1.0, 10.0, 3.0, lambda s: s // 2)
     coord = SimpleNamespace(gen=G, _agreed=(-1, -1, -1), _rank_nodes=[], live=live,
                             members=SimpleNamespace(ranks=plan.assignments),
@@ -87,7 +87,7 @@ def test_a_step_is_protected_once_every_rank_of_every_node_replicated_it(tmp_pat
     read()  # nothing new: nothing pushed again
     assert len(coord.events.pushed) == 1
     # another generation's protection says nothing about this one
-    assert not BoardRounds(NodeLink(tmp_path / "node0", 0), G + 1).protected(8)
+    assert not BoardRounds(NodeLink(tmp_path / "node0", 0, seal=Seal(SECRET)), G + 1).protected(8)
 
 
 def test_every_rank_reads_the_widest_interval_voted_once_all_voted(tmp_path):

@@ -30,7 +30,9 @@ an agent's ``job/stop_request`` (its signal: ``deadpool.stop``);
 hints: each rank also writes a sealed per-rank key (``finished/<rank>``, ``checkpointed/<rank>``,
 ``error/<rank>``, ``protected/<rank>``) and only those count, so a bumped counter steers nothing.
 
-Under node agents the ranks' agreements (the protected snapshot step, the snapshot interval:
+Under node agents the files on a node (``agent.node.plan_file``, ``report_file``) are sealed
+too, bound to their names, in a directory only the job's user can enter (``agent.shm``): a
+planted plan or report is refused, never acted on or sent on. The ranks' agreements (the protected snapshot step, the snapshot interval:
 ``deadpool.rounds``) never touch an unsealed key: ranks write them on their node's board, agents
 carry them in their sealed records, and the results come back as sealed events.
 

@@ -10,9 +10,15 @@ DeadPool's correctness depends on it (torch 2.13, NCCL 2.2x; see the NCCL sectio
 - ``wait(timeout)`` that expires aborts the communicator (torch's timed wait on NCCL does);
 - ``wait()`` without a timeout is a stream wait on real NCCL (the host goes on). On CPU the
   host must have the data before it computes with it, so the fake blocks until the op completes
-  or the group is aborted: the same calls in the same order, without the overlap.
+  or the group is aborted: the same calls in the same order, without the overlap;
+- the work itself is asynchronous (gloo runs it on its own threads): ``is_completed()`` is
+  false until it ran, and a device event recorded after it reports incomplete until then.
 
-``FakeEvents`` replaces ``torch.cuda.Event`` and counts host synchronisations per thread.
+``FakeEvents`` replaces ``torch.cuda.Event`` and counts host synchronisations per thread: what
+blocks the host on the device on real NCCL, i.e. an event recorded to be waited on, and the
+issuing thread asking its own work whether it completed (a poll loop), waiting on it with a
+timeout (torch's timed wait blocks the host) or synchronising it. A plain ``wait()`` is a stream
+wait and is not counted.
 ``install(monkeypatch, script)`` puts both into ``deadpool.comm``; ``script`` decides per posted
 op whether it stalls (never completes, as when a peer dies inside it) or fails.
 """
@@ -47,6 +53,13 @@ class Script:
         pass
 
 
+# per issuing thread: the works it posted that may not have run yet (a device event recorded
+# now completes once they all did)
+OUTSTANDING: dict[int, list] = {}
+# the counter of host synchronisations (``FakeEvents.syncs``), set by ``install``
+SYNCS: Counter = Counter()
+
+
 class FakeNCCLGroup:
     def __init__(self, pg, prefix: str, rank: int, script: Script):
         self.pg, self.prefix, self.rank, self.script = pg, prefix, rank, script
@@ -66,8 +79,13 @@ class FakeNCCLGroup:
         n = self.posts[name]
         if self.script.stall(self.prefix, self.rank, name, n):
             self.script.on_stall(self)
-            return FakeNCCLWork(self, None, outs)
-        return FakeNCCLWork(self, launch(), outs, self.script.fail(self.prefix, self.rank, name, n))
+            work = FakeNCCLWork(self, None, outs)
+        else:
+            work = FakeNCCLWork(self, launch(), outs,
+                                self.script.fail(self.prefix, self.rank, name, n))
+        mine = OUTSTANDING.setdefault(threading.get_ident(), [])
+        mine[:] = [w for w in mine if not w.done()] + [work]
+        return work
 
     def allreduce(self, tensors, opts=None):
         return self._post("allreduce", tensors, lambda: self.pg.allreduce(tensors, opts)
@@ -89,16 +107,32 @@ class FakeNCCLGroup:
 class FakeNCCLWork:
     def __init__(self, group: FakeNCCLGroup, work, outs, fail: str | None = None):
         self.group, self.work, self.outs, self.fail = group, work, outs, fail
+        self.issuer = threading.get_ident()
 
-    def is_completed(self) -> bool:
+    def done(self) -> bool:
+        """The device ran it (or it ended early: aborted, failed)."""
         return (self.group.aborted or self.fail is not None
                 or (self.work is not None and self.work.is_completed()))
+
+    def _host_sync(self) -> None:
+        if threading.get_ident() == self.issuer:
+            SYNCS[self.issuer] += 1
+
+    def is_completed(self) -> bool:
+        self._host_sync()  # the issuing host asking the device
+        return self.done()
+
+    def synchronize(self) -> None:
+        self._host_sync()
+        self.wait()
 
     def _junk(self) -> None:
         for t in self.outs:
             t.fill_(float("nan") if t.is_floating_point() else -1)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None:
+            self._host_sync()  # a timed wait blocks the host on real NCCL
         t0 = time.monotonic()
         while True:
             if self.fail is not None:
@@ -125,23 +159,33 @@ class FakeNCCLWork:
 
 
 class FakeEvents:
-    """``torch.cuda.Event`` for the communicator: ``record`` marks a host sync (per thread)."""
+    """``torch.cuda.Event`` for the communicator: ``record`` marks a host sync (per thread);
+    ``query`` is false until every work the recording thread posted before it ran."""
 
     def __init__(self):
-        self.syncs: Counter = Counter()
+        self.syncs = SYNCS
+        SYNCS.clear()
+        OUTSTANDING.clear()
 
     def __call__(self):
         events = self
 
         class Event:
+            def __init__(self):
+                self.before: list = []
+
             def record(self):
-                events.syncs[threading.get_ident()] += 1
+                me = threading.get_ident()
+                events.syncs[me] += 1
+                self.before = [w for w in OUTSTANDING.get(me, []) if not w.done()]
 
             def query(self):
-                return True  # the fake's waits already blocked until their ops were done
+                self.before = [w for w in self.before if not w.done()]
+                return not self.before
 
             def synchronize(self):
-                pass
+                while not self.query():
+                    time.sleep(0.0005)
         return Event()
 
 

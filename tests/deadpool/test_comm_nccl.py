@@ -98,7 +98,9 @@ def test_the_training_thread_syncs_once_per_step_and_asks_the_store_nothing_per_
     assert seen[4][2] > 2 * seen[1][2]  # many more collectives...
     assert seen[4][0] == seen[1][0]  # ...and exactly the same store requests
     assert max(seen[1][0]) <= 2 * steps  # a few per step at most (the schedule's vote)
-    # one host sync per step per rank, whatever the number of collectives
+    # one host sync per step per rank, whatever the number of collectives (the fake counts every
+    # way the host can block on the device: an event recorded, a work polled for completion,
+    # waited on with a timeout or synchronised; a build that does any per collective fails)
     assert seen[1][1] == seen[4][1] == [steps] * dims.world_size
 
 

@@ -102,3 +102,39 @@ def test_naming_the_culprit_waits_its_own_time_whatever_the_wall_clock_does(tmp_
         assert named == {2: "exit"}
     else:
         assert named == {} and took < 1.5 * 1.0 + 1.0, took
+
+
+def test_start_up_waits_its_own_time_after_a_clock_step_forward(tmp_path, ntp_step):
+    """Every process joins 0.3 s after the coordinator starts waiting (``ft.startup_timeout_s``
+    5 s); an hour's step forward of the wall clock must not fail the start-up."""
+    coord = coordinator(tmp_path, ["ft.startup_timeout_s=5"])
+    slots = sorted(set(coord.members.ranks.values()) | set(coord.members.spares))
+
+    def join():
+        time.sleep(0.3)
+        for s in slots:
+            beat(coord, s, 1)
+            coord.store.set(Keys.spare_ready(s), coord.seal.wrap(Keys.spare_ready(s), "1.0"))
+    joining = threading.Thread(target=join)
+    ntp_step(HOUR_S)
+    joining.start()
+    coord.wait_warm()
+    joining.join()
+    assert coord.store.check([Keys.plan(0)])
+
+
+def test_the_final_wait_waits_its_own_time_after_a_clock_step_forward(tmp_path, ntp_step):
+    """Every rank writes its final state 0.3 s after the job is done (the wait allows 120 s);
+    an hour's step forward of the wall clock must not call them missing."""
+    coord = coordinator(tmp_path)
+
+    def write():
+        time.sleep(0.3)
+        for r in range(4):
+            coord.store.set(Keys.final(r), coord.seal.wrap(Keys.final(r), '{"digest": "d"}'))
+    writing = threading.Thread(target=write)
+    ntp_step(HOUR_S)
+    writing.start()
+    coord._collect_finals()
+    writing.join()
+    assert sorted(coord.finals) == [0, 1, 2, 3]

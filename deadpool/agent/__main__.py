@@ -242,7 +242,7 @@ def main(argv=None) -> int:
                                    flush=True))
         events.i = args.first_event
         apply = EventApplier(agent, lambda: open_store(timeout_s=10.0),
-                             give_up_s=float(ft.get("node_timeout_s", 3.0)) / 2,
+                             give_up_s=float(ft.get("node_timeout_s", 3.0)),
                              log=lambda m: print(m, flush=True), on_deaf=deaf)
         while not stop.is_set():
             try:

@@ -4,7 +4,7 @@
 must never end the events thread: a node that stops applying events while its record stays fresh
 is deaf (a spare there stalls a recovery, its fences are never carried out, and the coordinator
 picks it again). So a failing event is retried with a fresh store client, for up to
-``give_up_s``::
+``give_up_s`` (and ``MIN_TRIES`` tries)::
 
     event i --apply--> ok ------------------------------------------------> event i+1
                |
@@ -26,6 +26,7 @@ import time
 from datetime import timedelta
 
 RETRY_PAUSE_S = 0.2
+MIN_TRIES = 3  # however long one try took (a read that timed out), a few before giving up
 
 
 class EventApplier:
@@ -53,7 +54,7 @@ class EventApplier:
                 tries += 1
                 self.store = None  # a timed-out or broken client: a fresh one next time
                 why = f"{type(e).__name__}: {e}"
-                if self.clock() - t0 >= self.give_up_s:
+                if self.clock() - t0 >= self.give_up_s and tries >= MIN_TRIES:
                     self.agent.go_deaf(f"cannot apply event {event}: {why}")
                     self.log(f"[agent {self.agent.node}] cannot apply event {event} for "
                              f"{self.give_up_s:.1f} s ({why}): the node stops its record and "

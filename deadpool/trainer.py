@@ -276,7 +276,7 @@ class Trainer:
         while self.step < cfg["num_steps"]:
             t0 = time.perf_counter()
             blocked0 = self.engine.blocked_s
-            busy = self.engine.in_flight()  # snapshot work running during this step
+            busy = self.engine.slows_step()  # snapshot work that can slow this step
             s = self.step
             comm.raise_if_aborted()
             at(s, "forward")
@@ -353,7 +353,8 @@ class Trainer:
             cycle = None
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s
-            self.schedule.observe(dt, busy or cycle is not None, cycle, step=self.step)
+            self.schedule.observe(dt, busy, cycle, step=self.step,
+                                  pending_s=self.engine.pending_cycle_s())
             self.record_metrics(comm, loss, dt, self.engine.blocked_s - blocked0, took, ckpt_s,
                                 lr=lr, grad_norm=norm)
             if first and on_first_step is not None:

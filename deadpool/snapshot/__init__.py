@@ -11,6 +11,8 @@ Modules, in the order a snapshot travels:
                     the JSON header (what a replica holds: ``topology.replica_region``)
     buffers.py      a ring slot and a held replica
     engine.py       ``SnapshotEngine``: the ring, the copier thread, what the rank can resume from
+    ring.py         the ring's buffers, allocated in the background; the CUDA side-stream copy
+    persist.py      periodic disk checkpoints handed over from finished snapshots
     replication.py  ``Replicator``: sends each snapshot to the buddy, receives the ward's
     held.py         the replicas held: what is kept, and whether a step counts replicated
     wire.py         the wire format of one state (meta, header, chunks)

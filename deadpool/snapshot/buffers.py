@@ -17,6 +17,8 @@ class Slot:
     released: threading.Event = field(default_factory=threading.Event)  # copy done: live may change
     copied: threading.Event = field(default_factory=threading.Event)    # copy and checksum done
     replicating: bool = False
+    pending: bool = False     # queued for the copier, not yet copied and checksummed: not reusable
+    allocating: bool = False  # the background allocation is making this slot's buffer
     cuda_event: object = None
     taken_at: float = 0.0  # perf_counter() when the snapshot was started (cycle time)
 

@@ -14,7 +14,10 @@ The invariant that makes recovery always possible: a rank never drops its local 
 replica, of the newest protected step it knows of, nor anything newer. So the newest protected
 step is always in every survivor's local ring and in each of the dead rank's buddies' replicas. If
 replication falls behind, ``snapshot()`` waits for a slot it may overwrite (backpressure, counted
-in ``blocked_s``) rather than skipping steps.
+in ``blocked_s``) rather than skipping steps. Nor is a slot reused while its previous snapshot is
+queued, copied or checksummed (``Slot.pending``): on CUDA the host never waits for the copy, and
+a copier slower than the step fell behind without bound, hashing buffers being overwritten. The
+ring's buffers are allocated in the background (ring.py); a snapshot waits only for its own.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from deadpool.rounds import rounds_for
 from deadpool.snapshot.buffers import Replica, Slot
 from deadpool.snapshot.layout import (StateLayout, checksum, decode_header, encode_header,
                                       region_crcs)
+from deadpool.snapshot.persist import persist_snapshot
 from deadpool.snapshot.replication import Replicator
+from deadpool.snapshot.ring import RingAllocator, device_copy, device_wait
 from deadpool.threads import lower_thread_priority
 from deadpool.topology import replica_region
 
@@ -66,14 +71,14 @@ class SnapshotEngine:
             raise ValueError(f"ft.replica_verify must be 'eager' or 'lazy', got {verify!r}")
         self.verify = verify
         pin = self.pinned = device.startswith("cuda") and torch.cuda.is_available()
-        # ``allocate_slots=False`` (a job without snapshots, ft.snapshot=false): a slot's buffer is
-        # allocated when a snapshot is first written into it (after a recovery, say), not here:
-        # num_local_slots x the state, pinned on CUDA (51 GB for a 1.4 B-parameter rank), for
-        # nothing. With snapshots on they are allocated now, off the training thread's first steps.
-        self.slots = [Slot(self._alloc() if allocate_slots else None)
-                      for _ in range(num_local_slots)]
+        # ``allocate_slots=False`` (ft.snapshot=false): a buffer is allocated at its slot's first
+        # snapshot (after a recovery, say), never the whole pinned ring for nothing
+        self.slots = [Slot(None) for _ in range(num_local_slots)]
         self.replicas: dict[int, list[Replica]] = {}
         self._lock = threading.Condition()
+        self._ring = RingAllocator(self.slots, self._alloc, self._lock)  # ring.py
+        if allocate_slots:
+            self._ring.start()
         self._copy_q: queue.Queue = queue.Queue()
         self._last_copy: Slot | None = None
         self._side_stream = torch.cuda.Stream() if pin else None
@@ -109,6 +114,10 @@ class SnapshotEngine:
     def _alloc(self) -> torch.Tensor:
         return torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
+    def ring_allocated(self) -> bool:
+        """Every slot of the local ring has its buffer (the background allocation is done)."""
+        return self._ring.done()
+
     def _next_slot(self, step: int) -> "Slot":
         """The slot to write ``step`` into: the one already holding ``step`` (a snapshot taken
         again, e.g. after a restore: two slots of one step would leave no older one to reuse),
@@ -130,7 +139,8 @@ class SnapshotEngine:
         blocked = False
         while True:
             with self._lock:
-                if slot.replicating:
+                # its previous snapshot still queued, copied, checksummed or replicated
+                if slot.replicating or slot.pending:
                     self._lock.wait(0.01)
                     busy = True
                 else:
@@ -145,29 +155,24 @@ class SnapshotEngine:
                 last_check = time.perf_counter()
             if not busy:
                 time.sleep(0.0005)
+        self._ring.ensure(slot)  # the background allocation may not have reached it yet
         self.blocked_s += time.perf_counter() - t0
-        if slot.flat is None:  # allocate_slots=False: first use
-            slot.flat = self._alloc()
         slot.released.clear()
         slot.copied.clear()
         slot.taken_at = time.perf_counter()
         slot.step = self.taken_step = step
         slot.header = encode_header(dict(header, layout=self.layout_desc))
-        if self._side_stream is not None:  # pragma: no cover - needs CUDA
-            main = torch.cuda.current_stream()
-            self._side_stream.wait_stream(main)
-            with torch.cuda.stream(self._side_stream):
-                # in pieces of at most 64 MB: another D2H read (the loss) waits for one piece at
-                # most in the copy engine's queue, never for the whole state
-                for v, t in zip(self.layout.views(slot.flat), self.tensors):
-                    dst, src = v.reshape(-1), t.detach().reshape(-1)
-                    step_n = max(1, (64 << 20) // src.element_size())
-                    for off in range(0, src.numel(), step_n):
-                        dst[off:off + step_n].copy_(src[off:off + step_n], non_blocking=True)
-                slot.cuda_event = torch.cuda.Event()
-                slot.cuda_event.record()
+        with self._lock:
+            slot.pending = True
+        if self._side_stream is not None:
+            slot.cuda_event = self._device_copy(slot)
         self._last_copy = slot
         self._copy_q.put(slot)
+
+    def _device_copy(self, slot: "Slot"):
+        return device_copy(self.layout.views(slot.flat), self.tensors, self._side_stream)
+
+    _device_wait = staticmethod(device_wait)
 
     def _is_protected(self, step: int) -> bool:
         if step <= self._protected:
@@ -197,6 +202,25 @@ class SnapshotEngine:
         """A snapshot's copy or replication has not finished yet."""
         return self.done_step < self.taken_step
 
+    def slows_step(self) -> bool:
+        """Snapshot work that can slow the step about to start is running (the schedule's
+        "active" steps must be the ones slowed, or a probe's steps never read as quiet): on the
+        host path any copy, checksum or replication; on CUDA the newest snapshot's device copy
+        (the step's optimizer waits for it on the GPU) or replication, not the host's checksum."""
+        if self._side_stream is None:
+            return self.in_flight()
+        slot = self._last_copy
+        copying = slot is not None and slot.cuda_event is not None and not slot.cuda_event.query()
+        return copying or any(s.replicating for s in self.slots)
+
+    def pending_cycle_s(self) -> float | None:
+        """How long the oldest unfinished snapshot has been running: a lower bound on its cycle,
+        which the schedule counts before the cycle ends (a copier far behind reports none)."""
+        with self._lock:
+            open_ = [s.taken_at for s in self.slots
+                     if s.step > self.done_step and (s.pending or s.replicating)]
+        return time.perf_counter() - min(open_) if open_ else None
+
     def protected_floor(self) -> int:
         """The newest step this rank knows every rank has replicated (-1: none yet)."""
         return self._protected
@@ -214,8 +238,8 @@ class SnapshotEngine:
         if slot is None:
             return
         t0 = time.perf_counter()
-        if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
-            torch.cuda.current_stream().wait_event(slot.cuda_event)  # GPU-side wait, CPU goes on
+        if slot.cuda_event is not None:
+            self._device_wait(slot.cuda_event)  # GPU-side wait, CPU goes on
         else:
             slot.released.wait()
         self.blocked_s += time.perf_counter() - t0
@@ -234,7 +258,7 @@ class SnapshotEngine:
             t0 = time.perf_counter()
             try:
                 self.fault_hook(slot.step, "snapshot_copy")
-                if slot.cuda_event is not None:  # pragma: no cover - needs CUDA
+                if slot.cuda_event is not None:
                     slot.cuda_event.synchronize()
                 else:
                     # one call, so this low-priority thread takes the GIL once, not once per
@@ -245,6 +269,7 @@ class SnapshotEngine:
                 slot.step = -1
                 slot.released.set()
                 slot.copied.set()
+                self._finish(slot, replicate=False)
                 continue
             slot.released.set()  # the live state may change now; the checksum reads the copy
             slot.crc = region_crcs(slot.flat, self.bounds["unique"][0])
@@ -253,32 +278,20 @@ class SnapshotEngine:
             if self.repl_region == "none":
                 self.done_step, self.last_cycle_s = slot.step, time.perf_counter() - slot.taken_at
             if self.persist_every and slot.step > 0 and slot.step % self.persist_every == 0:
-                self._persist(slot)
+                persist_snapshot(self, slot)  # persist.py
             repl = self._repl
-            if repl is not None and not repl.stopped and self.repl_region != "none":
-                with self._lock:
-                    slot.replicating = True
+            replicate = repl is not None and not repl.stopped and self.repl_region != "none"
+            self._finish(slot, replicate)
+            if replicate:
                 repl.queue.put(slot)
 
-    def _persist(self, slot: Slot) -> None:
-        """Hand a copy of this snapshot to the asynchronous disk writer (copier thread).
-
-        The copy into a buffer the writer owns until it is done happens here, off the training
-        thread; the writer then needs no staging copy of its own. If the previous write is still
-        running this checkpoint is skipped (counted), never waited for."""
-        p = self.persister
-        if p is None or p.in_flight:
-            if p is not None:
-                p.skipped += 1
-            return
-        if self._persist_flat is None:
-            self._persist_flat = torch.empty_like(slot.flat)
-        self._persist_flat.copy_(slot.flat)
-        try:
-            p.submit(slot.step, self.layout.state_dict(self._persist_flat),
-                     decode_header(slot.header), self.persist_world)
-        except Exception as e:  # a failed earlier write must not stop snapshots
-            print(f"[deadpool] periodic checkpoint of step {slot.step} not written: {e}", flush=True)
+    def _finish(self, slot: Slot, replicate: bool) -> None:
+        """The copier is done with ``slot``: reusable, unless replication takes it over (in one
+        step, so a waiting ``snapshot()`` never sees it free in between)."""
+        with self._lock:
+            slot.replicating = slot.replicating or replicate
+            slot.pending = False
+            self._lock.notify_all()
 
     @property
     def replicated_bytes(self) -> int:

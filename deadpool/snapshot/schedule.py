@@ -7,7 +7,8 @@ most ``ft.max_snapshot_lag_steps``):
 
 - **cycle** (back-pressure): ``k x step time >= margin x cycle``, the cycle being the time from a
   snapshot call until its copy and replication (to every buddy) are done. Otherwise the next snapshot would block
-  the training thread waiting for a buffer.
+  the training thread waiting for a buffer. A cycle still running counts too, as a lower bound
+  (its elapsed time): a copier far behind the steps finishes no cycle to measure.
 - **cost** (``ft.snapshot_overhead_target``, e.g. 0.02): the slowdown of steps during which
   snapshot work runs ("active") against the steps around them during which none does ("quiet"),
   scaled to ``k``, must stay under the target. When no core is idle (a CPU box) snapshots are not
@@ -90,6 +91,7 @@ class SnapshotSchedule:
         self._steps: deque = deque(maxlen=window)
         self._share: deque = deque(maxlen=window)  # active or not, steps outside probes
         self._cycles: deque = deque(maxlen=window)
+        self._pending: float = 0.0  # elapsed time of the oldest unfinished cycle (a lower bound)
         # (observation, time, active) of the last `history` measured steps: the paired cost's input
         self._hist: deque = deque(maxlen=history)
         self._rounds = None  # the generation's agreements (deadpool.rounds): votes and decisions
@@ -114,16 +116,18 @@ class SnapshotSchedule:
         return step % self.interval == 0 and not self.probing(step)
 
     def observe(self, step_s: float, active: bool, cycle_s: float | None,
-                step: int | None = None) -> None:
+                step: int | None = None, pending_s: float | None = None) -> None:
         """One training step's time, whether snapshot work ran during it, and the cycle time of
         the snapshot that finished during it (if one did). ``step``: the step just completed
         (its quietness is the probe's doing when the snapshot of ``step - 1`` was skipped);
-        None: counted as outside probes. The first ``warmup`` steps of a generation (lazy
-        allocations, a recovery's first step) are not measured."""
+        None: counted as outside probes. ``pending_s``: how long the oldest unfinished snapshot
+        has been running (a lower bound on its cycle; None: none is). The first ``warmup``
+        steps of a generation (lazy allocations, a recovery's first step) are not measured."""
         self._seen += 1
         self._observed += 1  # over generations: a recovery's repeated step numbers stay apart
         if self._seen <= self.warmup:
             return
+        self._pending = pending_s or 0.0
         self._steps.append(step_s)
         self._hist.append((self._observed, step_s, active))
         if step is None or not self.probing(step - 1):
@@ -176,7 +180,8 @@ class SnapshotSchedule:
         if not self._steps:
             return self.base
         step = statistics.median(self._steps)
-        need = self.margin * statistics.median(self._cycles) / step if self._cycles else 1
+        cycle = max(statistics.median(self._cycles) if self._cycles else 0.0, self._pending)
+        need = self.margin * cycle / step if cycle else 1
         cost = self.overhead_bound() if self.target is not None else None
         for k in self.levels:
             if k < need or k < self.interval // 2:

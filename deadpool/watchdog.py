@@ -35,6 +35,30 @@ PEER_WAIT = frozenset({"allreduce", "rebuild", "transfer", "snapshot_backpressur
 # nothing to do: never a stall ("checkpoint", a write to disk, is watched: a writer hung on the
 # file system must be found, not waited for)
 IDLE = frozenset({"idle", "wait_plan", "wait_done", "start"})
+# host parameters drawn per second in a stage's first build, at the slowest seen (a shared host
+# drawing fp32 on one thread); the build phase's bound is set from it (``build_phase``)
+BUILD_PARAMS_PER_S = 5e6
+
+
+def bounded(phase: str, seconds: float) -> str:
+    """A phase that carries its own progress bound (``name/<seconds>``), for one long operation
+    whose length is known from its size: the watchdog allows the larger of it and its own."""
+    return f"{phase}/{seconds:.0f}"
+
+
+def build_phase(stage_params: int, progress_s: float) -> str:
+    """The first build's phase: bounded by the stage's size, never counted a hang at 60 s (a
+    1.4 B-parameter stage took 70 s to its first step and was once declared hung)."""
+    return bounded("build", progress_s + stage_params / BUILD_PARAMS_PER_S)
+
+
+def phase_bound(phase: str, default_s: float) -> float:
+    """The progress bound of ``phase``: its own (``bounded``) when larger, else ``default_s``."""
+    _, sep, own = phase.partition("/")
+    try:
+        return max(default_s, float(own)) if sep else default_s
+    except ValueError:
+        return default_s
 
 
 class Progress:
@@ -143,7 +167,7 @@ class Liveness:
         if self.phase.get(slot, "start") in IDLE:
             return False
         age = self.progress_age(slot)
-        return age is not None and age > self.progress_s
+        return age is not None and age > phase_bound(self.phase.get(slot, ""), self.progress_s)
 
     def hung(self, slots: list[int]) -> tuple[list[int], bool]:
         """(slots whose training thread is hung, whether the whole group is stuck in peer waits)."""

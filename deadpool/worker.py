@@ -45,11 +45,12 @@ from deadpool.heartbeat import Heartbeat
 from deadpool.protocol import Keys, Plan, RankTimings, Seal, now
 from deadpool.protocol_wire import BaseMismatch, decode_plan, fetch_plan, plan_skipped
 from deadpool.launcher import JOIN_GENERATION_ENV
+from deadpool.memory import stage_params
 from deadpool.recovery import elastic, restore
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer
-from deadpool.watchdog import Progress
+from deadpool.watchdog import Progress, build_phase
 
 
 def connect(host: str, port: int, secret: str, timeout_s: float = 60.0):
@@ -282,7 +283,9 @@ class Worker:
                         int(self.ft.get("replicas", 1)))
         comm = None
         try:
-            self.progress.set(plan.resume_step, "build")
+            self.progress.set(plan.resume_step, build_phase(
+                stage_params(self.cfg["model"], self.dims.tp, self.dims.pp, topo.coords["pp"]),
+                float(self.ft["progress_timeout_s"])))
             # a spare builds its rank's stage now, undrawn when its state will come by transfer
             mine = plan.sources.get(rank)
             fresh = self.starts_job(plan) or (mine is not None and mine.kind == "init")

@@ -10,7 +10,9 @@ one ``NodeAgent``:
 
     main      tick every ft.agent_interval_s: the record and the board beat, one signal (its
               ranks fence themselves when it stops, as the job declares the node lost); the
-              coordinator's silence judged on this clock; under srun, the cut-off probe
+              coordinator's silence judged on this clock
+    cut-off   under srun: a node whose record is silent and whose coordinator's host does not
+              answer fences itself (``_fence_self``)
     reader    the coordinator's heartbeat and the job's step (store reads, its own client)
     events    follow the coordinator's pushed events (blocking store waits); a failing event
               is retried, then the node leaves (``agent.loops.EventApplier``), never deaf
@@ -39,6 +41,7 @@ import signal
 import sys
 import tempfile
 import threading
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -183,11 +186,16 @@ def main(argv=None) -> int:
     bell = Doorbell(where)  # before the children start: each opens it once
     wakers = [Doorbell(where, waker_name(i)) for i in range(len(slots))]  # each child's
     procs: dict[int, object] = {}
-    store = open_store()
+    # the record's own client: its answers time out well within the node timeout, so a tick
+    # stuck on an unreachable store still beats the board (a stopped coordinator is the
+    # coordinator-loss path; only a cut-off node fences itself, by presence)
+    record_timeout_s = max(0.5, min(2.0, float(ft.get("node_timeout_s", 3.0)) / 3))
+    store = open_store(timeout_s=record_timeout_s)
     agent = NodeAgent(args.node, board, store, seal, ft, where,
                       kill=lambda slot: sigkill(procs.get(slot)),
                       group_keys=partial(layout_group_keys, cfg),
                       wake=lambda: [w.ring() for w in wakers])
+    agent.ack_records = True
     agent.on_forged = lambda name: print(f"[agent {args.node}] {name} not sealed by the job: "
                                          "ignored", flush=True)
     agent.publish()  # (the agent guards its own state: agent.lock, never held across a store call)
@@ -259,22 +267,36 @@ def main(argv=None) -> int:
                      daemon=True, name="agent-reader").start()
 
     def rounds():  # the ranks' agreements (deadpool.rounds): their words on the board, folded
-        while not stop.is_set():  # and written as soon as they move; their reports sent on
-            try:
-                agent.check_rounds()
+        reports = None  # and written as soon as they move; their reports sent on, on a client
+        while not stop.is_set():  # of this thread's (a post waits for its answer: never the
+            try:  # record's client)
+                if reports is None:
+                    reports = open_store(timeout_s=10.0)
+                agent.check_rounds(reports)
             except ValueError:  # the board was closed: the agent is ending
                 return
-            except Exception:  # a store hiccup: the main loop reconnects; try again later
-                pass
+            except Exception:  # a store hiccup: a fresh client; try again later
+                reports = None
             bell.wait(ROUNDS_IDLE_S)
 
     threading.Thread(target=rounds, daemon=True, name="agent-rounds").start()
+
+    def cut_off():  # apart from the tick, which may be stuck in a store call when cut off
+        while not stop.wait(float(ft.get("agent_interval_s", 0.25))):
+            # probed from half a second before the coordinator's node timeout, so that the node
+            # has stopped by the time the job declares it lost
+            if agent.silent_for() > agent.node_timeout_s - PROBE_S and presence.cut_off():
+                _fence_self(args.node, agent.silent_for(), procs, where)
+
+    if presence is not None:
+        threading.Thread(target=cut_off, daemon=True, name="agent-cut-off").start()
     reconnecting = threading.Event()
 
     def reconnect(err):  # off the main loop: a connect to a stopped host may block for long
         try:
             store = _reopen(open_store, err, args.node)
             if store is not None:
+                store.set_timeout(timedelta(seconds=record_timeout_s))
                 agent.store = store
         finally:
             reconnecting.clear()
@@ -290,11 +312,6 @@ def main(argv=None) -> int:
             if not reconnecting.is_set():
                 reconnecting.set()
                 threading.Thread(target=reconnect, args=(e,), daemon=True).start()
-        # cut off: probed from half a second before the coordinator's node timeout, so that
-        # the node has stopped by the time the job declares it lost
-        if presence is not None and agent.silent_for() > agent.node_timeout_s - PROBE_S \
-                and presence.cut_off():
-            _fence_self(args.node, agent.silent_for(), procs, where)
     stop.set()
     try:
         agent.observe()

@@ -125,6 +125,9 @@ class NodeAgent:
         self.lock = threading.RLock()  # the agent's state; never held across a store call
         self._send = threading.Lock()  # records go out in order (held across a write only)
         self.deaf: str | None = None  # why this agent cannot go on (``go_deaf``)
+        # wait for the store's answer after each record (``silent_for`` then counts records the
+        # store took, not records handed to a socket that may lead nowhere: a cut-off host)
+        self.ack_records = False
         self.on_forged = None  # called with a node file's name that failed its seal
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
@@ -198,6 +201,8 @@ class NodeAgent:
                 self.seq += 1
                 text = self.seal.wrap(key, self.record())
             self.store.set(key, text)
+            if self.ack_records:  # a set is not answered: this is, after the set (one stream)
+                self.store.check([key])
         self.last_contact = self.clock()
         if urgent:
             self.store.add(NODES_CHANGED, 1)
@@ -214,8 +219,9 @@ class NodeAgent:
                 self.deaf = why
 
     def silent_for(self) -> float:
-        """Seconds since the store last took this node's record: past ``ft.node_timeout_s`` the
-        coordinator has declared the node lost (it reads the same records on its own clock)."""
+        """Seconds since the store last took this node's record (with ``ack_records``; else
+        since one was last sent): past ``ft.node_timeout_s`` the coordinator has declared the
+        node lost (it reads the same records on its own clock)."""
         return self.clock() - self.last_contact
 
     def tick(self) -> None:
@@ -269,16 +275,16 @@ class NodeAgent:
             vote = [g, votes[0][1], max(k for _, _, k in votes)]
         return replicated, vote
 
-    def check_rounds(self) -> None:
+    def check_rounds(self, store=None) -> None:
         """Write the record at once when the node's part of an agreement moved (without waking
         the coordinator: it reads every record each half interval anyway, and a wake per node
         per snapshot would have it read them all at every node's snapshot); send on the reports
-        the local ranks wrote since the last check."""
+        the local ranks wrote since the last check (``store``: the caller's client for them)."""
         if self.fold() != self._rounds:
             self.publish()
-        self.check_reports()
+        self.check_reports(store)
 
-    def check_reports(self) -> None:
+    def check_reports(self, store=None) -> None:
         """Send on the reports the local ranks wrote since the last check: one sealed key per
         generation and kind, holding every local rank's report of it so far (rewritten when
         one more arrives). Reports of generations two behind the newest are dropped, and so is
@@ -304,7 +310,8 @@ class NodeAgent:
             self._unsent.clear()
         for n, (g, kind, text) in enumerate(out):
             try:
-                reports.post(self.store, self.seal, Keys(g).node_report(kind, self.node), text)
+                reports.post(store or self.store, self.seal, Keys(g).node_report(kind, self.node),
+                             text)
             except Exception:  # a store error leaves the rest for the next check
                 with self.lock:
                     self._unsent.update((g2, k2) for g2, k2, _ in out[n:] if (g2, k2) in self._reports)

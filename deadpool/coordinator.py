@@ -200,9 +200,10 @@ class Coordinator:
         self._last_read = self._tick
         slots = sorted(set(self.members.ranks.values()) | set(self.members.spares))
         keys = [Keys.heartbeat(s) for s in slots]
-        try:
+        # multi_get blocks on a missing key (for the store's timeout): one all-of check first
+        if self.store.check(keys):
             values = self.store.multi_get(keys)
-        except Exception:  # a key not there yet (cannot happen after wait_warm): read one by one
+        else:  # a key not there yet (a process that never beat): read the present ones
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
         for s, k, v in zip(slots, keys, values):
             if v is None or self._beats_seen.get(s) == v:

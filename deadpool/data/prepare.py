@@ -1,16 +1,20 @@
 """``python -m deadpool.data.prepare --input PATH... --out DIR``: text in, token shards out.
 
-Reads text files (a directory: every file under it, sorted), trains a byte-level BPE offline
-with Hugging Face ``tokenizers`` (``--tokenizer bpe``, the default) or uses bytes
-(``--tokenizer byte``), encodes every document followed by the end-of-document token, writes the
-token stream as ``train_NNNNN.bin`` shards of ``--shard-tokens`` tokens, moves its last
-``--val-fraction`` into ``val_NNNNN.bin`` (held out: never trained on), and writes
-``tokenizer.json`` and ``manifest.json`` (last; see ``manifest.py``) with every file's checksum.
+Reads text, JSONL and Parquet files (a directory: every file under it, sorted; ``corpus.py``),
+tokenizes them with a user's Hugging Face ``tokenizer.json`` (``--tokenizer PATH``: kept byte
+for byte, its special tokens framing each document as its own post-processor does, e.g. Llama
+3's BOS), a byte-level BPE trained offline on the input (``--tokenizer bpe``, the default) or
+bytes (``--tokenizer byte``); encodes every document followed by the end-of-document token,
+over files in parallel (``--workers``; ``encode.py``), writes the token stream as
+``train_NNNNN.bin`` shards of ``--shard-tokens`` tokens, moves its last ``--val-fraction`` into
+``val_NNNNN.bin`` (held out: never trained on), and writes ``tokenizer.json`` and
+``manifest.json`` (last; see ``manifest.py``) with every file's checksum.
 
-Documents: a ``.jsonl`` file holds one per line (its ``"text"``); any other file is UTF-8 text,
-one document per file, or one per blank-line-separated paragraph with ``--documents paragraph``.
-The end-of-document token's literal text (``<|endoftext|>``) inside a document is read as a
-boundary. Same inputs and options, same bytes out.
+Documents: a ``.jsonl`` line's ``--text-field`` ("text"), a ``.parquet`` row's
+``--text-column`` ("text"), or a text file (one document per file, or one per
+blank-line-separated paragraph with ``--documents paragraph``). The end-of-document token's
+literal text inside a document is read as a boundary. Same inputs and options, same bytes out,
+whatever ``--workers``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,75 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from deadpool.data import manifest as mf
-from deadpool.data.tokenizer import EOS, MIN_BPE_VOCAB, byte_tokenizer, train_bpe
+from deadpool.data.corpus import PrepareError, Reading, check_inputs, input_files, pieces
+from deadpool.data.encode import encode_all
+from deadpool.data.tokenizer import (EOS, MIN_BPE_VOCAB, byte_tokenizer, load_tokenizer, specials,
+                                     train_bpe)
 
-PIECE_BYTES = 1 << 20  # a long document is encoded in pieces of about this size, cut at newlines
-ENCODE_BATCH_BYTES = 8 << 20  # text handed to the tokenizer at once
-
-
-class PrepareError(ValueError):
-    """Bad input or options: the message says which and what to do."""
-
-
-# -- reading ------------------------------------------------------------------------------------
-def input_files(paths) -> list[Path]:
-    out = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
-        elif p.exists():
-            out.append(p)
-        else:
-            raise PrepareError(f"--input {p}: no such file or directory")
-    if not out:
-        raise PrepareError(f"--input {' '.join(map(str, paths))}: no files")
-    for f in out:
-        if not os.access(f, os.R_OK):
-            raise PrepareError(f"--input {f}: not readable (permission denied)")
-    return out
-
-
-def _lines(path: Path):
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
-            yield from f
-    except UnicodeDecodeError as e:
-        raise PrepareError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a read "
-                           "block); convert it to UTF-8 first") from None
-    except OSError as e:
-        raise PrepareError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-def pieces(files, documents: str):
-    """``(text, ends_document, bytes_read)`` for every piece of every document, in order."""
-    for path in files:
-        if path.suffix == ".jsonl":
-            for n, line in enumerate(_lines(path), 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise PrepareError(f"{path}:{n}: a .jsonl line must be an object with a "
-                                       '"text" field') from None
-                yield text, True, len(line.encode())
-            continue
-        buf, size, cut = [], 0, False  # cut: part of this document was already yielded
-        for line in _lines(path):
-            nbytes = len(line.encode())
-            if documents == "paragraph" and not line.strip():
-                # the separating lines count as read (progress), not as text
-                yield ("".join(buf), True, size + nbytes) if buf or cut else ("", False, nbytes)
-                buf, size, cut = [], 0, False
-                continue  # the blank lines between paragraphs are the boundary, not text
-            buf.append(line)
-            size += nbytes
-            if size >= PIECE_BYTES:
-                yield "".join(buf), False, size
-                buf, size, cut = [], 0, True
-        if buf or cut:
-            yield "".join(buf), True, size
-
+__all__ = ["PrepareError", "input_files", "pieces", "prepare", "main"]
 
 class Progress:
     """One line on stderr, redrawn at most once a second (a new line each time when stderr is
@@ -186,12 +128,21 @@ def pick_dtype(vocab_size: int, dtype: str) -> str:
     return dtype
 
 
-def build_tokenizer(kind: str, files, documents: str, total: int, vocab_size: int, dtype: str,
-                    log):
+def build_tokenizer(kind: str, files, reading: Reading, total: int, vocab_size: int, dtype: str,
+                    eos_token: str | None, log):
+    """``(tokenizer, specials, user file or None)`` for ``--tokenizer`` (bpe, byte or a path)."""
     if kind == "byte":
-        return byte_tokenizer()
+        tok = byte_tokenizer()
+        return tok, specials(tok, EOS), None
     if kind != "bpe":
-        raise PrepareError(f"--tokenizer must be bpe or byte, got {kind!r}")
+        try:
+            tok, spec, path = load_tokenizer(kind, eos_token)
+        except ValueError as e:
+            raise PrepareError(str(e)) from None
+        log(f"[prepare] tokenizer {path}: {tok.get_vocab_size()} tokens, documents end with "
+            f"{spec.eos_token!r} (id {spec.eos_id})"
+            + (f", begin with {spec.bos_token!r}" if spec.prefix else ""))
+        return tok, spec, path
     if vocab_size < MIN_BPE_VOCAB:
         raise PrepareError(f"--vocab-size {vocab_size} is too small for a byte-level BPE (at "
                            f"least {MIN_BPE_VOCAB}: 256 bytes + the end-of-document token)")
@@ -199,43 +150,20 @@ def build_tokenizer(kind: str, files, documents: str, total: int, vocab_size: in
     progress = Progress("read", total)
 
     def texts():
-        for text, _, nbytes in pieces(files, documents):
+        for text, _, nbytes in pieces(files, reading):
             progress.add(nbytes)
             yield text
         progress.add(0, final=True)
     t0 = time.perf_counter()
     tok = train_bpe(texts(), vocab_size, show_progress=False)
     log(f"[prepare] trained a {tok.get_vocab_size()}-token BPE in {time.perf_counter() - t0:.1f} s")
-    return tok
-
-
-def encode(files, documents: str, tok, train: ShardWriter, total: int) -> int:
-    """Every document's tokens and its end-of-document token into ``train``; returns the number
-    of documents."""
-    eos = tok.token_to_id(EOS)
-    progress, batch, ends, n_docs, pending = Progress("encode", total), [], [], 0, 0
-
-    def flush():
-        for enc, end in zip(tok.encode_batch(batch, add_special_tokens=False), ends):
-            train.write(enc.ids + [eos] if end else enc.ids)
-        batch.clear(), ends.clear()
-    for text, end, nbytes in pieces(files, documents):
-        batch.append(text)
-        ends.append(end)
-        n_docs += end
-        progress.add(nbytes)
-        pending += nbytes
-        if pending >= ENCODE_BATCH_BYTES:  # encode_batch runs its batch on every core
-            flush()
-            pending = 0
-    flush()
-    progress.add(0, final=True)
-    return n_docs
+    return tok, specials(tok, EOS), None
 
 
 def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
             val_fraction: float = 0.05, shard_tokens: int = 100_000_000, dtype: str = "auto",
-            documents: str = "file", log=print) -> dict:
+            documents: str = "file", text_field: str = "text", text_column: str = "text",
+            workers: int = 1, eos_token: str | None = None, log=print) -> dict:
     """Write a prepared directory (module docstring); returns its manifest. On any error the
     files written so far are removed (the inputs are only read)."""
     out = Path(out)
@@ -243,24 +171,31 @@ def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
         raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
         raise PrepareError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if workers < 1:
+        raise PrepareError(f"--workers {workers} must be >= 1")
     if (out / mf.MANIFEST).exists() or list(out.glob("*.bin")):
         raise PrepareError(f"--out {out} already holds prepared shards; remove them or pick "
                            "another directory")
+    reading = Reading(documents, text_field, text_column)
     files = input_files(inputs)
+    check_inputs(files, reading)
     total = sum(f.stat().st_size for f in files)
     if total == 0:
         raise PrepareError(f"the inputs ({len(files)} file(s)) are empty: no text to prepare")
-    tok = build_tokenizer(tokenizer, files, documents, total, vocab_size, dtype, log)
+    tok, spec, user_file = build_tokenizer(tokenizer, files, reading, total, vocab_size, dtype,
+                                           eos_token, log)
     vocab = tok.get_vocab_size()
     dtype = pick_dtype(vocab, dtype)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        manifest = _write(out, files, documents, tok, dtype, shard_tokens, total, val_fraction)
+        manifest = _write(out, files, reading, tok, spec, user_file, dtype, shard_tokens, total,
+                          val_fraction, workers)
     except BaseException:
         for f in [*out.glob("train_*.bin"), *out.glob("val_*.bin"), out / "tokenizer.json"]:
             f.unlink(missing_ok=True)
         raise
-    manifest.update(tokenizer=dict(manifest["tokenizer"], kind=tokenizer), documents=documents)
+    kind = tokenizer if user_file is None else "file"
+    manifest.update(tokenizer=dict(manifest["tokenizer"], kind=kind), documents=documents)
     mf.write(out, manifest)
     tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
     log(f"[prepare] {out}: {tr['tokens']:,} train tokens in {len(tr['shards'])} shard(s), "
@@ -269,22 +204,29 @@ def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
     return manifest
 
 
-def _write(out: Path, files, documents, tok, dtype: str, shard_tokens: int, total: int,
-           val_fraction: float) -> dict:
+def _write(out: Path, files, reading: Reading, tok, spec, user_file, dtype: str,
+           shard_tokens: int, total: int, val_fraction: float, workers: int) -> dict:
     """Shards, the validation split and tokenizer.json; returns the manifest (not yet written)."""
     train = ShardWriter(out, "train", dtype, shard_tokens)
-    n_docs = encode(files, documents, tok, train, total)
+    progress = Progress("encode", total)
+    n_docs = encode_all(files, reading, tok, spec, train, dtype, workers, out / ".parts", progress)
+    progress.add(0, final=True)
     shards = train.close()
     n_tokens = sum(s["tokens"] for s in shards)
     if n_docs == 0 or n_tokens <= n_docs:
         raise PrepareError(f"the inputs ({len(files)} file(s)) hold no text to prepare")
     val = ShardWriter(out, "val", dtype, shard_tokens)
     move_tail(out, shards, val, int(round(val_fraction * n_tokens)), dtype)
-    tok.save(str(out / "tokenizer.json"))
-    eos = tok.token_to_id(EOS)
+    if user_file is not None:  # the user's file itself: what the export hands back
+        shutil.copyfile(user_file, out / "tokenizer.json")
+    else:
+        tok.save(str(out / "tokenizer.json"))
+    eos = spec.eos_id
     manifest = {"format": mf.FORMAT, "version": mf.VERSION, "dtype": dtype,
                 "vocab_size": tok.get_vocab_size(), "eos_id": eos,
-                "tokenizer": {"file": "tokenizer.json", "xxh3": mf.file_xxh3(out / "tokenizer.json")},
+                "tokenizer": {"file": "tokenizer.json", "xxh3": mf.file_xxh3(out / "tokenizer.json"),
+                              "eos_token": spec.eos_token, "bos_token": spec.bos_token,
+                              "source": None if user_file is None else str(user_file)},
                 "splits": {}, "val_fraction": val_fraction,
                 "sources": [{"path": str(f), "bytes": f.stat().st_size} for f in files]}
     for name, split in (("train", shards), ("val", val.close())):
@@ -301,22 +243,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deadpool.data.prepare",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                    help="text / .jsonl files, or directories of them")
+                    help="text / .jsonl / .parquet files, or directories of them")
     ap.add_argument("--out", required=True, metavar="DIR", help="directory to write")
-    ap.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
+    ap.add_argument("--tokenizer", default="bpe", metavar="bpe|byte|PATH",
+                    help="train a BPE, use bytes, or a Hugging Face tokenizer.json (or its directory)")
+    ap.add_argument("--eos-token", default=None,
+                    help="a PATH tokenizer's end-of-document token (default: its "
+                         "tokenizer_config.json's eos_token, else a known one)")
     ap.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary (bpe only)")
     ap.add_argument("--val-fraction", type=float, default=0.05,
                     help="share of the token stream held out for validation (its end)")
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     ap.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
     ap.add_argument("--documents", choices=("file", "paragraph"), default="file",
-                    help="what a document is in a non-.jsonl file")
+                    help="what a document is in a plain-text file")
+    ap.add_argument("--text-field", default="text", help="the .jsonl field holding a document")
+    ap.add_argument("--text-column", default="text", help="the .parquet column holding a document")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="processes encoding files in parallel (the output is the same)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         prepare(a.input, a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
                 val_fraction=a.val_fraction, shard_tokens=a.shard_tokens, dtype=a.dtype,
-                documents=a.documents)
+                documents=a.documents, text_field=a.text_field, text_column=a.text_column,
+                workers=a.workers, eos_token=a.eos_token)
     except PrepareError as e:
         print(f"[prepare] error: {e}", file=sys.stderr)
         return 2

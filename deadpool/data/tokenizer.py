@@ -5,10 +5,15 @@
 vocabulary maps each byte's printable stand-in character to the byte's value), 256 is the
 end-of-document token. ``bpe``: a byte-level BPE trained offline on the input (GPT-2's scheme:
 the 256 byte characters as the initial alphabet, merges learned up to ``vocab_size``, the
-end-of-document token first, id 0).
+end-of-document token first, id 0). Or a user's own ``tokenizer.json`` (``load_tokenizer``),
+kept byte for byte with its special tokens: ``Specials`` says how its documents are framed.
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -54,3 +59,78 @@ def train_bpe(texts, vocab_size: int, show_progress: bool = False, length: int |
                                   show_progress=show_progress)
     tok.train_from_iterator(texts, trainer, length=length)
     return tok
+
+
+# -- a user's tokenizer.json ----------------------------------------------------------------------
+# end-of-document tokens of the common families, tried in order when nothing names one
+KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+@dataclass(frozen=True)
+class Specials:
+    """How a document is framed in the token stream: ``prefix + ids + suffix``, then the
+    end-of-document token unless the suffix already ends with it. ``prefix``/``suffix`` are
+    what the tokenizer's own post-processor adds (``encode(text)`` with special tokens), so a
+    document's tokens are exactly the tokenizer's encoding of it (e.g. Llama 3: BOS first)."""
+    eos_id: int
+    eos_token: str
+    bos_token: str | None
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+
+    def frame(self, ids: list[int], first: bool, last: bool) -> list[int]:
+        """A piece's tokens with the document's framing (its first / last piece)."""
+        out = list(self.prefix) + ids if first else ids
+        if last:
+            out += self.suffix
+            if not out or out[-1] != self.eos_id:
+                out.append(self.eos_id)
+        return out
+
+
+def _config_token(config: dict, key: str) -> str | None:
+    v = config.get(key)
+    return v.get("content") if isinstance(v, dict) else v
+
+
+def specials(tok: Tokenizer, eos_token: str | None = None, config: dict | None = None) -> Specials:
+    """The framing of ``tok``'s documents. The end-of-document token: ``eos_token``, else the
+    ``eos_token`` of a ``tokenizer_config.json`` beside the file (``config``), else the first
+    of ``KNOWN_EOS`` the vocabulary has; ``ValueError`` naming the choices if none is found."""
+    config = config or {}
+    name = eos_token or _config_token(config, "eos_token")
+    if name is None:
+        name = next((t for t in KNOWN_EOS if tok.token_to_id(t) is not None), None)
+    if name is None:
+        raise ValueError("the tokenizer names no end-of-document token (no tokenizer_config.json "
+                         f"beside it, none of {', '.join(KNOWN_EOS)}): give --eos-token")
+    eos = tok.token_to_id(name)
+    if eos is None:
+        raise ValueError(f"end-of-document token {name!r} is not in the tokenizer's vocabulary")
+    probe = "a"
+    bare = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    i = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+    prefix, suffix = tuple(full[:i]), tuple(full[i + len(bare):])
+    bos = _config_token(config, "bos_token")
+    if bos is None and prefix:
+        bos = tok.id_to_token(prefix[0])
+    return Specials(eos, name, bos, prefix, suffix)
+
+
+def load_tokenizer(path, eos_token: str | None = None) -> tuple[Tokenizer, Specials, Path]:
+    """A Hugging Face ``tokenizer.json`` (or a directory holding one, with its
+    ``tokenizer_config.json`` if any); returns it, its framing and the file."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise ValueError(f"--tokenizer {path}: no such file (a Hugging Face tokenizer.json, or "
+                         "bpe / byte)")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"--tokenizer {path}: not a Hugging Face tokenizer.json ({e})") from None
+    config_file = p.parent / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return tok, specials(tok, eos_token, config), p

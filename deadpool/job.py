@@ -37,6 +37,7 @@ from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
 from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
+from deadpool.export.hf_import import check_config as check_init_from
 from deadpool.stop import HardStop, Stopper
 from deadpool.strategies import strategy_of
 from deadpool.tensorboard_log import check as check_tensorboard, write_recoveries
@@ -139,6 +140,7 @@ def validate(cfg: dict) -> None:
         except FileNotFoundError as e:
             raise ValueError(f"ft.resume_from={ft['resume_from']}: {e}") from None
     check_data(cfg)  # data=tokens: manifest, every shard's checksum, vocabulary, split sizes
+    check_init_from(cfg)  # model.init_from: config.json fields and every tensor's shape
     check_tensorboard(cfg)
     check_fits(cfg)
 
@@ -161,7 +163,7 @@ def validate_numbers(cfg: dict) -> None:
         if key in cfg:
             _number(key, cfg[key], kind)
     for key, v in cfg["model"].items():
-        if v is not None:  # null: the field's default (e.g. model.n_kv_heads)
+        if v is not None and key != "init_from":  # null: the field's default (e.g. n_kv_heads)
             _number(f"model.{key}", v, float)
     if int(cfg["seq_len"]) > int(cfg["model"]["max_seq_len"]):
         raise ValueError(f"seq_len={cfg['seq_len']} exceeds model.max_seq_len={cfg['model']['max_seq_len']}")

@@ -35,6 +35,7 @@ from deadpool.checkpoint import rank_state
 from deadpool.comm import Communicator
 from deadpool.data import build_data
 from deadpool.evaluate import evaluate
+from deadpool.export.hf_import import initial_weights
 from deadpool.tensorboard_log import board
 from deadpool.faults import FaultInjector
 from deadpool.lr_schedule import lr_at
@@ -126,7 +127,8 @@ class Trainer:
             self.engine.close()
         self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
                                  tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init,
-                                 activation_checkpointing=cfg.get("activation_checkpointing", "none"))
+                                 activation_checkpointing=cfg.get("activation_checkpointing", "none"),
+                                 weights=initial_weights(cfg["model"]) if init else None)
         # bf16: the model (parameters and rotary tables) is cast before the optimizer copies
         # the fp32 master weights from it, as Megatron does (so a spare's and a peer's initial
         # master shard are the same function of the seed)

@@ -86,26 +86,46 @@ def check_layout(cfg, pp: int, tp: int) -> None:
         raise ValueError(f"model n_layers={cfg.n_layers} is fewer than pp={pp} stages")
 
 
+def empty_stage(cfg, device, **kw) -> StageModel:
+    """A stage with parameters allocated on ``device`` but not set (rotary tables computed)."""
+    with torch.device("meta"):
+        stage = StageModel(cfg, **kw)
+    stage = stage.to_empty(device=device)
+    cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    stage.rope_cos.copy_(cos)
+    stage.rope_sin.copy_(sin)
+    return stage
+
+
 def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
-                device="cpu", init: bool = True, activation_checkpointing: str = "none") -> StageModel:
+                device="cpu", init: bool = True, activation_checkpointing: str = "none",
+                weights=None) -> StageModel:
     """This rank's stage, with parameters equal (bitwise) to the matching slices of
     ``deadpool.model.build_model(model_cfg, seed)``. Draws only the full parameters it holds a
     slice of (one at a time, on the CPU: the values do not depend on the device).
 
     ``init=False``: parameters are allocated but not drawn (a spare whose state will arrive by
-    transfer: drawing the init it overwrites would lengthen every hot-swap)."""
+    transfer: drawing the init it overwrites would lengthen every hot-swap).
+
+    ``weights``: ``(name, tp_rank, tp) -> slice``, the initial values read instead of drawn
+    (``model.init_from``: ``export.hf_import.stage_loader``); each must have its parameter's
+    shape."""
     cfg = model_config(model_cfg)
     check_layout(cfg, pp, tp)
     kw = dict(pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp,
               activation_checkpointing=activation_checkpointing)
     if not init:
-        with torch.device("meta"):
-            stage = StageModel(cfg, **kw)
-        stage = stage.to_empty(device=device)
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        stage.rope_cos.copy_(cos)
-        stage.rope_sin.copy_(sin)
-        return stage
+        return empty_stage(cfg, device, **kw)
+    if weights is not None:  # read on the CPU, as drawn: no full parameter is ever built
+        stage = empty_stage(cfg, "cpu", **kw)
+        with torch.no_grad():
+            for name, p in stage.named_parameters():
+                t = weights(name, tp_rank, tp)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: the initial weights give {list(t.shape)}, the stage "
+                                     f"(tp {tp_rank} of {tp}) holds {list(p.shape)}")
+                p.copy_(t)
+        return stage.to(device)
     with torch.device("meta"):
         full_shapes = {n: p.shape for n, p in GPT(cfg).named_parameters()}
     stage = StageModel(cfg, **kw)

@@ -81,10 +81,14 @@ def copy_tokenizer(cfg: dict, out: Path, log) -> int | None:
     except OSError:
         log(f"[export] warning: the run's data.path {src} is gone: no tokenizer written")
         return None
-    shutil.copyfile(src / manifest["tokenizer"]["file"], out / "tokenizer.json")
+    # the prepared file is the user's own tokenizer.json byte for byte (prepare --tokenizer PATH),
+    # its special tokens named as prepare found them (older manifests: prepare's <|endoftext|>)
+    tk = manifest["tokenizer"]
+    shutil.copyfile(src / tk["file"], out / "tokenizer.json")
+    eos = tk.get("eos_token") or "<|endoftext|>"
     (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-        "bos_token": "<|endoftext|>", "model_max_length": int(cfg["model"]["max_seq_len"]),
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
+        "bos_token": tk.get("bos_token") or eos, "model_max_length": int(cfg["model"]["max_seq_len"]),
         "clean_up_tokenization_spaces": False}, indent=1))
     return int(manifest["eos_id"])
 

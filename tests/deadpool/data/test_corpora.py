@@ -131,3 +131,18 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_launch(tmp_path):
         check_data(cfg)
     cfg["model"]["vocab_size"] = 768
     check_data(cfg)
+
+
+def test_the_export_hands_back_the_users_tokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from deadpool.export import copy_tokenizer
+    path = llama3_like(tmp_path / "tok")
+    prepare([as_text(tmp_path)], tmp_path / "out", tokenizer=str(path), log=quiet)
+    cfg = {"model": {"max_seq_len": 64}, "data": {"name": "tokens", "path": str(tmp_path / "out")}}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    eos = copy_tokenizer(cfg, hf, quiet)
+    assert (hf / "tokenizer.json").read_bytes() == path.read_bytes()
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+    assert (tok.eos_token, tok.bos_token) == (EOS, BOS) and tok.eos_token_id == eos
+    assert tok(DOCS[3])["input_ids"] == Tokenizer.from_file(str(path)).encode(DOCS[3]).ids

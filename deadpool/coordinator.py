@@ -26,7 +26,6 @@ anyway, and a resume from disk costs at most the steps since the last protected 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import (Keys, Plan, RecoveryRecord, Seal, Source, announce_abort,
                                finished_key)
 from deadpool.protocol_wire import publish_plan
-from deadpool.recovery import detect, elastic, fallbacks, plan, preempt, timeline
+from deadpool.recovery import detect, elastic, fallbacks, finish, plan, preempt, timeline
 from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
@@ -527,19 +526,4 @@ class Coordinator:
                 self.log(line)
 
     def _collect_finals(self) -> None:
-        deadline = time.monotonic() + 120
-        finals = Reports(self.store, self.seal, Keys.final, range(self.dims.world_size),
-                         on_forged=lambda r: detect._forged(self, f"final state of rank {r}"))
-        while len(self.finals) < self.dims.world_size and time.monotonic() < deadline:
-            self.tick()
-            for r, text in finals.poll().items():
-                self.finals.setdefault(r, json.loads(text))
-            for r, slot in self.members.ranks.items():
-                if r not in self.finals and self.launcher.poll(slot) not in (None, 0):
-                    raise JobFailed(f"rank {r} failed while writing its final state:\n"
-                                    + self.launcher.log_tail(slot))
-            time.sleep(0.01)
-        missing = sorted(set(range(self.dims.world_size)) - set(self.finals))
-        if missing:  # never call a job completed without every rank's final state
-            raise JobFailed(f"ranks {missing} did not write their final state within 120 s "
-                            f"(slots {[self.members.ranks.get(r) for r in missing]})")
+        finish.collect_finals(self)  # waits on the writers' progress (recovery.finish)

@@ -156,6 +156,11 @@ class Liveness:
         p = self._prog.get(slot)
         return None if p is None else self.clock() - p[1]
 
+    def progress_of(self, slot: int) -> int | None:
+        """The slot's progress counter as last read (None before its first beat)."""
+        p = self._prog.get(slot)
+        return None if p is None else p[0]
+
     def beat_lost(self, slot: int, is_stopped) -> bool:
         age = self.beat_age(slot)
         if age is None or age <= self.soft_s:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from deadpool import auth, nccl_env, netif, reports
 from deadpool.agent.board import NODE_DIR_ENV
 from deadpool.agent.client import BoardHeartbeat, NodeLink
-from deadpool.checkpoint import rank_state
+from deadpool.checkpoint import final, rank_state
 from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
 from deadpool.faults import FaultInjector
@@ -379,11 +379,15 @@ class Worker:
             tr.engine.persister.close()
         out = self.run_dir / "final"
         out.mkdir(exist_ok=True)
-        # one copy each (a view of a flat buffer would otherwise save the whole buffer)
-        torch.save({k: v.detach().to("cpu", copy=True) for k, v in tr.state_dict().items()},
-                   out / f"rank{rank}.pt")
+
+        def progressed():  # the coordinator waits while this moves (recovery.finish)
+            self.progress.set(tr.step, "final")
+        progressed()
+        final.write_final_state(tr.state_dict(), out / f"rank{rank}.pt", progressed)
+        digest = tr.digest()
+        progressed()
         self._set_sealed(Keys.final(rank), json.dumps({
-            "digest": tr.digest(), "step": tr.step, "slot": self.slot,
+            "digest": digest, "step": tr.step, "slot": self.slot,
             "state_bytes": tr.engine.layout.nbytes,
             # what this rank sends its buddies per snapshot (snapshot.py's regions, x ft.replicas)
             "replicated_bytes": tr.engine.replicated_bytes,

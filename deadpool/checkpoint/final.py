@@ -8,6 +8,11 @@ publishes a value that changes as its write goes on (bytes written, tensors writ
 its writer thread), and the coordinator waits as long as that value keeps changing. A writer
 that exits without its record fails the job at once (the caller checks the process).
 
+``write_final_state`` writes one rank's final state so that it shows that progress: a call of
+``on_progress`` per tensor copied to the host and per ``CHUNK_BYTES`` written, into a temporary
+file installed under its name only once complete (a reader never takes a partial file for a
+final state). The coordinator's side of the wait is ``recovery.finish``.
+
 ``final_digest`` is the job's final digest from the ranks' own digests (each rank hashes its
 state where it lies; nothing is read back from disk to compute it).
 """
@@ -15,8 +20,57 @@ state where it lies; nothing is read back from disk to compute it).
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+CHUNK_BYTES = 64 << 20  # progress is shown at least this often while writing (64 MiB)
+
+
+class _ProgressStream:
+    """A file's writes, in chunks of at most ``CHUNK_BYTES``, each followed by ``on_progress``
+    (one storage of a large tensor is one write: on a slow disk it must not look stalled)."""
+
+    def __init__(self, f, on_progress: Callable[[], None]):
+        self.f, self.on_progress, self.bytes = f, on_progress, 0
+
+    def write(self, data) -> int:
+        mv = memoryview(data).cast("B")
+        for i in range(0, len(mv), CHUNK_BYTES):
+            self.f.write(mv[i:i + CHUNK_BYTES])
+            self.on_progress()
+        self.bytes += len(mv)
+        return len(mv)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_final_state(state: dict[str, torch.Tensor], path: Path,
+                      on_progress: Callable[[], None]) -> int:
+    """Save ``state`` (each tensor as its own host copy: a view of a flat buffer would otherwise
+    save the whole buffer) to ``path``, calling ``on_progress`` as it goes. Returns the bytes
+    written. Must be called by the rank's training thread, whose progress the coordinator
+    watches; raises (leaving nothing under ``path``) if the write fails."""
+    host = {}
+    for k, v in state.items():
+        host[k] = v.detach().to("cpu", copy=True)
+        on_progress()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            stream = _ProgressStream(f, on_progress)
+            torch.save(host, stream)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return stream.bytes
 
 
 def final_digest(finals: dict[int, dict], world_size: int) -> str | None:

@@ -21,7 +21,7 @@ from deadpool import run_dir as run_dirs
 from deadpool.comm import resolve_backend
 from deadpool.agent.presence import PresenceServer
 from deadpool.coordinator import Coordinator
-from deadpool.data import check_data
+from deadpool.data import check_data, start_verify
 from deadpool.errors import JobFailed
 from deadpool.faults import FaultEvent
 from deadpool.agent.events import EventLog, WakeListener
@@ -139,7 +139,7 @@ def validate(cfg: dict) -> None:
             checkpoint.latest_step_dir(ft["resume_from"])
         except FileNotFoundError as e:
             raise ValueError(f"ft.resume_from={ft['resume_from']}: {e}") from None
-    check_data(cfg)  # data=tokens: manifest, every shard's checksum, vocabulary, split sizes
+    check_data(cfg)  # data=tokens|megatron: manifest/index, sizes, vocabulary (no shard read)
     check_init_from(cfg)  # model.init_from: config.json fields and every tensor's shape
     check_tensorboard(cfg)
     check_fits(cfg)
@@ -212,6 +212,8 @@ def run_job(cfg: dict, log=print, stop: Stopper | None = None) -> dict:
     history: list[dict] = []  # recoveries of earlier launches (ft=checkpoint_restart)
     restart = None
     stop = stop or Stopper()
+    # the shards' checksums while the job runs: a bad one stops it as a signal would
+    verifying = start_verify(cfg, lambda why: stop.request(why, None), log)
     for attempt in range(int(cfg["ft"].get("max_restarts", 0)) + 1):
         coord, store = _launch(cfg, master, run_dir, log, restart, stop)
         history.extend(coord.recoveries)
@@ -235,6 +237,10 @@ def run_job(cfg: dict, log=print, stop: Stopper | None = None) -> dict:
         coord.message = f"{cfg['ft']['max_restarts']} relaunches used up (ft.max_restarts)"
         history.append(restart)
     coord.recoveries = history
+    if verifying is not None:
+        verifying.finish()
+        if verifying.error is not None:
+            coord.outcome, coord.message = "failed", verifying.error
     summary = write_outputs(cfg, coord, run_dir, wall_s=time.time() - t0)
     write_recoveries(cfg, summary)  # logging.tensorboard: each recovery as TensorBoard entries
     return summary

@@ -12,9 +12,13 @@ Every source (``data=`` config group) has the same two methods::
 
     synthetic.py  SyntheticCorpus: a seeded bigram chain (the default; no files)
     tokens.py     TokenDataset: memory-mapped token shards written by ``prepare``
+    megatron.py   MegatronDataset: Megatron-LM's indexed datasets (PREFIX.bin/.idx), same order
     prepare.py    ``python -m deadpool.data.prepare``: text -> tokenizer + shards + manifest
-    tokenizer.py  the byte and BPE tokenizers prepare writes (Hugging Face ``tokenizers``)
+    corpus.py     prepare's readers: plain text, JSONL, Parquet
+    encode.py     prepare's encoding, over files in parallel (``--workers``)
+    tokenizer.py  the byte and BPE tokenizers prepare writes, or a user's tokenizer.json
     manifest.py   the prepared directory's manifest, and its checks (checksums, sizes)
+    verify.py     the checksums, verified in the background while the job runs
     order.py      the stateless seeded permutation of sample indices (one per epoch)
     fables.py     the generator of the shipped corpus, ``data/fables.txt``
 """
@@ -25,7 +29,8 @@ from pathlib import Path
 
 from deadpool.data.synthetic import SyntheticCorpus
 
-__all__ = ["SyntheticCorpus", "build_data", "check_data", "global_batches"]
+__all__ = ["SyntheticCorpus", "build_data", "check_data", "global_batches", "start_verify"]
+SOURCES = ("synthetic", "tokens", "megatron")
 
 
 def global_batches(cfg: dict) -> int:
@@ -44,21 +49,45 @@ def build_data(cfg: dict):
         from deadpool.data.tokens import TokenDataset
         return TokenDataset(data["path"], seed=int(cfg["seed"]), seq_len=int(cfg["seq_len"]),
                             batch_size=int(cfg["batch_size"]), global_batches=global_batches(cfg))
-    raise ValueError(f"data.name must be synthetic or tokens, got {data['name']!r}")
+    if data["name"] == "megatron":
+        from deadpool.data.megatron import MegatronDataset
+        return MegatronDataset(data["path"], seed=int(cfg["seed"]), seq_len=int(cfg["seq_len"]),
+                               batch_size=int(cfg["batch_size"]), global_batches=global_batches(cfg),
+                               val_path=data.get("val_path"))
+    raise ValueError(f"data.name must be one of {', '.join(SOURCES)}, got {data['name']!r}")
 
 
 def check_data(cfg: dict) -> None:
     """Refuse, before any process starts, data the job cannot train on: raises ``ValueError``
-    naming the field (a missing or corrupted shard, a tokenizer larger than the model's
-    vocabulary, a split too short for one sequence). Makes ``data.path`` absolute in ``cfg``:
-    processes started elsewhere (srun) and a later export read it from job.json."""
+    naming the field (a missing shard or index, a size that disagrees, a tokenizer larger than
+    the model's vocabulary, a split too short for one sequence). Reads no shard's bytes: the
+    checksums are ``start_verify``'s. Makes ``data.path`` (and ``data.val_path``) absolute in
+    ``cfg``: processes started elsewhere (srun) and a later export read it from job.json."""
     data = cfg.get("data") or {"name": "synthetic"}
     if data["name"] == "synthetic":
         return
-    if data["name"] != "tokens":
-        raise ValueError(f"data.name must be synthetic or tokens, got {data['name']!r}")
+    if data["name"] not in SOURCES:
+        raise ValueError(f"data.name must be one of {', '.join(SOURCES)}, got {data['name']!r}")
+    for key in ("path", "val_path"):
+        if data.get(key) not in (None, "", "???"):
+            data[key] = str(Path(data[key]).resolve())
+    need_val = bool(int(cfg.get("eval_every_steps") or 0))
+    if data["name"] == "megatron":
+        from deadpool.data import megatron
+        megatron.check(data.get("path"), vocab_size=int(cfg["model"]["vocab_size"]),
+                       seq_len=int(cfg["seq_len"]), need_val=need_val, val_path=data.get("val_path"))
+        return
     from deadpool.data.tokens import check
-    if data.get("path") not in (None, "", "???"):
-        data["path"] = str(Path(data["path"]).resolve())
     check(data.get("path"), vocab_size=int(cfg["model"]["vocab_size"]), seq_len=int(cfg["seq_len"]),
-          need_val=bool(int(cfg.get("eval_every_steps") or 0)))
+          need_val=need_val)
+
+
+def start_verify(cfg: dict, on_bad, log=print):
+    """``data=tokens``: every file's checksum on a background thread of the launching process
+    (``verify.BackgroundVerify``, started); None for a source without checksums."""
+    data = cfg.get("data") or {"name": "synthetic"}
+    if data["name"] != "tokens":
+        return None
+    from deadpool.data import manifest as mf
+    from deadpool.data.verify import BackgroundVerify
+    return BackgroundVerify(data["path"], mf.read(data["path"]), on_bad, log).start()

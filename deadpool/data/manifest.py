@@ -12,9 +12,10 @@ A directory written by ``python -m deadpool.data.prepare`` holds::
      "splits": {"train": {"tokens": N, "documents": D, "shards": [{"file", "tokens", "xxh3"}]},
                 "val": {...}}, "sources": [{"path", "bytes"}], "val_fraction": 0.05}
 
-Checksums are XXH3-64 (``xxhash``, as for snapshots) of each file's bytes: ``verify`` reads every
-shard once (tens of GB/s) and is run before any training process starts; ``check_sizes`` is the
-cheap check every process makes when it opens the shards.
+Checksums are XXH3-64 (``xxhash``, as for snapshots) of each file's bytes. ``check_sizes`` reads
+no shard: the launch makes it (with the manifest's other checks) before any process starts, and
+every process when it opens the shards. The checksums are read while the job runs, once, on a
+background thread of the launching process (``verify.py``); ``verify`` checks a directory whole.
 """
 
 from __future__ import annotations

@@ -55,14 +55,20 @@ class TokenDataset:
     def __init__(self, path, *, seed: int, seq_len: int, batch_size: int, global_batches: int):
         self.path = Path(path)
         self.manifest = mf.read(self.path)
-        mf.check_sizes(self.path, self.manifest)  # the full checksum ran before the job started
+        mf.check_sizes(self.path, self.manifest)  # (the launch verifies the checksums: verify.py)
+        dtype = self.manifest["dtype"]
+        self._setup(Split(self.path, self.manifest["splits"]["train"], dtype, seq_len),
+                    Split(self.path, self.manifest["splits"]["val"], dtype, seq_len),
+                    seed, seq_len, batch_size, global_batches)
+
+    def _setup(self, train: Split, val: Split | None, seed: int, seq_len: int, batch_size: int,
+               global_batches: int) -> None:
+        """The order's parameters and the splits (a source of another layout opens its own)."""
+        self.train, self.val = train, val
         self.seed, self.seq_len = seed, seq_len
         self.batch_size, self.global_batches = batch_size, global_batches
-        dtype = self.manifest["dtype"]
-        self.train = Split(self.path, self.manifest["splits"]["train"], dtype, seq_len)
-        self.val = Split(self.path, self.manifest["splits"]["val"], dtype, seq_len)
         if self.train.num_samples < 1:
-            raise ValueError(f"data.path={path}: the train split has no sample of seq_len={seq_len} "
+            raise ValueError(f"data.path={self.path}: the train split has no sample of seq_len={seq_len} "
                              "+ 1 tokens")
 
     def positions(self, step: int, index: int) -> np.ndarray:
@@ -88,7 +94,7 @@ class TokenDataset:
     def eval_batch(self, k: int, batch_size: int, seq_len: int):
         if seq_len != self.seq_len:
             raise ValueError(f"built for seq_len={self.seq_len}")
-        if self.val.num_samples < 1:
+        if self.val is None or self.val.num_samples < 1:
             raise ValueError(f"data.path={self.path}: the val split has no sample of "
                              f"seq_len={seq_len} + 1 tokens")
         idx = np.arange(k * batch_size, (k + 1) * batch_size, dtype=np.int64) % self.val.num_samples
@@ -97,9 +103,10 @@ class TokenDataset:
 
 
 def check(path, *, vocab_size: int, seq_len: int, need_val: bool, log=None) -> dict:
-    """Everything the job needs of ``data.path``, checked before any process starts (raises
-    ``ValueError`` naming the field): the manifest, every file's checksum, a tokenizer that fits
-    ``model.vocab_size``, at least one sample per split used. Returns the manifest."""
+    """Everything the job needs of ``data.path`` that costs no reading of the shards, checked
+    before any process starts (raises ``ValueError`` naming the field): the manifest, every
+    file's size, a tokenizer that fits ``model.vocab_size``, at least one sample per split used.
+    Returns the manifest. The checksums are verified while the job runs (``verify.py``)."""
     if path in (None, "", "???"):
         raise ValueError("data=tokens needs data.path=DIR (a directory written by "
                          "python -m deadpool.data.prepare)")
@@ -108,7 +115,7 @@ def check(path, *, vocab_size: int, seq_len: int, need_val: bool, log=None) -> d
         raise ValueError(f"data.path={path}: its tokenizer has {m['vocab_size']} tokens, more than "
                          f"model.vocab_size={vocab_size}; set model.vocab_size >= {m['vocab_size']} "
                          "(divisible by parallel.tp)")
-    mf.verify(path, m, log=log)
+    mf.check_sizes(path, m)
     for split in ("train", "val") if need_val else ("train",):
         s = Split(Path(path), m["splits"][split], m["dtype"], seq_len)
         if s.num_samples < 1:

@@ -31,7 +31,7 @@ def test_every_option_composes(group, option, tmp_path, monkeypatch):
     elif option == "kill_3d_two_ranks_swapped":
         extra = ["parallel=dp2_tp2_pp2"]
     cfg = compose_train([f"{group}={option}"] + extra, tmp_path)
-    if (group, option) == ("data", "tokens"):  # data.path is required (tests/deadpool/data)
+    if (group, option) in (("data", "tokens"), ("data", "megatron")):  # data.path is required
         with pytest.raises(ValueError, match="needs data.path"):
             validate(cfg)
         return

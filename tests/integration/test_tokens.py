@@ -107,3 +107,31 @@ def test_an_elastic_shrink_keeps_the_sequences_of_every_step(tokens, tmp_path):
     # and the shrunk generation did compute some step with a rank drawing two batches
     late = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(len(r["batch_digests"]) == 2 for r in late if r["step"] > rec["resume_step"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_megatron_data_hot_swap_is_exact(tokens, tmp_path):
+    """data=megatron (the shipped corpus's tokens written as a Megatron-LM indexed dataset):
+    a rank SIGKILLed mid-step, its spare ends bitwise equal to the failure-free run."""
+    import numpy as np
+
+    from deadpool.data import megatron
+    from deadpool.data.manifest import read
+
+    m = read(tokens)
+    stream = np.concatenate([np.fromfile(tokens / s["file"], dtype="<u2")
+                             for s in m["splits"]["train"]["shards"]])
+    cuts = np.flatnonzero(stream == m["eos_id"]) + 1
+    megatron.write(tmp_path / "fables", [d for d in np.split(stream, cuts) if d.size])
+    common = ["model=tiny", "parallel=dp2", "num_steps=8", "ft.num_spares=1", "log_every_steps=0",
+              "ft.persist_interval_steps=0", "data=megatron", f"data.path={tmp_path / 'fables'}"]
+    ref = run_job(compose_train(common + ["faults=none"], tmp_path / "ref"), log=quiet)
+    assert ref["outcome"] == "completed" and not ref["recoveries"]
+    ev = "faults.events=[{rank: 1, step: 4, phase: mid_step, kind: kill}]"
+    run = run_job(compose_train(common + [ev], tmp_path / "run"), log=quiet)
+    assert run["outcome"] == "completed", run["message"]
+    (rec,) = run["recoveries"]
+    assert rec["failed_rank"] == 1 and rec["outcome"] == "hot-swapped"
+    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    assert equal, why

@@ -1,44 +1,138 @@
-"""Run outputs: merge per-process metrics, write summary.json, print the recovery breakdown,
+"""Run outputs: merge per-process metrics (streaming), write summary.json, print the recovery breakdown,
 and compare a run's final state with another run's (bitwise)."""
 
 from __future__ import annotations
 
-import hashlib
+import heapq
 import json
+import random
+import shutil
 import statistics
 from pathlib import Path
 
 import torch
 
-
-def merge_metrics(run_dir: Path) -> list[dict]:
-    rows = []
-    for f in sorted((run_dir / "metrics").glob("slot*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                rows.append(json.loads(line))
-    rows.sort(key=lambda r: (r["t"], r["rank"] if r["rank"] is not None else -1))
-    with open(run_dir / "metrics.jsonl", "w") as out:
-        for r in rows:
-            out.write(json.dumps(r) + "\n")
-    return rows
+from deadpool.checkpoint.final import final_digest
 
 
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+MAX_OPEN_FILES = 256  # per merge pass: more files are merged in groups first (file limits)
+SAMPLE_ROWS = 1 << 16  # values kept per median; beyond that a seeded uniform sample
+
+
+class _Sample:
+    """Values for a median: all of them up to ``SAMPLE_ROWS``, then a reservoir sample (the
+    median of a uniform sample of that size is within a fraction of a percentile)."""
+
+    def __init__(self):
+        self.xs: list[float] = []
+        self.n = 0
+        self.rng = random.Random(0)
+
+    def add(self, x) -> None:
+        if x is None:
+            return
+        self.n += 1
+        if len(self.xs) < SAMPLE_ROWS:
+            self.xs.append(x)
+        else:
+            j = self.rng.randrange(self.n)
+            if j < SAMPLE_ROWS:
+                self.xs[j] = x
+
+
+class Merged:
+    """What the summary needs of the merged metrics, gathered as the rows stream past."""
+
+    MEDIANS = ("step_time_s", "snapshot_copy_s", "replicate_s", "snapshot_blocked_s")
+
+    def __init__(self, num_steps: int | None):
+        self.num_steps = num_steps
+        self.rows = 0
+        self.torn = 0  # lines that were not JSON (a process killed mid-write)
+        self._samples = {k: _Sample() for k in self.MEDIANS}
+        self._last_losses: dict[int, list[float]] = {}  # generation -> losses at num_steps
+        self.val_loss: dict[str, float] = {}
+
+    def add(self, r: dict) -> None:
+        self.rows += 1
+        if r["generation"] == 0 and r["step"] > 1:  # step 1 includes warm-up
+            for k, sample in self._samples.items():
+                sample.add(r.get(k))
+        if r["step"] == self.num_steps and r.get("loss") is not None:
+            self._last_losses.setdefault(r["generation"], []).append(r["loss"])
+        if r.get("val_loss") is not None:
+            self.val_loss[str(r["step"])] = r["val_loss"]
+
+    def median(self, key: str):
+        xs = self._samples[key].xs
+        return statistics.median(xs) if xs else None
+
+    def final_loss(self) -> float | None:
+        """Mean of the losses logged for the last step (one per last-stage rank; tensor-parallel
+        peers log the same value), from the newest generation that logged it."""
+        if not self._last_losses:
+            return None
+        losses = self._last_losses[max(self._last_losses)]
+        return round(sum(losses) / len(losses), 6)
+
+
+def _key(r: dict):
+    return (r["t"], r["rank"] if r["rank"] is not None else -1)
+
+
+def _rows(path: Path, merged: Merged | None):
+    """The rows of one file, one at a time (a torn line is counted and skipped)."""
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError:
+                if merged is not None:
+                    merged.torn += 1
+
+
+def _merge_into(paths: list[Path], out, merged: Merged | None) -> None:
+    for r in heapq.merge(*(_rows(p, merged) for p in paths), key=_key):
+        out.write(json.dumps(r) + "\n")
+        if merged is not None:
+            merged.add(r)
+
+
+def merge_metrics(run_dir: Path, num_steps: int | None = None) -> Merged:
+    """``metrics/slot*.jsonl`` (each process appends in its own time order) merged into
+    ``metrics.jsonl`` by (time, rank), streaming: a k-way merge holding one row per open file,
+    ties kept in file order (as the stable sort of every row did). More than ``MAX_OPEN_FILES``
+    files are merged in groups into temporary files first. Returns what the summary needs."""
+    run_dir = Path(run_dir)
+    files = sorted((run_dir / "metrics").glob("slot*.jsonl"))
+    merged = Merged(num_steps)
+    tmp_dir = run_dir / "metrics.merging"
+    try:
+        level = 0
+        while len(files) > MAX_OPEN_FILES:  # groups of consecutive files: ties stay in order
+            tmp_dir.mkdir(exist_ok=True)
+            groups = [files[i:i + MAX_OPEN_FILES] for i in range(0, len(files), MAX_OPEN_FILES)]
+            nxt = []
+            for i, group in enumerate(groups):
+                part = tmp_dir / f"{level}_{i}.jsonl"
+                with open(part, "w") as out:
+                    _merge_into(group, out, None)
+                nxt.append(part)
+            files, level = nxt, level + 1
+        tmp = run_dir / "metrics.jsonl.tmp"
+        with open(tmp, "w") as out:
+            _merge_into(files, out, merged)
+        tmp.replace(run_dir / "metrics.jsonl")
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return merged
 
 
 def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
-    rows = merge_metrics(run_dir)
+    m = merge_metrics(run_dir, int(cfg["num_steps"]))
     finals = coord.finals
-    digest = None
-    if finals and len(finals) == coord.dims.world_size:
-        h = hashlib.sha256()
-        for r in sorted(finals):
-            h.update(finals[r]["digest"].encode())
-        digest = h.hexdigest()
-    gen0 = [r for r in rows if r["generation"] == 0 and r["step"] > 1]  # step 1 includes warm-up
     state_bytes = max((f["state_bytes"] for f in finals.values()), default=None)
     repl_bytes = max((f.get("replicated_bytes", 0) for f in finals.values()), default=None)
     n_params = next((f["model_params"] for f in finals.values()), None)
@@ -54,21 +148,22 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
         "state_bytes_per_rank": state_bytes,          # the largest rank's
         "replicated_bytes_per_rank_per_snapshot": repl_bytes,
         "steps": int(cfg["num_steps"]),
-        "step_time_s": _median(r["step_time_s"] for r in gen0),
+        "step_time_s": m.median("step_time_s"),
         "snapshot": {
             "enabled": bool(cfg["ft"]["snapshot"]),
             "interval_steps": int(cfg["ft"]["snapshot_interval_steps"]),
-            "copy_s_median": _median(r["snapshot_copy_s"] for r in gen0),
-            "replicate_s_median": _median(r["replicate_s"] for r in gen0),
-            "blocked_s_median": _median(r["snapshot_blocked_s"] for r in gen0),
+            "copy_s_median": m.median("snapshot_copy_s"),
+            "replicate_s_median": m.median("replicate_s"),
+            "blocked_s_median": m.median("snapshot_blocked_s"),
         },
         "recoveries": [r.to_dict() for r in coord.recoveries],
         "stop": getattr(coord, "stop_record", None),  # a signal's stop (recovery.preempt)
-        "final_digest": digest,
+        # from the ranks' own digests (checkpoint.final): nothing read back from disk
+        "final_digest": final_digest(finals, coord.dims.world_size),
         # the last pipeline stage logs the loss (the mean of its data-parallel rank's batch)
-        "final_loss": _mean_loss(rows, cfg["num_steps"]),
+        "final_loss": m.final_loss(),
         # validation loss by step (eval_every_steps; the same on every last-stage rank)
-        "val_loss": {str(r["step"]): r["val_loss"] for r in rows if r.get("val_loss") is not None},
+        "val_loss": m.val_loss,
         "wall_s": wall_s,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -99,17 +194,6 @@ def print_report(summary: dict, log=print) -> None:
         for k in ("kill_to_training_s", "kill_to_first_step_s", "kill_to_protected_s"):
             if rec.get(k) is not None:
                 log(f"           {k[:-2].replace('_', ' ')}: {rec[k]:.3f} s")
-
-
-def _mean_loss(rows: list[dict], step: int) -> float | None:
-    """Mean of the losses logged for ``step`` (one per last-stage rank; tensor-parallel peers
-    log the same value), from the newest generation that logged it."""
-    at = [r for r in rows if r["step"] == step and r.get("loss") is not None]
-    if not at:
-        return None
-    gen = max(r["generation"] for r in at)
-    losses = [r["loss"] for r in at if r["generation"] == gen]
-    return round(sum(losses) / len(losses), 6)
 
 
 def compare_final_states(run_a: Path, run_b: Path) -> tuple[bool, str]:

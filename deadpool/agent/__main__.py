@@ -59,6 +59,7 @@ from deadpool.stop import install_agent
 from deadpool.topology import ParallelDims
 
 PR_SET_PDEATHSIG = 1
+LAST_RECORD_S = 2.0  # the agent's last record (its processes' exits), written within this or not
 ROUNDS_IDLE_S = 0.1  # the agent looks at its ranks' words when its doorbell rings, or this often
 
 
@@ -186,9 +187,8 @@ def main(argv=None) -> int:
     bell = Doorbell(where)  # before the children start: each opens it once
     wakers = [Doorbell(where, waker_name(i)) for i in range(len(slots))]  # each child's
     procs: dict[int, object] = {}
-    # the record's own client: its answers time out well within the node timeout, so a tick
-    # stuck on an unreachable store still beats the board (a stopped coordinator is the
-    # coordinator-loss path; only a cut-off node fences itself, by presence)
+    # the record's own client, used by the writer thread only (its answer to a record may never
+    # come: a stopped coordinator's store does not time out)
     record_timeout_s = max(0.5, min(2.0, float(ft.get("node_timeout_s", 3.0)) / 3))
     store = open_store(timeout_s=record_timeout_s)
     agent = NodeAgent(args.node, board, store, seal, ft, where,
@@ -290,34 +290,41 @@ def main(argv=None) -> int:
 
     if presence is not None:
         threading.Thread(target=cut_off, daemon=True, name="agent-cut-off").start()
-    reconnecting = threading.Event()
+    def reconnect(err):  # on the writer's thread: a connect to a stopped host may block long
+        store = _reopen(open_store, err, args.node)
+        if store is not None:
+            store.set_timeout(timedelta(seconds=record_timeout_s))
+            agent.store = store
 
-    def reconnect(err):  # off the main loop: a connect to a stopped host may block for long
-        try:
-            store = _reopen(open_store, err, args.node)
-            if store is not None:
-                store.set_timeout(timedelta(seconds=record_timeout_s))
-                agent.store = store
-        finally:
-            reconnecting.clear()
+    def writer():  # the records, written and acknowledged apart from the tick
+        while not stop.is_set():
+            try:
+                agent.run_writer(stop)
+            except Exception as e:  # a store hiccup: a fresh client, the newest record again
+                reconnect(e)
+                time.sleep(0.1)
 
+    threading.Thread(target=writer, daemon=True, name="agent-writer").start()
     interval = float(ft.get("agent_interval_s", 0.25))
     while any(t.is_alive() for t in waiters):
         time.sleep(interval)
         try:
-            agent.tick()  # the record and the board beat: the node's one liveness signal
+            agent.tick()  # the record handed to the writer, the board beat, on the agent's clock
         except ValueError:  # the board was closed: the agent is ending
             break
-        except Exception as e:  # a store hiccup: reconnect on the side, the next tick retries
-            if not reconnecting.is_set():
-                reconnecting.set()
-                threading.Thread(target=reconnect, args=(e,), daemon=True).start()
     stop.set()
-    try:
-        agent.observe()
-        agent.publish()
-    except Exception:
-        pass
+
+    def last_record():  # not handed to the ending writer, and not waited for long: the writer
+        try:  # may hold the client in a request a stopped coordinator's store never answers
+            agent._writer = agent.ack_records = False
+            agent.observe()
+            agent.publish()
+        except Exception:
+            pass
+
+    last = threading.Thread(target=last_record, daemon=True, name="agent-last-record")
+    last.start()
+    last.join(LAST_RECORD_S)
     board.close()
     shutil.rmtree(where, ignore_errors=True)
     try:

@@ -6,13 +6,15 @@ or by the control-plane benchmark for thousands of simulated nodes::
 
     tick()          every ft.agent_interval_s: read the board (each local process's beat and
                     progress), judge them with a ``watchdog.Liveness`` on this node's clock,
-                    write one sealed record ``node/<n>`` (format: ``watchdog.NodeLiveness``) and
-                    beat the board: the one liveness signal of the node. The coordinator
-                    declares the node lost when the record stops, its processes fence
-                    themselves when the board beat stops (``client.BoardHeartbeat``), and both
-                    stop together (a stopped or deaf agent, a tick stuck in a store call). A
-                    tick never reads the store: the coordinator's silence is judged on this
-                    clock from what ``poll_store`` (another thread, its own client) last saw
+                    write one sealed record ``node/<n>`` (format: ``watchdog.NodeLiveness``;
+                    in the agent process handed to a writer thread, ``run_writer``) and beat
+                    the board. The coordinator declares the node lost when the record stops,
+                    its processes fence themselves when the board beat stops
+                    (``client.BoardHeartbeat``): the beat stops with the record when the agent
+                    is stopped or deaf, or when the store answers the coordinator but takes
+                    no record from this node (``record_stuck``). A tick never waits on the
+                    store: the coordinator's silence is judged on this clock from what
+                    ``poll_store`` (another thread, its own client) last saw
     poll_store()    every second or so: the coordinator's heartbeat, the job's step
     apply(event)    a pushed event (agent/events.py; ``fetch`` first does its store reads, and
                     ``agent.loops.EventApplier`` retries or escalates): abort -> the board's abort generation;
@@ -128,6 +130,10 @@ class NodeAgent:
         # wait for the store's answer after each record (``silent_for`` then counts records the
         # store took, not records handed to a socket that may lead nowhere: a cut-off host)
         self.ack_records = False
+        self._writer = False  # records handed to ``run_writer``'s thread
+        self._outbox: tuple[str, bool] | None = None
+        self._wake_writer = threading.Event()
+        self.stuck_after_s = max(1.0, 4 * float(ft.get("agent_interval_s", 0.25)))
         self.on_forged = None  # called with a node file's name that failed its seal
         self.live = Liveness(float(ft["heartbeat_timeout_s"]), float(ft["heartbeat_hard_timeout_s"]),
                              float(ft["progress_timeout_s"]), clock=clock)
@@ -192,14 +198,26 @@ class NodeAgent:
 
     def publish(self, urgent: bool = False) -> bool:
         """Write the record (False, nothing written, once the agent went deaf). The text is
-        made under the lock, the write is not."""
+        made under the lock, the write is not; with a writer thread (``run_writer``) it is
+        handed over and written there (a store that does not answer holds up only that)."""
+        key = node_key(self.node)
+        with self.lock:
+            if self.deaf is not None:
+                return False
+            self.seq += 1
+            text = self.seal.wrap(key, self.record())
+            if self._writer:
+                urgent = urgent or (self._outbox is not None and self._outbox[1])
+                self._outbox = (text, urgent)
+        if self._writer:
+            self._wake_writer.set()
+        else:
+            self._write(text, urgent)
+        return True
+
+    def _write(self, text: str, urgent: bool) -> None:
         key = node_key(self.node)
         with self._send:
-            with self.lock:
-                if self.deaf is not None:
-                    return False
-                self.seq += 1
-                text = self.seal.wrap(key, self.record())
             self.store.set(key, text)
             if self.ack_records:  # a set is not answered: this is, after the set (one stream)
                 self.store.check([key])
@@ -207,7 +225,33 @@ class NodeAgent:
         if urgent:
             self.store.add(NODES_CHANGED, 1)
             wake_coordinator(self.store)
-        return True
+
+    def run_writer(self, stop) -> None:
+        """The writer thread's loop (``agent.__main__``): the newest record handed over, each
+        written once; a store error raises (the caller reconnects and calls again)."""
+        self._writer = True
+        while not stop.is_set():
+            self._wake_writer.wait(0.5)
+            self._wake_writer.clear()
+            with self.lock:
+                out, self._outbox = self._outbox, None
+            if out is not None:
+                try:
+                    self._write(*out)
+                except Exception:
+                    with self.lock:  # written by the next try unless a newer one came
+                        self._outbox = self._outbox or out
+                    raise
+
+    def record_stuck(self) -> bool:
+        """The store answers the coordinator (its heartbeat advanced since) but has not taken
+        this node's record for a while: the job is about to declare the node lost, so its
+        processes must fence themselves (the board beat stops). A coordinator that stopped
+        answering is not this: its processes then save and exit (``coordinator_timeout_s``)."""
+        silent = self.silent_for()
+        since_coord = self.clock() - self._coord[1]
+        return (silent > self.stuck_after_s and self._coord[0] >= 0
+                and silent - since_coord > self.stuck_after_s)
 
     def go_deaf(self, why: str) -> None:
         """This agent cannot carry out the coordinator's events: from now on it writes no
@@ -231,13 +275,10 @@ class NodeAgent:
         coordinator is the coordinator-loss path, a cut-off node fences itself by presence)."""
         self.observe()
         try:
-            if self.publish():
-                self.board.beat_agent()
-        except Exception:
-            if self.deaf is None:
-                self.board.beat_agent()
-            raise
+            self.publish()
         finally:
+            if self.deaf is None and not self.record_stuck():
+                self.board.beat_agent()
             self.judge_coordinator()
 
     def poll_store(self, store=None) -> None:

@@ -312,3 +312,37 @@ def test_a_decision_or_vote_is_never_read_half_written(tmp_path):
     rank_side.words = _Interleaving(rank_side.words, lambda: seen.append(agent_side.vote(0)))
     rank_side.set_vote(0, 1, 20, 4)
     assert set(seen) <= {(1, 10, 2), (1, 20, 4)}, seen
+
+
+def test_a_record_the_store_does_not_take_stops_the_beat_unless_the_coordinator_is_silent_too(
+        tmp_path):
+    """The writer thread is stuck (its records never taken): while the coordinator's heartbeat
+    still advances, the job is about to declare the node lost, so the board beat stops (its
+    processes fence themselves); when the coordinator is silent too (stopped), the beat goes on
+    and the processes take the coordinator-loss path instead."""
+    master, store = _store()  # noqa: F841
+    seal = Seal(SECRET)
+    clock = Clock()
+    agent, board = _agent(tmp_path, store, clock=clock)
+    agent._writer = True  # records handed over to a writer that never writes them
+    hb = 0
+
+    def coordinator_beats():
+        nonlocal hb
+        hb += 1
+        store.set(Keys.COORD_HB, seal.wrap(Keys.COORD_HB, str(hb)))
+        agent.check_coordinator()
+
+    for _ in range(12):  # 3 s: the coordinator beats, the node's record is never taken
+        coordinator_beats()
+        agent.tick()
+        clock.t += 0.25
+    beat = board.agent_beat
+    agent.tick()
+    assert board.agent_beat == beat, "the board beat went on without the record"
+    stopped, sbeat = _agent(tmp_path / "stopped", store, clock=clock)
+    stopped._writer = True
+    for _ in range(12):  # both silent: a stopped coordinator
+        stopped.tick()
+        clock.t += 0.25
+    assert sbeat.agent_beat >= 12

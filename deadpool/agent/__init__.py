@@ -14,7 +14,8 @@ saturates at a few thousand ranks. With agents (``launcher.agents=true``)::
     client.py   the rank's side: BoardHeartbeat, NodeLink
     loops.py    the agent's loops that outlive any one failure: events applied, retried or
                 escalated (the node leaves rather than go deaf); the store reader
-    shm.py      the node's directory, private to the job's user (plan and report files sealed)
+    shm.py      the node's directory, private to the job's user
+    files.py    the plan and report files next to the board (written whole, sealed)
     __main__    the agent process: starts the node's processes as children (they die with it)
 
 The coordinator reads node records (``watchdog.NodeLiveness``) and pushes aborts, plans and

@@ -22,7 +22,7 @@ from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NO
                                   NODE_INDEX_ENV, Doorbell, NodeBoard, open_doorbell, ring,
                                   waker_name)
 from deadpool import auth
-from deadpool.agent.node import file_context, plan_file, read_file, report_file, write_whole
+from deadpool.agent.files import file_context, plan_file, read_file, report_file, write_whole
 from deadpool.protocol import Seal
 from deadpool.watchdog import Progress
 

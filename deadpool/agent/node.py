@@ -46,13 +46,14 @@ per node and kind of report instead of one per rank.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
 
 from deadpool import reports
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
+from deadpool.agent.files import (file_context, plan_file, read_file, report_file,  # noqa: F401
+                                  write_whole)
 from deadpool.launcher import process_stopped
 from deadpool.protocol import Keys, Plan, Seal, wake_coordinator
 from deadpool.protocol_wire import fetch_plan
@@ -64,44 +65,6 @@ KEEP_PLAN_FILES = 4
 
 def node_key(node: int) -> str:
     return f"node/{node}"
-
-
-def write_whole(path: Path, text: str) -> None:
-    """Write ``path`` so that a reader sees all of ``text`` or no file (never through a link:
-    the temporary file is created anew, ``O_EXCL | O_NOFOLLOW``)."""
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.unlink()
-    except FileNotFoundError:
-        pass
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def read_file(path: Path) -> str:
-    """A node file's text, never through a symbolic link."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd) as f:
-        return f.read()
-
-
-def plan_file(node_dir: Path, generation: int) -> Path:
-    """Plan ``generation``'s wire text for the node's processes, sealed (``file_context``)."""
-    return Path(node_dir) / f"plan-{generation}.wire"
-
-
-def report_file(node_dir: Path, index: int, n: int) -> Path:
-    """The ``n``-th report of the process of local record ``index`` (``agent.client.NodeLink
-    .report``): JSON ``{"g", "kind", "rank", "text"}``, sealed (``file_context``)."""
-    return Path(node_dir) / f"report-{index}-{n}.json"
-
-
-def file_context(path: Path) -> str:
-    """The seal context of a node file: its name (a sealed plan or report cannot be replayed
-    under another name; the directory is private to the job's user, ``agent.shm``)."""
-    return f"node-file/{Path(path).name}"
 
 
 class NodeAgent:

@@ -96,7 +96,7 @@ class Coordinator:
         self._rank_nodes: list[int] = []
         self._last_plan: Plan | None = None  # the plan a delta is written against
         self.bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) copies found corrupt
-        self.recoveries: list[RecoveryRecord] = []
+        self.recoveries = timeline.RecoveryLog(cfg, log)  # on disk as each completes
         self.pending: RecoveryRecord | None = restart  # the open record (recovery.timeline)
         self.outcome = "running"
         self.message = ""

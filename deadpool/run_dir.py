@@ -17,8 +17,8 @@ anything starts, ``check`` decides::
     otherwise                                 refused (ValueError), naming both ways on
 
 Outputs are what a job writes (``job.json``, ``summary.json``, ``metrics.jsonl``, ``metrics/``,
-``logs/``, ``final/``, ``tensorboard/``, the failure-free reference run's directory) and step
-directories under ``ft.checkpoint_dir``; anything else there (Hydra's ``.hydra/``) is left alone.
+``logs/``, ``final/``, ``tensorboard/``, ``recoveries.jsonl``, the failure-free reference run's
+directory) and step directories under ``ft.checkpoint_dir``; anything else there (Hydra's ``.hydra/``) is left alone.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from deadpool import checkpoint
 
 OUTPUTS = ("job.json", "summary.json", "metrics.jsonl", "metrics", "logs", "final", "tensorboard",
-           "reference_failure_free")
+           "recoveries.jsonl", "reference_failure_free")
 
 
 def _holds(p: Path) -> bool:

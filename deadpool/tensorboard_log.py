@@ -3,10 +3,11 @@
 Fed the per-step metrics record (``Trainer.record_metrics``) of the job's reporting rank (the
 last pipeline stage's data-parallel rank 0, tensor-parallel rank 0: the one that prints
 progress), whichever process holds that rank: after a hot swap the spare's process writes on
-into the same directory (its own file; TensorBoard merges the files of a directory). At the end
-of the job ``write_recoveries`` adds each recovery as scalars at its resume step and a text entry
-with its breakdown. ``torch.utils.tensorboard`` (the ``tensorboard`` package) is imported only
-when logging is on.
+into the same directory (its own file; TensorBoard merges the files of a directory). The
+coordinator adds each recovery as it completes (``RecoveryBoard``, fed by
+``recovery.timeline.RecoveryLog``): scalars at its resume step and a text entry with its
+breakdown; ``write_recoveries`` at the end adds those it had not logged. ``torch.utils.
+tensorboard`` (the ``tensorboard`` package) is imported only when logging is on.
 
     train/loss            the reporting rank's loss (its data-parallel batch's mean)
     val/loss              validation loss (all eval batches; eval_every_steps)
@@ -84,16 +85,53 @@ def board(cfg: dict, slot: int):
     return Board(cfg, slot) if (cfg.get("logging") or {}).get("tensorboard") else Off()
 
 
+RECOVERIES_FILE = "recoveries.jsonl"  # run_dir/: each record as completed (recovery.timeline)
+
+
+def _same(rec: dict) -> str:
+    return json.dumps(rec, sort_keys=True, default=str)
+
+
+def _add_recovery(w, rec: dict) -> None:
+    step = int(rec.get("resume_step") or 0)
+    for key in RECOVERY_TIMES:
+        if isinstance(rec.get(key), (int, float)):
+            w.add_scalar(f"recovery/{key}", float(rec[key]), step)
+    w.add_text(f"recovery/generation_{rec['generation']}",
+               "    " + json.dumps(rec, indent=1, default=str).replace("\n", "\n    "), step)
+
+
+class RecoveryBoard:
+    """The coordinator's TensorBoard file of recoveries: each record added as it completes
+    (``recovery.timeline.RecoveryLog``) and flushed at once, so a crash keeps it."""
+
+    def __init__(self, cfg: dict):
+        self.dir, self.w = log_dir(cfg), None
+
+    def add(self, rec: dict) -> None:
+        if self.w is None:
+            self.w = _writer(self.dir, ".recoveries")
+        _add_recovery(self.w, rec)
+        self.w.flush()
+
+
+def recovery_board(cfg: dict) -> RecoveryBoard | None:
+    return RecoveryBoard(cfg) if (cfg.get("logging") or {}).get("tensorboard") else None
+
+
 def write_recoveries(cfg: dict, summary: dict) -> None:
-    """Each recovery of ``summary`` (summary.json's records) as TensorBoard entries."""
+    """Each recovery of ``summary`` (summary.json's records) as TensorBoard entries, except those
+    the coordinator already logged as they completed (the lines of ``recoveries.jsonl``)."""
     if not (cfg.get("logging") or {}).get("tensorboard") or not summary["recoveries"]:
         return
+    logged = Path(cfg["run_dir"]) / RECOVERIES_FILE
+    seen = set()
+    if logged.exists():
+        seen = {_same(json.loads(x)) for x in logged.read_text().splitlines() if x.strip()}
+    todo = [rec for rec in summary["recoveries"] if _same(rec) not in seen]
+    if not todo:
+        return
     w = _writer(log_dir(cfg), ".recoveries")
-    for rec in summary["recoveries"]:
-        step = int(rec.get("resume_step") or 0)
-        for key in RECOVERY_TIMES:
-            if isinstance(rec.get(key), (int, float)):
-                w.add_scalar(f"recovery/{key}", float(rec[key]), step)
-        w.add_text(f"recovery/generation_{rec['generation']}",
-                   "    " + json.dumps(rec, indent=1, default=str).replace("\n", "\n    "), step)
+    for rec in todo:
+        _add_recovery(w, rec)
     w.close()

@@ -11,14 +11,59 @@ Breakdown (seconds; ``t_kill`` is the injected fault's time when known, else the
     rollback_s    received -> live state at the resume step (a relaunch: load_s, the disk load)
     first_step_s  every rank ready -> every rank finished its first step
     kill_to_first_step_s, kill_to_training_s, kill_to_protected_s: end-to-end
+
+Every record is on disk as soon as it is appended to ``coord.recoveries`` (``RecoveryLog``): a
+line of ``run_dir/recoveries.jsonl`` and, with ``logging.tensorboard``, TensorBoard entries, so
+a coordinator that crashes leaves the recoveries it made, not only log lines. A record completed
+later (a relaunch's, by the relaunched coordinator) is written again: a generation's newest line
+is its record.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from deadpool.protocol import UNSET, Keys, RankTimings, RecoveryRecord
 from deadpool.reports import Reports
+from deadpool.tensorboard_log import RECOVERIES_FILE, recovery_board
 
 INTERRUPTED = "interrupted by another failure"
+
+
+class RecoveryLog(list):
+    """``coord.recoveries``: a list of ``RecoveryRecord`` whose ``append`` also writes the record
+    where a crash keeps it (the module's docstring). A write that fails is logged once; the job
+    goes on (the summary still carries every record at the end)."""
+
+    def __init__(self, cfg: dict, log=print):
+        super().__init__()
+        run_dir = cfg.get("run_dir")
+        self.path = None if run_dir is None else Path(run_dir) / RECOVERIES_FILE
+        self.board = recovery_board(cfg)
+        self.log, self.failed = log, False
+
+    def append(self, rec: RecoveryRecord) -> None:
+        super().append(rec)
+        try:
+            d = rec.to_dict()
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(d, default=str) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            if self.board is not None:
+                self.board.add(d)
+        except Exception as e:  # (OSError, or TensorBoard's own errors)
+            if not self.failed:
+                self.failed = True
+                self.log(f"[coordinator] recovery records not written as they happen: {e}")
+
+    def extend(self, recs) -> None:
+        for rec in recs:
+            self.append(rec)
 
 
 def one_or_list(xs: list):

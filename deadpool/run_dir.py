@@ -18,7 +18,8 @@ anything starts, ``check`` decides::
 
 Outputs are what a job writes (``job.json``, ``summary.json``, ``metrics.jsonl``, ``metrics/``,
 ``logs/``, ``final/``, ``tensorboard/``, ``recoveries.jsonl``, the failure-free reference run's
-directory) and step directories under ``ft.checkpoint_dir``; anything else there (Hydra's ``.hydra/``) is left alone.
+directory) and step directories under ``ft.checkpoint_dir``; anything else there (Hydra's
+``.hydra/``) is left alone.
 """
 
 from __future__ import annotations

@@ -19,17 +19,18 @@ fp32 master weights (``master``, ZeRO-1 shards joined), not its bf16 parameters 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import torch
 
-from deadpool.export.consolidate import ExportError, full_parameters, load_source
+from deadpool.export.consolidate import ExportError, iter_full_parameters, load_source, stage_flat
 from deadpool.export.llama import hf_config, to_hf
+from deadpool.export.safetensors_io import INDEX, write_stream
+from deadpool.model import GPT, model_config
 
 __all__ = ["ExportError", "export", "parse_size"]
-
-INDEX = "model.safetensors.index.json"
 
 
 def parse_size(text: str) -> int:
@@ -39,34 +40,6 @@ def parse_size(text: str) -> int:
         if t.endswith(unit):
             return int(float(t[:-len(unit)]) * mult)
     return int(t)
-
-
-def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> list[str]:
-    """One file, or shards of at most ``max_shard_bytes`` (a larger tensor gets a file of its
-    own) with an index mapping every name to its file. Returns the file names."""
-    from safetensors.torch import save_file
-
-    groups, size = [[]], 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    if len(groups) == 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map = [], {}
-    for i, names in enumerate(groups, 1):
-        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(out / fname), metadata={"format": "pt"})
-        files.append(fname)
-        weight_map.update({n: fname for n in names})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
-                                         "weight_map": weight_map}, indent=1))
-    return files
 
 
 def copy_tokenizer(cfg: dict, out: Path, log) -> int | None:
@@ -95,26 +68,34 @@ def copy_tokenizer(cfg: dict, out: Path, log) -> int | None:
 
 def export(src, out, *, dtype: str | None = None, max_shard_size: str = "5GB",
            job=None, log=print) -> dict:
-    """Write ``out`` (module docstring) from a run directory or checkpoint; returns config.json."""
+    """Write ``out`` (module docstring) from a run directory or checkpoint; returns config.json.
+    Tensor by tensor: one full parameter is held at a time (``iter_full_parameters``), converted
+    and written (``safetensors_io.write_stream``) before the next is assembled."""
     cfg, dims, states, what = load_source(src, job)
+    mcfg = cfg["model"]
     masters = dtype == "float32" and all("master" in st for st in states.values())
-    full = full_parameters(cfg["model"], dims, states, source="master" if masters else "params")
-    tensors = to_hf(full, cfg["model"])
+    source = "master" if masters else "params"
     if dtype is not None:
         try:
             target = getattr(torch, dtype)
         except AttributeError:
             raise ExportError(f"--dtype {dtype}: not a torch dtype (float32, bfloat16, float16)") from None
-        tensors = {n: t.to(target) for n, t in tensors.items()}
+    else:
+        target = stage_flat(dims, states, 0, 0, source)[0].dtype
+    with torch.device("meta"):  # names, shapes (and so the files' headers) before any data
+        meta = {n: p.detach() for n, p in GPT(model_config(mcfg)).named_parameters()}
+    plan = [(n, tuple(t.shape), target) for n, t in to_hf(meta, mcfg).items()]
+    tensors = ((hf_name, t.to(target))
+               for name, full in iter_full_parameters(mcfg, dims, states, source)
+               for hf_name, t in to_hf({name: full}, mcfg).items())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     eos = copy_tokenizer(cfg, out, log)
-    stored = next(iter(tensors.values())).dtype
-    config = hf_config(cfg["model"], stored, eos)
+    config = hf_config(mcfg, target, eos)
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    files = write_safetensors(tensors, out, parse_size(max_shard_size))
-    n = sum(t.numel() for t in tensors.values())
+    files = write_stream(plan, tensors, out, parse_size(max_shard_size))
+    n = sum(math.prod(shape) for _, shape, _ in plan)
     log(f"[export] {what} (dp{dims.dp} x tp{dims.tp} x pp{dims.pp}) -> {out}: {n:,} parameters, "
-        f"{str(stored).removeprefix('torch.')}{' (fp32 master weights)' if masters else ''}, "
+        f"{str(target).removeprefix('torch.')}{' (fp32 master weights)' if masters else ''}, "
         f"{len(files)} safetensors file(s)")
     return config

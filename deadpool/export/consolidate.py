@@ -58,7 +58,8 @@ def load_source(src, job: Path | None = None) -> tuple[dict, ParallelDims, dict[
             if not f.exists():
                 raise ExportError(f"{f} is missing: the run did not finish (export a checkpoint "
                                   "directory instead)")
-            states[r] = torch.load(f, weights_only=True)
+            # memory-mapped: a tensor's bytes are read when consolidation reaches it
+            states[r] = torch.load(f, weights_only=True, mmap=True)
         return cfg, dims, states, f"{src}/final"
     try:
         step_dir = checkpoint.latest_step_dir(src)
@@ -71,8 +72,27 @@ def load_source(src, job: Path | None = None) -> tuple[dict, ParallelDims, dict[
     if dims.world_size != int(meta["world_size"]):
         raise ExportError(f"{step_dir}: meta.json's layout {layout} does not match its world size "
                           f"{meta['world_size']}")
-    states = {r: checkpoint.read_rank_state(step_dir, r)[0] for r in range(dims.world_size)}
-    return cfg, dims, states, str(step_dir)
+    return cfg, dims, StageStates(step_dir, dims), str(step_dir)
+
+
+class StageStates(dict):
+    """rank -> tensors of a checkpoint, read when first asked for; asking for a rank of another
+    pipeline stage drops the ranks held (consolidation goes stage by stage, so at most one
+    stage's ranks are in memory)."""
+
+    def __init__(self, step_dir, dims: ParallelDims):
+        super().__init__()
+        self.step_dir, self.dims = step_dir, dims
+
+    def __missing__(self, rank: int) -> dict:
+        pp = self.dims.coords(rank)["pp"]
+        for r in [r for r in self if self.dims.coords(r)["pp"] != pp]:
+            del self[r]
+        self[rank] = checkpoint.read_rank_state(self.step_dir, rank)[0]
+        return self[rank]
+
+    def values(self):  # every rank, one stage at a time
+        return (self[r] for r in range(self.dims.world_size))
 
 
 def stage_params(cfg, pp_rank: int, pp: int, tp_rank: int, tp: int) -> list[tuple[str, torch.Size]]:
@@ -110,44 +130,58 @@ def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
                     source: str = "params") -> dict[str, torch.Tensor]:
     """Every parameter of the single-process model (``deadpool.model.GPT`` names), whole, in the
     dtype of ``source`` (``stage_flat``)."""
+    return dict(iter_full_parameters(model_cfg, dims, states, source))
+
+
+def iter_full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
+                         source: str = "params"):
+    """``(name, full parameter)`` one at a time, in ``GPT.named_parameters()`` order (stage by
+    stage): only the parameter being assembled is held, the ranks' buffers are read in place
+    (memory-mapped ``final/`` files; a checkpoint's ranks one stage at a time, ``StageStates``)."""
     mcfg = model_config(model_cfg)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in GPT(mcfg).named_parameters()}
-    full: dict[str, torch.Tensor] = {}
-    written: dict[str, torch.Tensor] = {}
     # a shard() that splits q/k/v by the config's head counts (grouped-query attention) takes it
     extra = {"model_cfg": mcfg} if "model_cfg" in inspect.signature(shard).parameters else {}
+    done = set()
     for pp_rank in range(dims.pp):
-        for tp_rank in range(dims.tp):
-            flat, holder = stage_flat(dims, states, pp_rank, tp_rank, source)
-            off = 0
-            for name, local_shape in stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp):
-                n = local_shape.numel()
-                if off + n > flat.numel():
-                    raise ExportError(f"rank {holder}: params holds {flat.numel()} elements, its "
-                                      f"stage needs more (the model config does not match the state)")
+        flats = [stage_flat(dims, states, pp_rank, tp_rank, source) for tp_rank in range(dims.tp)]
+        offsets = [0] * dims.tp
+        names = [stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp) for tp_rank in range(dims.tp)]
+        for (flat, holder), stage in zip(flats, names):
+            need = sum(shape.numel() for _, shape in stage)
+            # ZeRO-1 pads the flat buffer to a multiple of dp; more left over is another model
+            if not 0 <= flat.numel() - need < max(dims.dp, 64):
+                raise ExportError(f"rank {holder}: params holds {flat.numel()} elements, its stage "
+                                  f"{need} (the model config does not match the state)")
+        for i, (name, _) in enumerate(names[0]):
+            full = written = None
+            for tp_rank, (flat, holder) in enumerate(flats):
+                n = names[tp_rank][i][1].numel()
+                off = offsets[tp_rank]
                 local = flat[off:off + n]
-                off += n
-                if name not in full:
-                    full[name] = torch.empty(shapes[name], dtype=flat.dtype)
-                    written[name] = torch.zeros(shapes[name].numel(), dtype=torch.bool)
+                offsets[tp_rank] = off + n
+                if full is None:
+                    full = torch.empty(shapes[name], dtype=flat.dtype)
+                    written = torch.zeros(shapes[name].numel(), dtype=torch.bool)
                 index = torch.arange(shapes[name].numel()).view(shapes[name])
                 where = shard(name, index, tp_rank, dims.tp, **extra).reshape(-1)
+                del index
                 if where.numel() != n:
                     raise ExportError(f"{name}: rank {holder} holds {n} elements, the sharding "
                                       f"code says {where.numel()}")
-                dst = full[name].view(-1)
-                again = written[name][where]
+                dst = full.view(-1)
+                again = written[where]
                 if again.any() and not torch.equal(dst[where][again], local[again]):
                     raise ExportError(f"{name}: replicated copies differ between tensor-parallel "
                                       f"ranks (rank {holder})")
                 dst[where] = local
-                written[name][where] = True
-            # ZeRO-1 pads the flat buffer to a multiple of dp; more left over is another model
-            if flat.numel() - off >= max(dims.dp, 64):
-                raise ExportError(f"rank {holder}: params holds {flat.numel()} elements, its stage "
-                                  f"{off} (the model config does not match the state)")
-    missing = sorted(set(shapes) - set(full)) + [n for n in full if not written[n].all()]
+                written[where] = True
+            if not written.all():
+                raise ExportError(f"parameters not (fully) covered by the shards: {[name]}")
+            done.add(name)
+            yield name, full
+            del full, written
+    missing = sorted(set(shapes) - done)
     if missing:
         raise ExportError(f"parameters not (fully) covered by the shards: {missing}")
-    return full

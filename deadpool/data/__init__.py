@@ -27,7 +27,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deadpool.data.synthetic import SyntheticCorpus
+
+
+def __getattr__(name: str):
+    # lazily: prepare's worker processes import this package and must not pay for torch
+    if name == "SyntheticCorpus":
+        from deadpool.data.synthetic import SyntheticCorpus
+        return SyntheticCorpus
+    raise AttributeError(name)
+
 
 __all__ = ["SyntheticCorpus", "build_data", "check_data", "global_batches", "start_verify"]
 SOURCES = ("synthetic", "tokens", "megatron")
@@ -44,6 +52,7 @@ def build_data(cfg: dict):
     """The data source ``cfg["data"]`` names (``synthetic`` when the group is absent)."""
     data = cfg.get("data") or {"name": "synthetic"}
     if data["name"] == "synthetic":
+        from deadpool.data.synthetic import SyntheticCorpus
         return SyntheticCorpus(cfg["model"]["vocab_size"], cfg["seed"])
     if data["name"] == "tokens":
         from deadpool.data.tokens import TokenDataset

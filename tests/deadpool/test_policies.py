@@ -161,7 +161,8 @@ K_LAYOUTS = [((4, 1, 1, 4, 1), 2), ((4, 1, 1, 4, 1), 3), ((4, 1, 1, 1, 1), 3), (
 @pytest.mark.parametrize("name", sorted(BUDDY_POLICIES))
 @pytest.mark.parametrize("layout,k", K_LAYOUTS, ids=str)
 def test_k_buddies_are_distinct_ranks_on_distinct_other_nodes_and_k_regular(name, layout, k):
-    dims = ParallelDims(*layout)
+    dp, tp, pp, per_node, per_rack = layout
+    dims = ParallelDims(dp, tp, pp, per_node, nodes_per_rack=per_rack)
     table = buddies_table(dims, name, k)
     held = [0] * dims.world_size
     for r, bs in enumerate(table):

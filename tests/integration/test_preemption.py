@@ -179,8 +179,9 @@ def test_auto_resume_without_a_checkpoint_starts_from_step_0_and_says_so(tmp_pat
     assert resolve_resume(cfg, said.append)["ft"]["resume_from"] == str(ckpt)
     assert "step 5" in said[-1]
     with pytest.raises(ValueError, match="stop_timeout_s"):
-        run_job(compose_train(BASE + ["ft.stop_timeout_s=5", "ft.status_timeout_s=10"], tmp_path),
-                log=quiet)
+        # (a run directory of its own: this one holds the checkpoint above, refused first)
+        run_job(compose_train(BASE + ["ft.stop_timeout_s=5", "ft.status_timeout_s=10"],
+                              tmp_path / "bad_stop_timeout"), log=quiet)
 
 
 @pytest.mark.slow

@@ -1,8 +1,15 @@
 """``python -m deadpool.export RUN_DIR_OR_CHECKPOINT OUT_DIR``: a trained model in the Hugging Face
 LLaMA format.
 
-    consolidate.py  the tp/pp shards of a run's ``final/`` or a checkpoint -> whole parameters
-    llama.py        DeadPool names and q/k layout -> ``LlamaForCausalLM``'s; config.json
+    consolidate.py     the tp/pp shards of a run's ``final/`` or a checkpoint -> whole
+                       parameters, one at a time
+    llama.py           DeadPool names and q/k layout -> ``LlamaForCausalLM``'s; config.json
+    safetensors_io.py  safetensors files written tensor by tensor (memory: the largest tensor)
+    hf_import.py       the other way: ``model.init_from=HF_DIR``, each rank reading its slices
+    sample.py          ``python -m deadpool.export.sample OUT "prompt"``: transformers continues it
+
+Imports run one way: this package may import the model, the stage builder and the checkpoint
+reader; the trainer and ``job.validate`` import ``hf_import`` (nothing here imports them).
 
 ``OUT_DIR`` receives ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` files and
 ``model.safetensors.index.json`` past ``--max-shard-size``), ``config.json``, and, when the run

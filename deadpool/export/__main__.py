@@ -20,6 +20,10 @@ def main(argv=None) -> int:
                                                   "default: as stored")
     ap.add_argument("--max-shard-size", default="5GB", help="split safetensors files past this")
     ap.add_argument("--job", default=None, help="the run's job.json, if not in SRC or above it")
+    ap.add_argument("--sample", default=None, metavar="PROMPT",
+                    help="then load OUT with transformers and print a greedy continuation of "
+                         "PROMPT (deadpool.export.sample)")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="with --sample")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
@@ -28,6 +32,10 @@ def main(argv=None) -> int:
         print(f"[export] error: {e}", file=sys.stderr)
         return 2
     print(f"[export] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if a.sample is not None:
+        from deadpool.export import sample
+
+        return sample.main([a.out, a.sample, "--max-new-tokens", str(a.max_new_tokens)])
     return 0
 
 

@@ -49,6 +49,7 @@ print(max(peak[0], anon()) - base)
 """
 
 
+@pytest.mark.slow  # ~20 s on 2 busy cores: a 76 MB model written, exported in a child
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
 def test_export_memory_is_bounded_by_the_largest_tensor_not_the_model(tmp_path):
     torch.manual_seed(0)

@@ -28,6 +28,7 @@ The header is a JSON-serialisable dict (``{"step", "data_position", "generation"
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -121,18 +122,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file_atomic(path: Path, text: str) -> None:
-    """Write ``path`` via a temporary file in the same directory and ``os.replace``."""
+@contextlib.contextmanager
+def atomic_open(path: Path, mode: str = "w", opener=open):
+    """A file whose contents appear under ``path`` only once written whole: written to a
+    temporary name in the same directory, fsynced, then ``os.replace``d; a failed write leaves
+    nothing under ``path`` and no temporary behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with opener(tmp, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _write_file_atomic(path: Path, text: str) -> None:
+    with atomic_open(path) as f:
+        f.write(text)
     _fsync_dir(path.parent)
 
 

@@ -20,12 +20,13 @@ state where it lies; nothing is read back from disk to compute it).
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+from deadpool.checkpoint.files import atomic_open
 
 CHUNK_BYTES = 64 << 20  # progress is shown at least this often while writing (64 MiB)
 
@@ -59,17 +60,9 @@ def write_final_state(state: dict[str, torch.Tensor], path: Path,
     for k, v in state.items():
         host[k] = v.detach().to("cpu", copy=True)
         on_progress()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            stream = _ProgressStream(f, on_progress)
-            torch.save(host, stream)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb", opener=open) as f:  # (``open`` as this module sees it)
+        stream = _ProgressStream(f, on_progress)
+        torch.save(host, stream)
     return stream.bytes
 
 

@@ -15,23 +15,8 @@
 set -u
 OUT_DIR=${1:?usage: run_all.sh OUT_DIR [full|quick]}
 MODE=${2:-full}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-HERE=experiments/gpu  # relative to ROOT: logs name no machine paths
-mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd)
-exec > >(tee -a "$OUT_DIR/run_all.log") 2>&1
-cd "$ROOT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python3}
-
-step() {  # step NAME TIMEOUT_S CMD...: run bounded, log rc and seconds
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    local shown="$*"
-    echo "=== $name (limit ${limit}s): ${shown//$OUT_DIR/OUT_DIR}"
-    timeout -k 10 "$limit" "$@"
-    local rc=$?
-    echo "=== $name: rc=$rc in $((SECONDS - t0))s"
-}
+LOG="run_all.log"
+source "$(dirname "$0")/session.sh"
 
 echo "=== start $(date -u +%FT%TZ) mode=$MODE"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true

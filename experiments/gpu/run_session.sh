@@ -17,22 +17,8 @@ set -u
 OUT_DIR=${1:?usage: run_session.sh OUT_DIR a|b [cpu]}
 PART=${2:?usage: run_session.sh OUT_DIR a|b [cpu]}
 DEV=${3:-cuda}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-HERE=experiments/gpu  # relative to ROOT: logs name no machine paths
-mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd)
-exec > >(tee -a "$OUT_DIR/session_$PART.log") 2>&1
-cd "$ROOT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python3}
-
-step() {  # step NAME TIMEOUT_S CMD...: run bounded, log rc and seconds
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    local shown="$*"
-    echo "=== $name (limit ${limit}s): ${shown//$OUT_DIR/OUT_DIR}"
-    timeout -k 5 "$limit" "$@"
-    echo "=== $name: rc=$? in $((SECONDS - t0))s"
-}
+LOG="session_$PART.log"
+source "$(dirname "$0")/session.sh"
 
 echo "=== start $(date -u +%FT%TZ) part=$PART device=$DEV"
 [ "$DEV" = cuda ] && { nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true; }

@@ -49,9 +49,9 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def copy_tokenizer(cfg: dict, out: Path, log) -> int | None:
+def copy_tokenizer(cfg: dict, out: Path, log) -> tuple[int, int] | None:
     """The run's tokenizer (data=tokens), if its prepared directory is still there; returns the
-    end-of-document id."""
+    end-of-document and beginning-of-document ids (the same id when it has no BOS of its own)."""
     data = cfg.get("data") or {}
     if data.get("name") != "tokens":
         return None
@@ -70,7 +70,14 @@ def copy_tokenizer(cfg: dict, out: Path, log) -> int | None:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
         "bos_token": tk.get("bos_token") or eos, "model_max_length": int(cfg["model"]["max_seq_len"]),
         "clean_up_tokenization_spaces": False}, indent=1))
-    return int(manifest["eos_id"])
+    eos_id = int(manifest["eos_id"])
+    bos_id = eos_id
+    if tk.get("bos_token"):  # its own BOS (a Llama 3 tokenizer's <|begin_of_text|>), by id
+        from tokenizers import Tokenizer
+
+        found = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(tk["bos_token"])
+        bos_id = eos_id if found is None else int(found)
+    return eos_id, bos_id
 
 
 def export(src, out, *, dtype: str | None = None, max_shard_size: str = "5GB",
@@ -97,8 +104,8 @@ def export(src, out, *, dtype: str | None = None, max_shard_size: str = "5GB",
                for hf_name, t in to_hf({name: full}, mcfg).items())
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    eos = copy_tokenizer(cfg, out, log)
-    config = hf_config(mcfg, target, eos)
+    ids = copy_tokenizer(cfg, out, log)
+    config = hf_config(mcfg, target, *(ids or (None, None)))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     files = write_stream(plan, tensors, out, parse_size(max_shard_size))
     n = sum(math.prod(shape) for _, shape, _ in plan)

@@ -80,9 +80,11 @@ def to_hf(full: dict[str, torch.Tensor], model_cfg) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_config(model_cfg, dtype: torch.dtype, eos_id: int | None = None) -> dict:
+def hf_config(model_cfg, dtype: torch.dtype, eos_id: int | None = None,
+              bos_id: int | None = None) -> dict:
     """``config.json`` of the exported model (read by ``LlamaConfig``; ``rope_theta`` and
-    ``rope_parameters`` both given, for transformers before and after 5.0)."""
+    ``rope_parameters`` both given, for transformers before and after 5.0). ``bos_id``: the
+    tokenizer's own BOS (default: the EOS, as prepare's byte-level BPE has one special token)."""
     mcfg = model_config(model_cfg)
     n_heads, n_kv, hd = heads(mcfg)
     with torch.device("meta"):
@@ -98,4 +100,4 @@ def hf_config(model_cfg, dtype: torch.dtype, eos_id: int | None = None) -> dict:
             "rope_parameters": {"rope_type": "default", "rope_theta": theta},
             "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
             "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
-            "bos_token_id": eos_id, "eos_token_id": eos_id, "torch_dtype": name, "dtype": name}
+            "bos_token_id": eos_id if bos_id is None else bos_id, "eos_token_id": eos_id, "torch_dtype": name, "dtype": name}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from deadpool.data import check_data
@@ -141,8 +142,13 @@ def test_the_export_hands_back_the_users_tokenizer(tmp_path):
     cfg = {"model": {"max_seq_len": 64}, "data": {"name": "tokens", "path": str(tmp_path / "out")}}
     hf = tmp_path / "hf"
     hf.mkdir()
-    eos = copy_tokenizer(cfg, hf, quiet)
+    eos, bos = copy_tokenizer(cfg, hf, quiet)
     assert (hf / "tokenizer.json").read_bytes() == path.read_bytes()
     tok = transformers.AutoTokenizer.from_pretrained(str(hf))
     assert (tok.eos_token, tok.bos_token) == (EOS, BOS) and tok.eos_token_id == eos
+    assert tok.bos_token_id == bos != eos
+    from deadpool.export.llama import hf_config  # config.json names the tokenizer's own BOS
+    c = hf_config({"vocab_size": 512, "d_model": 32, "n_layers": 1, "n_heads": 2,
+                   "ffn_mult": 4, "max_seq_len": 64}, torch.bfloat16, eos, bos)
+    assert (c["bos_token_id"], c["eos_token_id"]) == (bos, eos)
     assert tok(DOCS[3])["input_ids"] == Tokenizer.from_file(str(path)).encode(DOCS[3]).ids

@@ -182,6 +182,13 @@ class Source:
     owner: int | None = None  # whose state the holder sends; differs only under faults.swap_routes
     dir: str | None = None
     params_from: list[int] | None = None  # per data-parallel rank of the group: its shard's holder
+    # What the receiver checks, copied from the holders' sealed ``RankStatus`` (never the
+    # sender's word): ``crc`` = [shared, unique, header] checksums of the copy ``holder`` sends;
+    # ``shared_crc``: of the parameters ``shared_from`` sends; ``params_crc``: per member of
+    # ``params_from``, the unique checksum of its shard's replica (None for the rank's own)
+    crc: list[int] | None = None
+    shared_crc: int | None = None
+    params_crc: list[int | None] | None = None
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
@@ -250,6 +257,10 @@ class RankStatus:
     local_steps: list[int]                # complete local snapshots
     replicas: dict[int, list[int]]        # owner rank -> replica steps held (not known corrupt)
     groups: dict[str, list[int]] = field(default_factory=dict)  # group key -> [posted, completed]
+    # "own/<step>" (its own state) or "<owner>/<step>" (a replica) -> [shared, unique, header]
+    # checksums of what it would send (``snapshot.transfer.held_checksums``): the plan copies
+    # them into ``Source.crc``, so a receiver checks what the holder reported, not what arrives
+    crcs: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -51,7 +51,8 @@ import xxhash
 from deadpool.protocol import Keys, Plan, Source
 
 WIRE_VERSION = 1
-_OPTIONAL = ("shared_from", "owner", "dir", "params_from")  # Source fields left out when None
+# Source fields left out when None
+_OPTIONAL = ("shared_from", "owner", "dir", "params_from", "crc", "shared_crc", "params_crc")
 
 
 class BaseMismatch(ValueError):

@@ -211,7 +211,8 @@ class Trainer:
 
     def header(self) -> dict:
         """JSON-serialisable metadata stored with every snapshot and checkpoint."""
-        return {"step": self.step, "data_position": self.step, "generation": self.generation,
+        return {"step": self.step, "rank": self.rank, "data_position": self.step,
+                "generation": self.generation,
                 "skipped_steps": self.skipped_steps,
                 "rng_cpu": checkpoint.encode_rng_state(torch.get_rng_state())}
 

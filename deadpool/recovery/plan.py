@@ -107,6 +107,7 @@ def plan_resume(statuses: dict[int, RankStatus], world: list[int], equivalents, 
             sources[r] = src
             covered.add(r)
         else:
+            _attach_checksums(sources, statuses, S, holders.group)
             return RecoveryDecision(S, sources, max(0, live_max - S))
     # keep scanning to know which ranks have a copy at *some* step (for the message)
     for r in world:
@@ -154,6 +155,27 @@ def _held_source(r, S, statuses, order, bad, pick, sharded, replica_has_shared,
         if h is not None:
             return Source(kind, h)
     return None
+
+
+def _attach_checksums(sources: dict[int, Source], statuses, S: int, group) -> None:
+    """Copy into each transfer's ``Source`` the checksums its holders reported of the copies they
+    will send (``RankStatus.crcs``, sealed): the receiver checks those, never what the sender
+    says (``snapshot.transfer``). Linear in the ranks that receive."""
+    def reported(holder: int, owner: int | None):
+        st = statuses.get(holder)
+        return None if st is None else st.crcs.get(f"own/{S}" if owner is None else f"{owner}/{S}")
+
+    for r, src in sources.items():
+        if src.kind == "peer":
+            src.crc = reported(src.holder, None)
+        elif src.kind == "replica":
+            src.crc = reported(src.holder, r)
+            if src.shared_from is not None:
+                src.shared_crc = (reported(src.shared_from, None) or [None])[0]
+            if src.params_from is not None:
+                crcs = [None if d == r else (reported(h, d) or [None, None])[1]
+                        for d, h in zip(group(r), src.params_from)]
+                src.params_crc = crcs if any(c is not None for c in crcs) else None
 
 
 class _Holders:

@@ -22,7 +22,7 @@ from deadpool.comm import Communicator
 from deadpool.errors import CollectiveError, CorruptState
 from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, now
 from deadpool.snapshot import masters
-from deadpool.snapshot.transfer import outgoing
+from deadpool.snapshot.transfer import held_checksums, outgoing
 
 
 def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> None:
@@ -40,10 +40,12 @@ def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> N
     # a rank cut inside its optimizer step holds a torn live state: only its snapshots count
     live = tr.step if worker.has_state and not tr.dirty else None
     eng = tr.engine
+    crcs, worker.live_copy = held_checksums(eng, live, tr.header, worker.has_state) \
+        if eng is not None else ({}, None)
     st = RankStatus(rank, worker.slot, live,
                     eng.local_steps() if worker.has_state and eng is not None else [],
                     eng.replica_steps() if eng is not None else {},
-                    comm.group_counts() if comm is not None else {})
+                    comm.group_counts() if comm is not None else {}, crcs)
     reports.send(worker.store, worker.seal, worker.link, Keys(plan.generation), "status", rank,
                  st.to_json())
 
@@ -79,10 +81,14 @@ def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimin
         except CorruptState as e:
             _report_corrupt(worker, plan, rank, comm, e)
         if got is not None:
-            tr.apply_header(tr.engine.install(S, *got))
+            try:
+                tr.apply_header(tr.engine.install(S, *got, **install_checks(plan, rank)))
+            except CorruptState as e:
+                _report_corrupt(worker, plan, rank, comm, e)
             worker.has_state = True
             timing.bytes_received = sum(tr.engine.region(got[0], r).numel() for _, _, r in recvs)
             timing.bytes_received += len(mrecvs) * tr.engine.region(got[0], "unique").numel()
+    worker.live_copy = None
     timing.transferred = now()
     worker.progress.set(S, "rollback")
     worker.injector.fire(S, "rollback")
@@ -111,6 +117,7 @@ def transfers(worker, plan: Plan, rank: int):
     pieces it receives, as ``snapshot.transfer.transfer`` takes them."""
     tr, S, eng = worker.trainer, plan.resume_step, worker.trainer.engine
     live = tr.step if worker.has_state and not tr.dirty else None
+    copy = getattr(worker, "live_copy", None)  # the live state's copy its status reported
     sends = []
     for dst, src in sorted(plan.sources.items()):
         if src.kind not in ("peer", "replica"):
@@ -119,20 +126,33 @@ def transfers(worker, plan: Plan, rank: int):
         region = "all" if whole and (src.kind == "peer" or eng.repl_region == "all") else "unique"
         if src.holder == rank:  # (owner differs from dst only under faults.swap_routes)
             owner = dst if src.owner is None else src.owner
-            sends.append((dst, region, outgoing(eng, src.kind, owner, S, live, tr.header, region)))
+            sends.append((dst, region, outgoing(eng, src.kind, owner, S, live, tr.header, region,
+                                                copy)))
         if src.shared_from == rank:
-            sends.append((dst, "shared", outgoing(eng, "peer", dst, S, live, tr.header, "shared")))
+            sends.append((dst, "shared", outgoing(eng, "peer", dst, S, live, tr.header, "shared",
+                                                  copy)))
     mine, recvs = plan.sources[rank], []
+    # each piece is checked against the checksums its holder reported (the plan's), never the
+    # ones sent with it (snapshot.transfer)
     if mine.kind == "peer":
-        recvs.append((mine.holder, mine.holder, "all"))  # its own state: bad = (q, q, S)
+        recvs.append((mine.holder, mine.holder, "all", mine.crc))  # its own: bad = (q, q, S)
     elif mine.kind == "replica":
         sharded = mine.shared_from is not None or mine.params_from is not None
         region = "unique" if sharded else "all"
-        recvs.append((mine.holder, rank, region))
+        recvs.append((mine.holder, rank, region, mine.crc))
         if mine.shared_from is not None:
             q = mine.shared_from
-            recvs.append((q, q, "shared"))
+            recvs.append((q, q, "shared", [mine.shared_crc, None, None]))
     return sends, recvs
+
+
+def install_checks(plan: Plan, rank: int) -> dict:
+    """What ``SnapshotEngine.install`` checks a received state against: the owner the plan
+    names (a peer sends its own state, a replica holder its ward's, or ``Source.owner``'s), the
+    holder to blame, and the rank it becomes."""
+    src = plan.sources[rank]
+    owner = src.holder if src.kind == "peer" else rank if src.owner is None else src.owner
+    return {"owner": owner, "holder": src.holder, "rank": rank}
 
 
 def _report_corrupt(worker, plan: Plan, rank: int, comm: Communicator, e: CorruptState):

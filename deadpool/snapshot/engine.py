@@ -36,6 +36,7 @@ from deadpool.snapshot.layout import (StateLayout, checksum, decode_header, enco
 from deadpool.snapshot.persist import persist_snapshot
 from deadpool.snapshot.replication import Replicator
 from deadpool.snapshot.ring import RingAllocator, device_copy, device_wait
+from deadpool.snapshot.transfer import check_header
 from deadpool.threads import lower_thread_priority
 from deadpool.topology import replica_region
 
@@ -373,8 +374,12 @@ class SnapshotEngine:
             ok &= checksum(flat[split:]) == crc[1]
         return ok
 
-    def install(self, step: int, buf: torch.Tensor, header: bytes, crc: tuple) -> dict:
-        """Load a received state live and keep it as the local snapshot of ``step``."""
+    def install(self, step: int, buf: torch.Tensor, header: bytes, crc: tuple, owner=None,
+                holder: int = -1, rank=None) -> dict:
+        """Load a received state live and keep it as the local snapshot of ``step``. Refuses
+        (``CorruptState``) a state of another step or layout, or, given the plan's ``owner``,
+        of another rank (``transfer.check_header``); kept under ``rank``'s name when given."""
+        header = check_header(header, step, self.layout_desc, owner, holder, rank)
         self.drain()
         slot = self._next_slot(step)
         with self._lock:

@@ -12,7 +12,8 @@ This is a second round of transfers after ``snapshot.transfer.transfer`` (which 
 restored rank its own shard), inside the same abortable section: every rank finishes the first
 round before it posts anything of the second, and within a round every send is posted before
 any receive, so neither round can deadlock. Each shard received is checked against the checksum
-its region was taken with (``CorruptState`` names its holder, never used again).
+its holder reported (``Source.params_crc``, from the sealed status, never the sender's word;
+``CorruptState`` names its holder, never used again).
 """
 
 from __future__ import annotations
@@ -39,17 +40,18 @@ def master_sends(eng, sources: dict, rank: int, step: int, live_step, header_fn,
     return out
 
 
-def master_recvs(source, rank: int, group: list[int]) -> list[tuple[int, int]]:
-    """``(holder, member)`` for each other member's shard this rank receives (its own shard comes
-    with its replica in the first round)."""
+def master_recvs(source, rank: int, group: list[int]) -> list[tuple[int, int, int | None]]:
+    """``(holder, member, unique checksum the plan names)`` for each other member's shard this
+    rank receives (its own shard comes with its replica in the first round)."""
     if source.params_from is None:
         return []
-    return [(h, d) for d, h in zip(group, source.params_from) if d != rank]
+    want = source.params_crc or [None] * len(group)
+    return [(h, d, c) for d, h, c in zip(group, source.params_from, want) if d != rank]
 
 
 def _exchange(eng, comm, sends, recvs, step: int) -> dict[int, torch.Tensor]:
     me = comm.topo.rank
-    pairs = sorted({(me, dst) for dst, _, _ in sends} | {(h, me) for h, _ in recvs})
+    pairs = sorted({(me, dst) for dst, _, _ in sends} | {(r[0], me) for r in recvs})
     for a, b in pairs:  # one global order (deadlock-free), as in the first round
         comm.pair_group(comm.build_store, a, b)
     works = []
@@ -58,11 +60,11 @@ def _exchange(eng, comm, sends, recvs, step: int) -> dict[int, torch.Tensor]:
                             "unique", eng.chunk_bytes)
     got = {}
     a, b = eng.bounds["unique"]
-    for h, d in recvs:
+    for h, d, want in recvs:
         buf = torch.empty(b - a, dtype=torch.uint8)
-        got_step, _, crc, region = recv_state(comm.pair_group(None, h, me), 0, buf,
-                                              eng.chunk_bytes, wait=blocking)
-        if got_step != step or region != "unique" or checksum(buf) != crc[1]:
+        got_step, _, _, region = recv_state(comm.pair_group(None, h, me), 0, buf,
+                                            eng.chunk_bytes, wait=blocking)
+        if got_step != step or region != "unique" or want is None or checksum(buf) != want:
             raise CorruptState(f"shard of rank {d} at step {step} from rank {h} failed "
                                f"verification (got step {got_step}, region {region}, CRC "
                                f"mismatch)", h, d, step)

@@ -44,7 +44,7 @@ PLAN = Plan(1, "train", {0: 0, 1: 4, 2: 2, 3: 3}, S,
 
 def test_the_spare_receives_the_shard_from_the_buddy_and_the_parameters_from_a_peer():
     sends, recvs = restore.transfers(worker(has_state=False), PLAN, 1)
-    assert sends == [] and recvs == [(2, 1, "unique"), (0, 0, "shared")]
+    assert sends == [] and recvs == [(2, 1, "unique", None), (0, 0, "shared", [None] * 3)]
 
 
 def test_the_buddy_sends_the_replica_it_holds_and_the_peer_its_parameters():
@@ -64,7 +64,7 @@ def test_the_buddy_sends_the_replica_it_holds_and_the_peer_its_parameters():
 
 def test_a_peer_source_sends_the_whole_state():
     p = Plan(1, "train", {0: 0, 1: 4}, S, {0: Source("live", 0), 1: Source("peer", 0)})
-    assert restore.transfers(worker(has_state=False), p, 1) == ([], [(0, 0, "all")])
+    assert restore.transfers(worker(has_state=False), p, 1) == ([], [(0, 0, "all", None)])
     sends, _ = restore.transfers(worker(), p, 0)
     assert [(d, r) for d, r, _ in sends] == [(1, "all")]
 

@@ -1,3 +1,4 @@
+import threading
 import time
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from deadpool.comm import Communicator
 from deadpool.model import build_model, build_optimizer
 from deadpool.snapshot import SnapshotEngine, StateLayout, checksum, state_tensors
-from deadpool.snapshot.transfer import outgoing, transfer
+from deadpool.snapshot.transfer import header_digest, outgoing, transfer
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 
@@ -134,7 +135,7 @@ def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_
     from deadpool.errors import CorruptState
     from deadpool.snapshot import encode_header
     master = master_store()
-    out = {}
+    out, reported = {}, threading.Event()
 
     def rank_fn(r):
         store = client(master.port)
@@ -145,16 +146,20 @@ def test_state_transfer_installs_a_good_state_and_names_the_holder_of_a_corrupt_
             eng.snapshot(5, {"step": 5})
             eng.drain()
             good = outgoing(eng, "peer", 0, 5, 5, lambda: {"step": 5})
+            out["want"] = [*good[2], header_digest(good[1])]  # what its status reports
+            reported.set()
             transfer(eng, comm, [(1, "all", good)], [], 5)
-            bad = (good[0].clone(), good[1], (good[2][0], good[2][1] ^ 1))  # CRC does not match
+            bad = (good[0].clone(), good[1], good[2])
+            bad[0][-1] ^= 1  # the bytes no longer match the checksums
             transfer(eng, comm, [(1, "all", bad)], [], 5)
             out["sent"] = good[0].clone()
         else:
-            header = eng.install(5, *transfer(eng, comm, [], [(0, 0, "all")], 5))
+            reported.wait(30)
+            header = eng.install(5, *transfer(eng, comm, [], [(0, 0, "all", out["want"])], 5))
             out["got"] = eng.local_slot(5).flat.clone()
             out["header"] = header
             with pytest.raises(CorruptState) as e:
-                transfer(eng, comm, [], [(0, 0, "all")], 5)
+                transfer(eng, comm, [], [(0, 0, "all", out["want"])], 5)
             out["bad"] = (e.value.holder, e.value.owner, e.value.step)
         return comm
 
@@ -211,7 +216,10 @@ def test_unique_replication_and_a_restore_from_two_sources_by_region():
         if r == 0:
             blank = [(k, torch.zeros_like(t)) for k, t in make(0)]
             eng = SnapshotEngine(blank, num_shared=1, replicate="unique")
-            got = transfer(eng, comm, [], [(1, 0, "unique"), (2, 2, "shared")], 3)
+            rep = engines[1].replica(0, 3)  # the checksums the holders reported
+            want = [*rep.crc, header_digest(rep.header)]
+            shared = [engines[2].local_slot(3).crc[0], None, None]
+            got = transfer(eng, comm, [], [(1, 0, "unique", want), (2, 2, "shared", shared)], 3)
             out["header"] = eng.install(3, *got)
             out["state"] = [t.clone() for _, t in blank]
         elif r == 1:  # the buddy: rank 0's optimizer shard

@@ -138,3 +138,33 @@ def test_install_refuses_a_state_of_another_owner():
     with pytest.raises(CorruptState):
         eng.install(S, buf, header, crc, owner=1)
     eng.install(S, *_received(1), owner=1)  # its own: accepted
+
+
+def test_a_live_state_without_a_snapshot_is_reported_and_sent_as_reported():
+    w0, w1 = worker(0, True, fill=5.0), worker(1, False)
+    w0.trainer.engine.truncate_after(S - 1)  # live at S, no snapshot of it
+    st0 = status_of(w0, 0)
+    assert st0.local_steps == [] and f"own/{S}" in st0.crcs
+    plan = peer_plan({0: st0, 1: status_of(w1, 1)})
+    buf, header, crc = run_pair({0: w0, 1: w1}, plan)[1]
+    w1.trainer.engine.install(S, buf, header, crc, **restore.install_checks(plan, 1))
+    assert all(torch.equal(a, b) for a, b in zip(w1.trainer.engine.tensors,
+                                                  w0.trainer.engine.tensors))
+
+
+def test_the_plan_names_every_transfers_reported_checksums_and_they_survive_the_wire():
+    from deadpool.protocol_wire import decode_plan, encode_plan
+    from deadpool.topology import ParallelDims
+    # dp2 x tp2, ZeRO: ranks 0 and 2 (both copies of tp 0) died; 1 holds 0's shard replica, 3
+    # holds 2's: each is restored from its replica plus the group's master shards
+    peers = ParallelDims(dp=2, tp=2, ranks_per_node=4).state_peers
+    statuses = {1: RankStatus(1, 1, 7, [7], {0: [7]}, crcs={"own/7": [11, 12, 13],
+                                                             "0/7": [21, 22, 23]}),
+                3: RankStatus(3, 3, 7, [7], {2: [7]}, crcs={"own/7": [31, 32, 33],
+                                                             "2/7": [41, 42, 43]})}
+    d = plan_resume(statuses, [0, 1, 2, 3], peers, lambda r: r ^ 1, sharded=True,
+                    replica_has_shared=False)
+    s0 = d.sources[0]
+    assert s0.params_from == [1, 3] and s0.crc == [21, 22, 23] and s0.params_crc == [None, 42]
+    plan = Plan(1, "train", {r: r for r in range(4)}, 7, d.sources)
+    assert decode_plan(encode_plan(plan, None), None).sources == d.sources

@@ -40,8 +40,11 @@ def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> N
     # a rank cut inside its optimizer step holds a torn live state: only its snapshots count
     live = tr.step if worker.has_state and not tr.dirty else None
     eng = tr.engine
-    crcs, worker.live_copy = held_checksums(eng, live, tr.header, worker.has_state) \
-        if eng is not None else ({}, None)
+    # the live state is copied (to checksum it) only where a data-parallel peer may need it
+    dims = getattr(worker, "dims", None)
+    serves_live = dims is not None and len(dims.state_peers(rank)) > 1
+    crcs, worker.live_copy = held_checksums(eng, live if serves_live else None, tr.header,
+                                            worker.has_state) if eng is not None else ({}, None)
     st = RankStatus(rank, worker.slot, live,
                     eng.local_steps() if worker.has_state and eng is not None else [],
                     eng.replica_steps() if eng is not None else {},
@@ -86,7 +89,7 @@ def restore(worker, plan: Plan, rank: int, comm: Communicator, timing: RankTimin
             except CorruptState as e:
                 _report_corrupt(worker, plan, rank, comm, e)
             worker.has_state = True
-            timing.bytes_received = sum(tr.engine.region(got[0], r).numel() for _, _, r in recvs)
+            timing.bytes_received = sum(tr.engine.region(got[0], r[2]).numel() for r in recvs)
             timing.bytes_received += len(mrecvs) * tr.engine.region(got[0], "unique").numel()
     worker.live_copy = None
     timing.transferred = now()

@@ -23,7 +23,7 @@ from deadpool.errors import CorruptState
 from deadpool.protocol import Keys, Plan, RankStatus, Seal
 from deadpool.recovery import restore
 from deadpool.recovery.plan import plan_resume
-from deadpool.snapshot import SnapshotEngine, encode_header, masters
+from deadpool.snapshot import SnapshotEngine, checksum, encode_header, masters
 from deadpool.watchdog import Progress
 
 S = 6
@@ -168,3 +168,31 @@ def test_the_plan_names_every_transfers_reported_checksums_and_they_survive_the_
     assert s0.params_from == [1, 3] and s0.crc == [21, 22, 23] and s0.params_crc == [None, 42]
     plan = Plan(1, "train", {r: r for r in range(4)}, 7, d.sources)
     assert decode_plan(encode_plan(plan, None), None).sources == d.sources
+
+
+def test_a_master_shard_other_than_the_reported_one_is_refused():
+    """The second round (parameters rebuilt from the group's shards): the shard a holder sends
+    is checked against ``Source.params_crc``, not the checksum sent with it."""
+    w0, w1 = worker(0, True, fill=3.0), worker(1, False)
+    eng0 = w0.trainer.engine
+    slot = eng0.local_slot(S)
+    reported = slot.crc[1]
+    forged = eng0.region(slot.flat, "unique").clone()
+    forged[0] ^= 1
+    store, out = dist.HashStore(), {}
+
+    def one(r):
+        eng = (w0 if r == 0 else w1).trainer.engine
+        msends = [(1, 0, (forged, slot.header, (0, checksum(forged))))] if r == 0 else []
+        mrecvs = [(0, 0, reported)] if r == 1 else []
+        try:
+            out[r] = masters.moves(eng, PairComm(r, store), [], [], msends, mrecvs, S, r, [0, 1])
+        except Exception as e:  # noqa: BLE001 (reported to the test)
+            out[r] = e
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert isinstance(out[1], CorruptState) and (out[1].holder, out[1].owner) == (0, 0), out[1]

@@ -204,3 +204,18 @@ def install(monkeypatch, script: Script | None = None) -> FakeEvents:
     monkeypatch.setattr(comm_mod, "_connect", lambda pg: None, raising=False)
     monkeypatch.setattr(comm_mod, "_device_event", events, raising=False)
     return events
+
+
+def allow_on_cpu(monkeypatch) -> None:
+    """Let a job configured ``backend=nccl`` on ``device=cpu`` through (the fake serves it): its
+    workers then build NCCL groups and its coordinator plans for NCCL (every group rebuilt after
+    an abort, none kept), as on a GPU machine. Threaded jobs only (the patch is this process's)."""
+    real = comm_mod.resolve_backend
+
+    def resolve(device: str, backend: str = "auto") -> str:
+        return "nccl" if backend == "nccl" else real(device, backend)
+
+    import deadpool.recovery.plan as plan_mod
+    import deadpool.worker as worker_mod
+    for mod in (comm_mod, plan_mod, worker_mod):
+        monkeypatch.setattr(mod, "resolve_backend", resolve)

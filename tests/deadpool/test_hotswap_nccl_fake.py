@@ -13,10 +13,10 @@ state must be ``torch.equal`` to a failure-free run of the same seed through the
 the per-rank states are distinct (ZeRO shards, tensor and pipeline shards), so a state delivered
 to the wrong rank fails the comparison.
 
-What is not the production path: processes are threads (a SIGKILL is the thread stopping and
-its slot reported exited), there are no node agents (``launcher.agents`` is only set for the
-coordinator's config; workers poll the store, as under torchrun), and the fence a dead slot gets
-is recorded by the fake launcher instead of carried out. Real processes killed with SIGKILL are
+What is not the production path: processes are threads (a SIGKILL is the rank's thread stopping
+for good with its heartbeat, and its slot reported exited; its abort watcher and snapshot threads
+live on, idle), there are no node agents (``launcher.agents=false``: workers poll the store, as
+under torchrun), and the fence a dead slot gets is recorded by the fake launcher, not carried out. Real processes killed with SIGKILL are
 in test_hotswap.py; real NCCL in experiments/gpu/check_nccl_multirank.py.
 """
 
@@ -76,10 +76,11 @@ class Job:
 
         real_act = FaultInjector._act
         monkeypatch.setattr(FaultInjector, "_act", act)
-        # a fence carried out in this process would end the test run: record it instead
+        # a fence a live rank's heartbeat carries out would SIGKILL this whole test process:
+        # recorded instead (the dead rank beats no more, so none may happen)
+        self.fenced: list[int] = []
         monkeypatch.setattr(heartbeat_mod, "os", types.SimpleNamespace(
-            kill=lambda pid, sig: pytest.fail(f"a live rank was fenced (signal {sig})"),
-            getpid=os.getpid))
+            kill=lambda pid, sig: self.fenced.append(sig), getpid=os.getpid))
 
         self.master = master_store()
         self.secret = auth.new_secret()
@@ -119,6 +120,7 @@ class Job:
         coordinator = threading.Thread(target=coordinate, name="coordinator", daemon=True)
         workers = {s: threading.Thread(target=work, args=(s,), name=f"slot{s}", daemon=True)
                    for s in range(self.world + 1)}
+        made = len(fake_nccl.KEEP)
         coordinator.start()
         for t in workers.values():
             t.start()
@@ -134,9 +136,11 @@ class Job:
             self.over.set()
             for w in self.workers.values():
                 w.heartbeat.stopped.set()
+        self.groups = fake_nccl.KEEP[made:]  # every NCCL group this job made
         for name, e in errors.items():
             raise AssertionError(f"{name} failed; coordinator log: {self.logs}") from e
         assert self.coord.outcome == "completed", (self.coord.message, self.logs)
+        assert not self.fenced, "a live rank was fenced"
         finals = {}
         for slot in self.coord.members.ranks.values():
             tr = self.workers[slot].trainer
@@ -171,6 +175,13 @@ def test_a_rank_vanishing_mid_step_is_hot_swapped_over_nccl_and_ends_bitwise_equ
     reference = Job(tmp_path / "clean", monkeypatch, [])
     want = reference.run()
     assert reference.coord.gen == 0 and not reference.vanished
+    # generation g aborted on every rank (the watchers aborted its NCCL groups; the dead rank's
+    # too, its watcher thread outliving the rank's in this emulation) and rebuilt whole as g + 1
+    # (NCCL keeps no group across an abort), which ran to the end unaborted
+    by_gen = {g: [x for x in faulty.groups if x.prefix.startswith(f"g{g}/")] for g in (0, 1)}
+    assert len(faulty.groups) == len(by_gen[0]) + len(by_gen[1])
+    assert len(by_gen[0]) == len(by_gen[1]) == len(reference.groups) > 0
+    assert all(x.aborted for x in by_gen[0]) and not any(x.aborted for x in by_gen[1])
     assert sorted(got) == sorted(want) == list(range(8))
     # per-rank states distinct (ZeRO shards over dp, tp and pp shards): a state delivered to
     # the wrong rank cannot compare equal

@@ -61,8 +61,9 @@ def ranks_of(rec) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("second", [
-    "slot:4,step:12,phase:transfer,kind:kill",    # the receiving spare dies mid-transfer
-    "rank:0,step:12,phase:transfer,kind:kill",    # the sending holder (rank 1's peer) dies
+    # (recovery phases carry the resume step, 11 or 12 as the snapshots fall: "from step 5 on")
+    "slot:4,step:5,phase:transfer,kind:kill",     # the receiving spare dies mid-transfer
+    "rank:0,step:5,phase:transfer,kind:kill",     # the sending holder (rank 1's peer) dies
     "rank:3,step:5,phase:rebuild,kind:kill",      # a survivor dies inside the group rebuild
     "rank:2,step:0,phase:status,kind:kill",       # a survivor dies before reporting its state
     "slot:4,step:0,phase:rollback,kind:stop",     # the new rank hangs (SIGSTOP) after restoring

@@ -378,7 +378,10 @@ def test_simulator_sweep_through_hydra_submitit_slurm(slurm_env, tmp_path):
                         "seeds=1", "duration_days=1", "cluster.num_gpus=1024,4096", f"hydra.sweep.dir={sweep}",
                         "progress=false"], cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    import yaml  # every strategy the scenario runs (conf/sim.yaml's list): a row each
+
+    want = set(yaml.safe_load((ROOT / "conf" / "sim.yaml").read_text())["strategies"])
     for point in ("0", "1"):
         rows = (sweep / point / "aggregate.csv").read_text().splitlines()
-        assert len(rows) == 1 + 5, rows  # header + every strategy
+        assert {r.split(",")[0] for r in rows[1:]} == want and len(rows) == 1 + len(want), rows
     assert list((sweep / ".submitit").iterdir()), "no submitit job folders: the points did not go through Slurm"

@@ -28,6 +28,8 @@ Phases of a recovery (the step number is the resume step)::
     idle          a warm spare waiting for a plan (step: the job's newest step)
     checkpoint    before writing the resume step's state to disk for the coordinator (an
                   in-place elastic regroup, or a checkpoint-and-stop)
+    final         inside the job's final write, after its first tensor is on disk (step: the
+                  job's last step; ``checkpoint.final``)
 
 Kinds::
 
@@ -61,7 +63,7 @@ from deadpool.protocol import Keys, Seal
 TRAIN_PHASES = ("step_start", "forward", "backward", "pp_warmup", "pp_cooldown", "mid_step",
                 "allreduce", "optimizer", "param_gather", "snapshot_copy", "replication")
 RECOVERY_PHASES = ("status", "rebuild", "transfer", "rollback", "repl_restart", "idle",
-                   "checkpoint")
+                   "checkpoint", "final")
 PHASES = TRAIN_PHASES + RECOVERY_PHASES
 
 

@@ -93,10 +93,27 @@ def check_data(cfg: dict) -> None:
 
 def start_verify(cfg: dict, on_bad, log=print):
     """``data=tokens``: every file's checksum on a background thread of the launching process
-    (``verify.BackgroundVerify``, started); None for a source without checksums."""
+    (``verify.BackgroundVerify``, started); ``data=megatron``: the token ids of a prefix too large
+    for launch to read, against ``model.vocab_size`` (``verify.BackgroundIds``); else None."""
     data = cfg.get("data") or {"name": "synthetic"}
+    if data["name"] == "megatron":
+        return _start_id_check(cfg, data, on_bad, log)
     if data["name"] != "tokens":
         return None
     from deadpool.data import manifest as mf
     from deadpool.data.verify import BackgroundVerify
     return BackgroundVerify(data["path"], mf.read(data["path"]), on_bad, log).start()
+
+
+def _start_id_check(cfg: dict, data: dict, on_bad, log):
+    from deadpool.data import megatron
+    from deadpool.data.verify import BackgroundIds
+    vocab = int(cfg["model"]["vocab_size"])
+    todo = {}
+    for field in ("path", "val_path"):
+        if data.get(field) not in (None, "", "???"):
+            index = megatron.read_index(data[field], f"data.{field}")
+            if not megatron.ids_fit(index.dtype, vocab) and \
+                    index.bin.stat().st_size > megatron.SCAN_AT_LAUNCH_BYTES:
+                todo[f"data.{field}"] = data[field]
+    return BackgroundIds(todo, vocab, on_bad, log).start() if todo else None

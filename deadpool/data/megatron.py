@@ -40,6 +40,8 @@ HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
 CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32",
          8: "uint16"}
 TOKEN_CODES = {c: d for c, d in CODES.items() if not d.startswith("float")}
+SCAN_AT_LAUNCH_BYTES = 64 << 20  # a .bin up to this size has its ids checked before launch (~0.1 s)
+CHUNK_TOKENS = 1 << 22           # ids checked per read (16 MB of int32)
 
 
 @dataclass
@@ -128,8 +130,10 @@ class MegatronDataset(TokenDataset):
 
 def check(path, *, vocab_size: int, seq_len: int, need_val: bool, val_path=None) -> None:
     """Before any process starts: both files of each prefix, the layout, sizes that agree, a
-    sample of ``seq_len + 1`` tokens, a validation prefix when the job evaluates. (A token id
-    past ``model.vocab_size`` is not looked for: that would read the whole stream.)"""
+    sample of ``seq_len + 1`` tokens, a validation prefix when the job evaluates, and token ids
+    below ``model.vocab_size``: free when the token dtype cannot hold a larger id, read here for
+    a ``.bin`` up to ``SCAN_AT_LAUNCH_BYTES``; a larger one is read on the background thread
+    while the job runs (``verify.BackgroundVerify``), which fails the job naming the id."""
     if path in (None, "", "???"):
         raise ValueError("data=megatron needs data.path=PREFIX (PREFIX.bin + PREFIX.idx, as "
                          "Megatron-LM's preprocess_data.py writes them)")
@@ -142,7 +146,34 @@ def check(path, *, vocab_size: int, seq_len: int, need_val: bool, val_path=None)
             if index.num_tokens < seq_len + 1:
                 raise ValueError(f"{field}={p}: {index.num_tokens} tokens, fewer than one sequence "
                                  f"of seq_len={seq_len} + 1")
-    del vocab_size
+            if not ids_fit(index.dtype, vocab_size) and \
+                    index.bin.stat().st_size <= SCAN_AT_LAUNCH_BYTES:
+                check_ids(index, vocab_size, field)  # small: now (a large one: verify.py)
+
+
+def ids_fit(dtype: str, vocab_size: int) -> bool:
+    """True when no id the token dtype can hold reaches ``vocab_size`` (uint8 under 256, ...)
+    and none can be negative: the stream then needs no reading."""
+    info = np.iinfo(dtype)
+    return info.min >= 0 and info.max < vocab_size
+
+
+def check_ids(index: Index, vocab_size: int, field: str = "data.path", stop=None) -> None:
+    """Every token id of ``index`` in ``[0, vocab_size)``, read in chunks of ``CHUNK_TOKENS``
+    (``stop()`` true: return early). ``ValueError`` naming the prefix, the largest id and
+    ``model.vocab_size``."""
+    stream = np.memmap(index.bin, dtype=np.dtype(index.dtype).newbyteorder("<"), mode="r") \
+        if index.num_tokens else np.zeros(0, index.dtype)
+    for at in range(0, stream.size, CHUNK_TOKENS):
+        if stop is not None and stop():
+            return
+        chunk = stream[at:at + CHUNK_TOKENS]
+        hi, lo = int(chunk.max()), int(chunk.min())
+        if hi >= vocab_size or lo < 0:
+            bad = hi if hi >= vocab_size else lo
+            raise ValueError(f"{field}={index.prefix}: token id {bad} (at or after token {at}) is "
+                             f"outside model.vocab_size={vocab_size}: set model.vocab_size to the "
+                             "tokenizer's vocabulary (at least the largest id + 1)")
 
 
 def write(prefix, documents, dtype: str = "uint16") -> Index:

@@ -7,6 +7,10 @@ CPU priority, while the job starts and trains. A file that does not match its ma
 entry stops the job (``on_bad(message)``: the job's ``Stopper``, the path a signal takes: the
 ranks leave in order) and the job ends ``failed`` with the message naming the file
 (``job.run_job``). A job that ends first leaves the rest unchecked, and says so.
+
+``data=megatron`` has no checksums; its token ids are checked against ``model.vocab_size`` the
+same way (``BackgroundIds``) when the token dtype can hold a larger id and the ``.bin`` is too
+large to read at launch (``megatron.check`` reads smaller ones before any process starts).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from deadpool.data import manifest as mf
 class BackgroundVerify:
     """Checksums every file ``manifest`` names in ``directory`` on a daemon thread."""
 
-    def __init__(self, directory, manifest: dict, on_bad, log=print):
-        self.directory, self.files = Path(directory), mf.files(manifest)
+    def __init__(self, directory, manifest: dict | None, on_bad, log=print):
+        self.directory = Path(directory)
+        self.files = mf.files(manifest) if manifest is not None else []
         self.on_bad, self.log = on_bad, log
         self.error: str | None = None
         self.checked = 0
@@ -60,3 +65,32 @@ class BackgroundVerify:
         if self.error is None and self.checked < len(self.files):
             self.log(f"[deadpool] data: {self.checked} of {len(self.files)} files' checksums "
                      "verified when the job ended (the rest were not read)")
+
+
+class BackgroundIds(BackgroundVerify):
+    """``data=megatron``: every token id of each prefix below ``vocab_size`` (``megatron.check_ids``)
+    on a daemon thread; an id outside stops the job like a corrupted shard."""
+
+    def __init__(self, prefixes: dict, vocab_size: int, on_bad, log=print):
+        self.prefixes, self.vocab_size = prefixes, vocab_size  # {field: prefix}
+        super().__init__(".", None, on_bad, log)
+        self.files = list(prefixes)
+
+    def _run(self) -> None:
+        from deadpool.data import megatron
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
+        for field, prefix in self.prefixes.items():
+            try:
+                megatron.check_ids(megatron.read_index(prefix, field), self.vocab_size, field,
+                                   stop=self._stop.is_set)
+            except ValueError as e:
+                self.error = str(e)
+                self.log(f"[deadpool] {self.error}: stopping the job")
+                self.on_bad(self.error)
+                return
+            if self._stop.is_set():
+                return
+            self.checked += 1

@@ -72,7 +72,7 @@ def test_read_back_equal_and_batches_are_the_tokens_order(tmp_path):
 
 
 def test_a_bad_prefix_is_refused_naming_it(tmp_path):
-    cfg = {"seq_len": 4, "model": {"vocab_size": 512}, "eval_every_steps": 0,
+    cfg = {"seq_len": 4, "model": {"vocab_size": 65536}, "eval_every_steps": 0,
            "data": {"name": "megatron", "path": str(tmp_path / "c")}}
     megatron.write(tmp_path / "c", DOCS)
     check_data(cfg)
@@ -98,3 +98,38 @@ def test_a_bad_prefix_is_refused_naming_it(tmp_path):
         f.write(b"\0\0")
     with pytest.raises(ValueError, match="the pair does not match"):
         check_data(cfg)
+
+
+def test_a_token_id_past_the_vocabulary_is_refused_before_launch(tmp_path, monkeypatch):
+    cfg = {"seq_len": 4, "model": {"vocab_size": 512}, "eval_every_steps": 0,
+           "data": {"name": "megatron", "path": str(tmp_path / "c")}}
+    megatron.write(tmp_path / "c", [[1, 2, 3, 4, 5], [6, 511, 8]], dtype="uint16")
+    check_data(cfg)  # 511 < 512: fine
+    megatron.write(tmp_path / "c", [[1, 2, 3, 4, 5], [6, 512, 8]], dtype="uint16")
+    with pytest.raises(ValueError, match=r"token id 512 .* outside model.vocab_size=512"):
+        check_data(cfg)
+    # a dtype that cannot hold an id >= vocab_size is not read at all
+    megatron.write(tmp_path / "u8", [[1, 2, 255, 4, 5]], dtype="uint8")
+    monkeypatch.setattr(megatron, "check_ids", lambda *a, **k: pytest.fail("read a uint8 stream"))
+    check_data({**cfg, "data": {"name": "megatron", "path": str(tmp_path / "u8")}})
+
+
+def test_a_large_stream_is_checked_in_the_background_and_stops_the_job(tmp_path, monkeypatch):
+    import threading
+
+    from deadpool.data import start_verify
+    megatron.write(tmp_path / "c", [list(range(100)), [7, 9000, 3] * 50], dtype="uint16")
+    cfg = {"seq_len": 4, "model": {"vocab_size": 512}, "eval_every_steps": 0,
+           "data": {"name": "megatron", "path": str(tmp_path / "c")}}
+    monkeypatch.setattr(megatron, "SCAN_AT_LAUNCH_BYTES", 16)  # "large": past the launch budget
+    monkeypatch.setattr(megatron, "CHUNK_TOKENS", 64)
+    check_data(cfg)  # launch does not read it
+    bad, done = [], threading.Event()
+    v = start_verify(cfg, lambda why: (bad.append(why), done.set()), lambda *a, **k: None)
+    assert v is not None and done.wait(30)
+    assert "token id 9000" in bad[0] and "model.vocab_size=512" in bad[0] and v.error == bad[0]
+    v.finish()
+    megatron.write(tmp_path / "c", [list(range(100)), [7, 9, 3] * 50], dtype="uint16")
+    v = start_verify(cfg, lambda why: pytest.fail(why), lambda *a, **k: None)
+    v.finish(timeout_s=30)
+    assert v.error is None and v.checked == 1

@@ -45,6 +45,9 @@ Kinds::
     hang       that thread sleeps forever while the process and its heartbeat live on
                (a stuck kernel or collective: only the progress watchdog can see it)
     corrupt    flip bytes in the replicas this process holds (caught by the checksum when used)
+    slow       from step ``step`` on, this process sleeps ``delay_s`` in every step, counted as
+               its own compute (a throttled GPU: ``deadpool.straggler``); it stays with the
+               process, so the spare that takes its rank over is not slow (``phase`` optional)
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Fault(str, enum.Enum):
     EXCEPTION = "exception"
     HANG = "hang"
     CORRUPT = "corrupt"
+    SLOW = "slow"
 
 
 class InjectedFault(RuntimeError):
@@ -88,17 +92,18 @@ class FaultEvent:
     phase: str
     kind: Fault
     slot: int | None = None
+    delay_s: float = 0.0  # a ``slow`` fault's sleep per step
 
     @classmethod
     def from_cfg(cls, d) -> "FaultEvent":
-        phase = str(d["phase"])
+        phase = str(d.get("phase", "step_start") if str(d["kind"]) == "slow" else d["phase"])
         if phase not in PHASES:
             raise ValueError(f"fault phase {phase!r} is not one of {PHASES}")
         rank, slot = d.get("rank"), d.get("slot")
         if (rank is None) == (slot is None):
             raise ValueError(f"fault {dict(d)} must name exactly one of rank or slot")
         return cls(None if rank is None else int(rank), int(d["step"]), phase, Fault(str(d["kind"])),
-                   None if slot is None else int(slot))
+                   None if slot is None else int(slot), float(d.get("delay_s", 0.0)))
 
     @property
     def key(self) -> str:
@@ -120,6 +125,7 @@ class FaultInjector:
         self.fired: set[FaultEvent] = set()
         self.on_corrupt = on_corrupt
         self.seal = seal if seal is not None else Seal(None)  # the fault record is sealed
+        self.delay_s = 0.0  # a fired ``slow`` fault: this process sleeps so long in every step
 
     def set_rank(self, rank: int | None) -> None:
         self.rank = rank
@@ -163,6 +169,8 @@ class FaultInjector:
         elif ev.kind is Fault.HANG:
             while True:  # this thread is stuck; the others (heartbeat included) go on
                 time.sleep(3600)
+        elif ev.kind is Fault.SLOW:
+            self.delay_s = ev.delay_s
         elif ev.kind is Fault.CORRUPT:
             if self.on_corrupt is not None:
                 self.on_corrupt()

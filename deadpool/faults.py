@@ -78,6 +78,7 @@ class Fault(str, enum.Enum):
     EXCEPTION = "exception"
     HANG = "hang"
     CORRUPT = "corrupt"
+    SPIKE = "spike"
     SLOW = "slow"
 
 
@@ -114,7 +115,9 @@ class FaultEvent:
 class FaultInjector:
     """Fires the configured faults for one process. ``fire`` is called at each (step, phase).
 
-    ``on_corrupt`` is called for a ``corrupt`` fault (the snapshot engine flips replica bytes).
+    ``on_corrupt`` is called for a ``corrupt`` fault in the snapshot threads (the snapshot engine
+    flips replica bytes), ``on_flip`` for one in the step (a parameter bit), ``on_spike`` for a
+    ``spike`` (the trainer's loss of the step); the trainer sets the last two.
     """
 
     def __init__(self, events, slot: int, store=None, on_corrupt=None, seal=None):
@@ -124,6 +127,7 @@ class FaultInjector:
         self.rank: int | None = None
         self.fired: set[FaultEvent] = set()
         self.on_corrupt = on_corrupt
+        self.on_flip = self.on_spike = None
         self.seal = seal if seal is not None else Seal(None)  # the fault record is sealed
         self.delay_s = 0.0  # a fired ``slow`` fault: this process sleeps so long in every step
 
@@ -172,8 +176,13 @@ class FaultInjector:
         elif ev.kind is Fault.SLOW:
             self.delay_s = ev.delay_s
         elif ev.kind is Fault.CORRUPT:
-            if self.on_corrupt is not None:
-                self.on_corrupt()
+            in_step = ev.phase in TRAIN_PHASES and ev.phase not in ("snapshot_copy", "replication")
+            hook = self.on_flip if in_step else self.on_corrupt
+            if hook is not None:
+                hook()
+        elif ev.kind is Fault.SPIKE:
+            if self.on_spike is not None:
+                self.on_spike()
         else:
             raise InjectedFault(f"injected exception at {ev.phase} of step {step} (rank "
                                 f"{self.rank}, slot {self.slot})")

@@ -48,8 +48,9 @@ KINDS = ["kill", "kill", "stop", "exception", "hang", "corrupt"]
 def draw_fault(rng: random.Random, steps: int, spares: int) -> dict:
     kind = rng.choice(KINDS)
     step = rng.randrange(1, steps - 2)
-    if kind == "corrupt":  # replicas exist from step 1; corruption matters when they are used
-        return {"rank": rng.randrange(WORLD), "step": step, "phase": rng.choice(["backward", "status"]),
+    if kind == "corrupt":  # replicas (in a snapshot thread or a recovery; in the step it is a
+        # parameter bit: recovery.integrity); they exist from step 1 and matter when used
+        return {"rank": rng.randrange(WORLD), "step": step, "phase": rng.choice(["snapshot_copy", "status"]),
                 "kind": kind}
     if rng.random() < 0.25:  # a warm spare: idle, or while it takes over a rank
         slot = WORLD + rng.randrange(spares)

@@ -41,6 +41,7 @@ from deadpool.faults import FaultInjector
 from deadpool.lr_schedule import lr_at
 from deadpool import precision
 from deadpool.settings import num_microbatches
+from deadpool.parallel.data.reduce_scatter import use_reduce_scatter
 from deadpool.parallel.data.zero import ZeroOptimizer
 from deadpool.parallel.grad_norm import clip_, global_grad_norm, global_max
 from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
@@ -150,7 +151,10 @@ class Trainer:
                                  decays=lambda p: p.ndim >= 2,
                                  grad_reduce_dtype=precision.grad_reduce_dtype(cfg),
                                  overlap_param_gather=bool(par.get("overlap_param_gather", False)),
-                                 shard_grads=dims.zero >= 2)  # ZeRO-2 (grad_shard.py)
+                                 shard_grads=dims.zero >= 2,  # ZeRO-2 (grad_shard.py)
+                                 reduce_scatter=use_reduce_scatter(  # NCCL: per bucket group
+                                     par.get("grad_reduce"), cfg.get("backend"), cfg["device"],
+                                     dims.zero))
         self.opt.hook_forward(self.stage)  # waits for each parameter bucket before first use
         # the global gradient norm counts a tensor-parallel-replicated parameter on tp rank 0 only
         once = {id(p) for n, p in self.stage.named_parameters()

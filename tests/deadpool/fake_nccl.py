@@ -97,6 +97,23 @@ class FakeNCCLGroup:
     def reduce(self, tensors, opts):
         return self._post("reduce", tensors, lambda: self.pg.reduce(tensors, opts))
 
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        """NCCL's list form: one output per rank, the ``r``-th input summed into rank ``r``'s.
+        Underneath, an all-to-all of the flattened inputs (NCCL also flattens them first, so an
+        output may alias an input) and, once it ran, a sum in rank order, as gloo's path sums
+        (``zero.py``): bitwise its values. Abortable like every op of the fake; ``opts`` must
+        be a SUM."""
+        (out,), (chunks,) = outputs, inputs
+        if opts is not None and opts.reduceOp != dist.ReduceOp.SUM:
+            raise NotImplementedError("the fake reduce-scatters with SUM only")
+        n, size = out.numel(), len(chunks)
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        inbox = flat.new_empty(size * n)
+        work = self._post("reduce_scatter", [out], lambda: self.pg.alltoall_base(
+            inbox, flat, [], [], dist.AllToAllOptions()))
+        work.then = lambda: torch.sum(inbox.view(size, n), 0, out=out.view(-1))
+        return work
+
     def _allgather_base(self, out, inp):
         return self._post("_allgather_base", [out], lambda: self.pg._allgather_base(out, inp))
 
@@ -108,6 +125,7 @@ class FakeNCCLWork:
     def __init__(self, group: FakeNCCLGroup, work, outs, fail: str | None = None):
         self.group, self.work, self.outs, self.fail = group, work, outs, fail
         self.issuer = threading.get_ident()
+        self.then = None  # runs once the op completed normally (the fake's reduce-scatter)
 
     def done(self) -> bool:
         """The device ran it (or it ended early: aborted, failed)."""
@@ -127,10 +145,18 @@ class FakeNCCLWork:
         self.wait()
 
     def _junk(self) -> None:
+        self.then = None
         for t in self.outs:
             t.fill_(float("nan") if t.is_floating_point() else -1)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        out = self._wait(timeout)
+        if self.then is not None:  # dropped by ``_junk`` when the abort ended it early
+            then, self.then = self.then, None
+            then()
+        return out
+
+    def _wait(self, timeout: timedelta | None = None) -> bool:
         if timeout is not None:
             self._host_sync()  # a timed wait blocks the host on real NCCL
         t0 = time.monotonic()

@@ -95,11 +95,14 @@ class GradBuckets:
             self.works.append(self.post(*self.edges[len(self.works)]))
 
     def finish(self, post, wait) -> None:
-        """Post every bucket not yet posted (in order), then ``wait`` for each work; disarms."""
+        """Post every bucket not yet posted (in order), then ``wait`` for each work; disarms.
+        A ``post`` may return None: nothing of its own to wait for (a bucket whose group is
+        reduce-scattered with a later bucket, ``reduce_scatter.py``)."""
         if self.post is None:  # never armed this step: post everything now
             self.post, self.works = post, []
         while len(self.works) < len(self.edges):
             self.works.append(self.post(*self.edges[len(self.works)]))
         works, self.works, self.post = self.works, [], None
         for w in works:
-            wait(w)
+            if w is not None:
+                wait(w)

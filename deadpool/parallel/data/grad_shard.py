@@ -12,7 +12,9 @@ gradient (fp32, ``shard_numel`` elements: ``4 / dp`` bytes per parameter) plus t
   - a bucket whose parameters have all landed since it was last posted is posted at once, in
     bucket order (bucket 0, the buffer's tail, is what backward produces first), every
     micro-batch: a ``reduce`` to the owner on NCCL, the all-to-all into the owner's inbox on gloo
-    (``zero.py``, Collectives: the same ops, hence the same per-bucket sums, as ZeRO-1);
+    (``zero.py``, Collectives: the same ops, hence the same per-bucket sums, as ZeRO-1); with
+    ``reduce_scatter`` on NCCL a bucket outside shard 0 stays staged until its group's shard-0
+    bucket posts the group's reduce-scatter (``reduce_scatter.py``: staging memory grows);
   - at most ``max_in_flight`` buckets are posted and not yet waited: posting one more first waits
     for the oldest (``comm.wait``: an abort raises ``Aborted`` out of backward) and adds its sum
     into the owner's shard (a copy the first time in the step), then frees its buffers.
@@ -39,6 +41,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from deadpool.parallel.data.reduce_scatter import post_group
+
 __all__ = ["ShardedGrads"]
 
 
@@ -53,8 +57,10 @@ class ShardedGrads:
 
     def __init__(self, params: list[torch.nn.Parameter], offsets: list[int], *, shard_numel: int,
                  dp_size: int, dp_rank: int, edges: list[tuple[int, int]],
-                 reduce_dtype: torch.dtype, max_in_flight: int = 2):
+                 reduce_dtype: torch.dtype, max_in_flight: int = 2, reduce_scatter: bool = False):
         self.params, self.edges = params, edges
+        # NCCL: aligned edges (``aligned_edges``), one reduce-scatter per group of dp buckets
+        self.reduce_scatter, self._per_shard = reduce_scatter, len(edges) // dp_size
         self.shard_numel, self.dp_size, self.dp_rank = shard_numel, dp_size, dp_rank
         self.reduce_dtype, self.max_in_flight = reduce_dtype, max(1, int(max_in_flight))
         device = params[0].device
@@ -89,6 +95,7 @@ class ShardedGrads:
         self._seen: list[set[int]] = [set() for _ in self.edges]
         self._written = [False] * len(self.edges)
         self._in_flight: deque = deque()
+        self._deferred: dict[int, torch.Tensor] = {}  # staged pieces of groups not yet posted
         self.live_bytes = 0
         self._next = 0
         self.posted = 0
@@ -140,10 +147,23 @@ class ShardedGrads:
             self._count(st)
         self._staging[b], self._seen[b] = None, set()
         self._next = (b + 1) % len(self.edges)
+        owner, pg = lo // self.shard_numel, self._pg
+        group = self.reduce_scatter and self._comm.backend != "gloo"
+        if group and owner > 0:  # posted with its group's shard-0 bucket, which comes later
+            self._deferred[b] = st
+            self.posted += 1
+            return
         while len(self._in_flight) >= self.max_in_flight:
             self._retire()
-        owner, pg = lo // self.shard_numel, self._pg
         inbox = None
+        if group:  # every rank receives its own bucket's sum: the shard's same offset
+            pieces = [st] + [self._deferred.pop(b - r * self._per_shard)
+                             for r in range(1, self.dp_size)]
+            inbox = pieces[self.dp_rank]  # summed into in place
+            work = post_group(pg, pieces, inbox)
+            self._in_flight.append((b, pieces, inbox, work))
+            self.posted += 1
+            return
         if self._comm.backend == "gloo":  # the owner receives every rank's copy (zero.py)
             if owner == self.dp_rank:
                 inbox, out_splits = st.new_empty(self.dp_size * n), [n] * self.dp_size
@@ -164,14 +184,20 @@ class ShardedGrads:
         """Wait for the oldest bucket in flight and add it into the shard if this rank owns it."""
         b, st, inbox, work = self._in_flight.popleft()
         self._comm.wait(work)
-        self._count(st, -1)
-        if inbox is not None:
-            self._count(inbox, -1)
         lo, hi = self.edges[b]
-        if lo // self.shard_numel != self.dp_rank:
-            return
-        total = st if inbox is None else torch.sum(inbox.view(self.dp_size, hi - lo), 0)
-        dst = self.shard[lo - self.dp_rank * self.shard_numel:hi - self.dp_rank * self.shard_numel]
+        if isinstance(st, list):  # a group's reduce-scatter: ``inbox`` holds this rank's sum
+            for t in st:
+                self._count(t, -1)
+            total, own = inbox, 0  # shard 0's bucket: the offset inside every shard
+        else:
+            self._count(st, -1)
+            if inbox is not None:
+                self._count(inbox, -1)
+            if lo // self.shard_numel != self.dp_rank:
+                return
+            total = st if inbox is None else torch.sum(inbox.view(self.dp_size, hi - lo), 0)
+            own = self.dp_rank * self.shard_numel
+        dst = self.shard[lo - own:hi - own]
         if self._written[b]:
             dst.add_(total)
         else:

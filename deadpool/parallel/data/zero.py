@@ -48,7 +48,8 @@ Collectives. On a sharded optimizer each bucket is summed on the rank whose shar
 parameters are all-gathered with ``_allgather_base`` in place (its input is the caller's own
 chunk of the output), so no staging buffers are needed. How a bucket reaches its owner:
 
-  nccl  ``reduce`` to the owner.
+  nccl  ``reduce`` to the owner; with ``reduce_scatter`` (``parallel.grad_reduce``) one
+        reduce-scatter per group of aligned buckets instead (``reduce_scatter.py``).
   gloo  an uneven all-to-all in which only the owner receives: every rank's copy of the bucket
         lands in the owner's inbox (``dp`` x the bucket, one buffer per owned bucket: together
         one more copy of the reduction buffer), which the owner sums in rank order after the
@@ -57,12 +58,10 @@ chunk of the output), so no staging buffers are needed. How a bucket reaches its
         DDP's all-reduce, 4 ranks on 2 cores, 4.7 MB: 1.22x wall, 1.13x CPU, where ``reduce``
         gave 1.77x and 1.69x (``experiments/bench_grad_sync.py``).
 
-Why not ``reduce_scatter``: on gloo (torch 2.13) it is emulated by all-reduces and its work's
-``wait(timeout)`` ignores the timeout (it blocks until the group's own timeout when a peer
-hangs), so it cannot be polled, while gloo's ``reduce``, all-to-all and all-gather poll fine
-(``test_zero.py`` checks them), and per-bucket ops are what overlapping needs anyway. Every posted
-op is waited with ``comm.wait`` so a declared failure releases the survivors within one poll
-interval.
+Why not ``reduce_scatter`` on gloo: its wait ignores the timeout, so it cannot be polled
+(``reduce_scatter.py``), while gloo's ``reduce``, all-to-all and all-gather poll fine
+(``test_zero.py``). Every posted op is waited with ``comm.wait`` so a declared failure releases
+the survivors within one poll interval.
 
 After an abort the op is abandoned, not cancelled (see ``deadpool.comm``). On NCCL, parking the
 communicator aborts it. On gloo an abandoned op can in principle still complete later (only if
@@ -87,6 +86,7 @@ from deadpool.parallel.data.buckets import GradBuckets, bucket_edges
 from deadpool.parallel.data.grad_shard import ShardedGrads
 from deadpool.parallel.data.layout import _padded, state_nbytes
 from deadpool.parallel.data.param_gather import ParamGather
+from deadpool.parallel.data.reduce_scatter import aligned_edges, group_poster, send_to_owner
 from deadpool.parallel.data.reshard import reshard_state  # noqa: F401 (its home before)
 
 __all__ = ["ZeroOptimizer", "state_nbytes"]
@@ -111,7 +111,7 @@ class ZeroOptimizer(ParamGather):
     AdamW group). ``grad_reduce_dtype``: the dtype gradients are accumulated over micro-batches
     and reduced over dp in when the parameters are bf16 (fp32 by default, see Mixed precision).
     ``overlap_param_gather``: ``step`` posts the parameter all-gather and returns; the next
-    forward waits for each bucket (see Overlapped parameter all-gather).
+    forward waits for each bucket (see Overlapped parameter all-gather). ``reduce_scatter``: Collectives
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, dp_size: int, dp_rank: int, lr: float,
@@ -120,7 +120,7 @@ class ZeroOptimizer(ParamGather):
                  first_bucket_bytes: int = 1 << 20, decays=None,
                  grad_reduce_dtype: torch.dtype = torch.float32,
                  overlap_param_gather: bool = False, shard_grads: bool = False,
-                 max_buckets_in_flight: int = 2):
+                 max_buckets_in_flight: int = 2, reduce_scatter: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         self.params = list({id(p): p for p in params}.values())  # tied weights once
@@ -216,14 +216,18 @@ class ZeroOptimizer(ParamGather):
             for p, off in zip(self.params, self.offsets):
                 p.register_post_accumulate_grad_hook(self._folder(off, p.numel()))
         # gradient buckets, each inside one shard when sharded (reduced to its owner)
+        self.reduce_scatter = bool(reduce_scatter) and shard and dp_size > 1
         cuts = [r * self.shard_numel for r in range(dp_size)] if shard else []
-        edges = bucket_edges(self.padded_numel, reduce_dtype.itemsize, bucket_bytes,
-                             first_bucket_bytes, cuts)
+        edges = (aligned_edges(self.shard_numel, dp_size, reduce_dtype.itemsize, bucket_bytes,
+                               first_bucket_bytes) if self.reduce_scatter else
+                 bucket_edges(self.padded_numel, reduce_dtype.itemsize, bucket_bytes,
+                              first_bucket_bytes, cuts))
         if self.grads_sharded:  # ZeRO-2: the reduced shard is AdamW's gradient itself
             self.grads = ShardedGrads(self.params, self.offsets, shard_numel=self.shard_numel,
                                       dp_size=dp_size, dp_rank=dp_rank, edges=edges,
                                       reduce_dtype=reduce_dtype,
-                                      max_in_flight=max_buckets_in_flight)
+                                      max_in_flight=max_buckets_in_flight,
+                                      reduce_scatter=self.reduce_scatter)
             self._master.grad = self.grads.shard
             self.buckets = self.grads
         else:
@@ -313,6 +317,8 @@ class ZeroOptimizer(ParamGather):
 
     def _poster(self, comm, pg):
         to_owner = self._to_owner(comm)
+        if self.reduce_scatter and not to_owner:  # NCCL: one reduce-scatter per bucket group
+            return group_poster(self._reduce_buf, self.shard_numel, self.dp_size, self.dp_rank, pg)
 
         def post(lo: int, hi: int):
             view = self._reduce_buf[lo:hi]
@@ -332,16 +338,10 @@ class ZeroOptimizer(ParamGather):
 
     def _send_to_owner(self, pg, view: torch.Tensor, lo: int, owner: int):
         """Post the uneven all-to-all that puts every rank's ``view`` into ``owner``'s inbox."""
-        n, dp = view.numel(), self.dp_size
-        if owner == self.dp_rank:
-            out = self._inbox.get(lo)
-            if out is None:
-                out = self._inbox[lo] = view.new_empty(dp * n)
-            out_splits = [n] * dp
-        else:
-            out, out_splits = self._nothing, [0] * dp
-        in_splits = [n if r == owner else 0 for r in range(dp)]
-        return pg.alltoall_base(out, view, out_splits, in_splits, dist.AllToAllOptions())
+        if owner == self.dp_rank and lo not in self._inbox:
+            self._inbox[lo] = view.new_empty(self.dp_size * view.numel())
+        return send_to_owner(pg, view, owner, self.dp_size, self.dp_rank, self._inbox.get(lo),
+                             self._nothing)
 
     def reduce_grads(self, comm, on_posted=None) -> None:
         """Average gradients over the dp group into ``grad_shard``: each bucket is summed into

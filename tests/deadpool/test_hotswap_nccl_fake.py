@@ -1,4 +1,5 @@
-"""A hot swap over the NCCL path, on CPU: dp2 x tp2 x pp2 with ZeRO-1 and one warm spare, every
+"""A hot swap over the NCCL path, on CPU: dp2 x tp2 x pp2 with ZeRO-1, and with ZeRO-2, one warm
+spare, the gradient step one reduce-scatter per bucket group (``parallel.grad_reduce``), every
 process a real ``Worker`` in a thread of this process, the coordinator a real ``Coordinator`` in
 another, every training group a ``fake_nccl`` group (asynchronous works, abort completes with junk,
 post after abort raises: what recovery depends on in torch's NCCL groups).
@@ -55,7 +56,7 @@ class Vanished(BaseException):
 class Job:
     """A coordinator and ``world + spares`` workers in threads over one TCPStore."""
 
-    def __init__(self, tmp_path, monkeypatch, faults: list[dict]):
+    def __init__(self, tmp_path, monkeypatch, faults: list[dict], dims=DIMS):
         fake_nccl.install(monkeypatch)
         fake_nccl.allow_on_cpu(monkeypatch)
         self.over = threading.Event()
@@ -86,7 +87,7 @@ class Job:
         self.secret = auth.new_secret()
         events = ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in f.items()) + "}"
                            for f in faults)
-        cfg = compose_train(["model=tiny", *DIMS, f"num_steps={STEPS}", "log_every_steps=0",
+        cfg = compose_train(["model=tiny", *dims, f"num_steps={STEPS}", "log_every_steps=0",
                              "backend=nccl", "ft.num_spares=1", "ft.persist_interval_steps=0",
                              "launcher.agents=false", f"faults.events=[{events}]"], tmp_path)
         self.cfg = dict(cfg, _store={"host": "127.0.0.1", "port": self.master.port})
@@ -156,10 +157,13 @@ def hung_stacks() -> str:
                      for i, f in sys._current_frames().items())
 
 
+@pytest.mark.parametrize("dims", [DIMS, ["parallel=dp2_tp2_pp2", "parallel.zero=2",
+                                           "parallel.grad_reduce=reduce_scatter"]],
+                         ids=["zero1", "zero2"])
 def test_a_rank_vanishing_mid_step_is_hot_swapped_over_nccl_and_ends_bitwise_equal(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, dims):
     faulty = Job(tmp_path / "faulty", monkeypatch,
-                 [{"rank": VICTIM, "step": KILL_STEP, "phase": "mid_step", "kind": "kill"}])
+                 [{"rank": VICTIM, "step": KILL_STEP, "phase": "mid_step", "kind": "kill"}], dims)
     got = faulty.run()
     # one recovery (g0 -> g1): the victim's slot fenced and replaced by the spare (slot 8); the
     # survivors kept their slots and rebuilt their groups
@@ -172,7 +176,7 @@ def test_a_rank_vanishing_mid_step_is_hot_swapped_over_nccl_and_ends_bitwise_equ
     assert plan and f"rank {VICTIM} <- replica from rank" in plan[0], faulty.logs
     assert f"parameters from rank {VICTIM + 2}" in plan[0], plan
 
-    reference = Job(tmp_path / "clean", monkeypatch, [])
+    reference = Job(tmp_path / "clean", monkeypatch, [], dims)
     want = reference.run()
     assert reference.coord.gen == 0 and not reference.vanished
     # generation g aborted on every rank (the watchers aborted its NCCL groups; the dead rank's
@@ -182,6 +186,11 @@ def test_a_rank_vanishing_mid_step_is_hot_swapped_over_nccl_and_ends_bitwise_equ
     assert len(faulty.groups) == len(by_gen[0]) + len(by_gen[1])
     assert len(by_gen[0]) == len(by_gen[1]) == len(reference.groups) > 0
     assert all(x.aborted for x in by_gen[0]) and not any(x.aborted for x in by_gen[1])
+    # the gradient step went by reduce-scatter (one per bucket group), never by reduce
+    dp_groups = [x for x in reference.groups if "/dp/" in x.prefix]
+    assert dp_groups and all(x.posts["reduce_scatter"] > 0 for x in dp_groups), \
+        [x.prefix for x in reference.groups]
+    assert not any(x.posts["reduce"] for x in reference.groups + faulty.groups)
     assert sorted(got) == sorted(want) == list(range(8))
     # per-rank states distinct (ZeRO shards over dp, tp and pp shards): a state delivered to
     # the wrong rank cannot compare equal

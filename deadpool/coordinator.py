@@ -38,7 +38,7 @@ from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import (Keys, Plan, RecoveryRecord, Seal, Source, announce_abort,
                                finished_key)
 from deadpool.protocol_wire import publish_plan
-from deadpool.recovery import detect, elastic, fallbacks, finish, plan, preempt, timeline
+from deadpool.recovery import detect, elastic, fallbacks, finish, migrate, plan, preempt, timeline
 from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
@@ -121,6 +121,7 @@ class Coordinator:
         self._tick = time.monotonic()
         self._beating = threading.Thread(target=self._beat, name="coordinator-heartbeat",
                                          daemon=True)
+        self.migrations = migrate.Migrations(self)  # stragglers and drains (recovery.migrate)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _set_cfg(self, cfg: dict) -> None:
@@ -346,8 +347,8 @@ class Coordinator:
         sealed with the job's secret: a process without it is never counted)."""
         deadline = time.monotonic() + float(self.ft["startup_timeout_s"])
         waiting = set(self.members.ranks.values()) | set(self.members.spares)
-        joined = Reports(self.store, self.seal, Keys.spare_ready, waiting, on_forged=lambda s: self.log(
-            f"[coordinator] slot {s}: join announcement without the job's secret refused"))
+        joined = Reports(self.store, self.seal, Keys.spare_ready, waiting, budget=64, on_forged=lambda s:
+            self.log(f"[coordinator] slot {s}: join announcement without the job's secret refused"))
         while waiting:
             self.tick()
             preempt.before_start(self)
@@ -356,7 +357,7 @@ class Coordinator:
                 if self.launcher.poll(slot) is not None:
                     raise JobFailed(f"process in slot {slot} exited during start-up:\n"
                                     + self.launcher.log_tail(slot))
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and (waiting := waiting - set(joined.settle())):
                 raise JobFailed(f"slots {sorted(waiting)} not warm after {self.ft['startup_timeout_s']} s")
             if waiting:
                 time.sleep(0.01)
@@ -453,10 +454,12 @@ class Coordinator:
                     break
                 continue
             timeline.finish_pending(self)
+            if self.pending is None and self.migrations.poll(self):  # a planned swap
+                continue
             self.collect_garbage()
             self._print_progress()
             if self.grow_at is not None and time.monotonic() >= self.grow_at \
-                    and self.pending is None and self._regrow_ready():
+                    and self.pending is None and elastic.regrow_ready(self):
                 fallbacks.grow(self)
                 if self.outcome != "running":
                     break
@@ -473,26 +476,6 @@ class Coordinator:
                 self.waker.wait(idle)
         timeline.finish_pending(self, interrupted=self.outcome != "completed", force=True)
         self.set_flag(Keys.JOB_STOP)
-
-    def _regrow_ready(self) -> bool:
-        """In place, the processes the full width lacks are started first and the job trains on
-        while they warm up: True once they joined as spares (at once for a relaunch)."""
-        if self.ft.get("elastic_mode", "in_place") != "in_place":
-            return True
-        try:
-            if self.regrow is None:
-                self.regrow = elastic.Regrow(self)
-            if not self.regrow.ready():
-                return False
-        except (NotImplementedError, RuntimeError) as e:
-            self.log(f"[coordinator] cannot regrow: {e}; the job stays at dp={self.dims.dp}")
-            self.grow_at, self.regrow = None, None
-            return False
-        self.members.spares += self.regrow.slots
-        self.regrow = None
-        full = ParallelDims.from_config(self.configured["parallel"]).world_size
-        # (a failure while they warmed up may have taken a process more: start the rest)
-        return self.dims.world_size + len(self.members.spares) >= full
 
     def _all_finished(self) -> bool:
         """Every rank of the generation sealed ``finished/<rank>``. The ``num_finished`` counter

@@ -220,6 +220,9 @@ class Plan:
     # the generation's parallel layout where it is not the job's configured one (an in-place
     # elastic job: {"dp", "global_dp", "replicas"}, recovery.elastic); empty = as configured
     layout: dict = field(default_factory=dict)
+    # slots whose processes must exit on reading this plan: ranks a migration moved to spares
+    # (``recovery.migrate``; their state left through the pause step's replicas)
+    retire: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         d = asdict(self)

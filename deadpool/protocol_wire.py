@@ -88,6 +88,7 @@ def encode_plan(plan: Plan, prev: Plan | None,
         "sources": _sources_with_default(plan.sources, plan.assignments),
         "keep": _keep_form(plan.keep_groups, all_group_keys),
         **({"layout": plan.layout} if plan.layout else {}),
+        **({"retire": plan.retire} if plan.retire else {}),
     })
 
 
@@ -126,7 +127,8 @@ def decode_plan(text: str | bytes, prev: Plan | None,
     return Plan(g, d["action"], assignments, d["resume_step"],
                 sources=_sources_from(d["sources"], assignments),
                 reason=d["reason"], t_written=d["t_written"],
-                keep_groups=_keep_from(d["keep"], all_group_keys, g), layout=d.get("layout", {}))
+                keep_groups=_keep_from(d["keep"], all_group_keys, g), layout=d.get("layout", {}),
+                retire=d.get("retire", []))
 
 
 # -- pieces ----------------------------------------------------------------------------------------
@@ -150,7 +152,8 @@ def _full_fields(plan: Plan) -> dict:
             "sources": {str(r): _src(s) for r, s in plan.sources.items()},
             "reason": plan.reason, "t_written": plan.t_written,
             "keep_groups": list(plan.keep_groups),
-            **({"layout": plan.layout} if plan.layout else {})}
+            **({"layout": plan.layout} if plan.layout else {}),
+            **({"retire": plan.retire} if plan.retire else {})}
 
 
 def _plan_from_fields(d: dict) -> Plan:

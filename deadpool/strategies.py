@@ -80,3 +80,24 @@ def young_daly_steps(cost_s: float, mtbf_s: float, step_s: float) -> int:
     ``mtbf_s`` and steps of ``step_s``; at least 1."""
     tau = (2.0 * max(cost_s, 1e-6) * mtbf_s) ** 0.5
     return max(1, round(tau / max(step_s, 1e-9)))
+
+
+def decide_persist_interval(tr, comm, ckpt_s: float, step_s: float) -> None:
+    """Young/Daly interval from this probe: each rank proposes one, all adopt the widest
+    (every rank must checkpoint the same steps) as ``tr.persist_every`` (``Trainer``).
+    Asynchronous checkpoints cost only their copy on the critical path, but a write must finish
+    within an interval."""
+    from deadpool.parallel.grad_norm import global_max  # (torch: only where a rank trains)
+    ft = tr.cfg["ft"]
+    write_s = tr.engine.persister.last_write_s or ckpt_s
+    cost = ckpt_s - write_s if ft.get("persist_async", True) else ckpt_s
+    mine = max(young_daly_steps(max(cost, 0.0), float(ft["mtbf_s"]), step_s),
+               int(write_s // max(step_s, 1e-9)) + 1 if ft.get("persist_async", True) else 1)
+    # what this rank measured and proposed, in this step's metrics record
+    tr._proposal = {"proposed": mine, "cost_s": cost, "step_s": step_s, "write_s": write_s}
+    # the widest proposal, over the job's own groups (no store request, O(log) per rank)
+    tr.persist_every = int(global_max(mine, comm, tr.device))
+    if tr.rank == 0:
+        print(f"[rank 0] checkpoint interval {tr.persist_every} steps (Young/Daly: checkpoint "
+              f"{cost * 1e3:.1f} ms on the critical path, write {write_s * 1e3:.1f} ms, step "
+              f"{step_s * 1e3:.1f} ms, MTBF {float(ft['mtbf_s']):.0f} s)", flush=True)

@@ -39,18 +39,22 @@ from deadpool.export.hf_import import initial_weights
 from deadpool.tensorboard_log import board
 from deadpool.faults import FaultInjector
 from deadpool.lr_schedule import lr_at
+from deadpool.mfu import Throughput, progress_lines
 from deadpool import precision
 from deadpool.settings import num_microbatches
 from deadpool.parallel.data.reduce_scatter import use_reduce_scatter
 from deadpool.parallel.data.zero import ZeroOptimizer
-from deadpool.parallel.grad_norm import clip_, global_grad_norm, global_max
+from deadpool.parallel.compile import compile_stage
+from deadpool.parallel.grad_norm import clip_, global_grad_norm
 from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor.layers import tp_replicated
 from deadpool.rounds import rounds_for
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
-from deadpool.strategies import strategy_of, young_daly_steps
+from deadpool.recovery.pause import hold_at_pause
+from deadpool.straggler import ComputeClock, settings as straggler_settings
+from deadpool.strategies import decide_persist_interval, strategy_of
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
 
@@ -72,6 +76,7 @@ class Trainer:
         self._val_loss: float | None = None  # this step's validation loss (last stage)
         self._batch_digests: dict[str, int] = {}  # this step's batches (see batch)
         self.board = board(cfg, slot)  # logging.tensorboard (else a no-op)
+        self.throughput = Throughput(cfg)  # tokens/s/GPU, MFU, compiles (metrics)
         self.snapshots_on = bool(cfg["ft"]["snapshot"])
         # disk checkpoints every N steps; 'auto' (ft=checkpoint_restart): Young/Daly, decided
         # after a first measured checkpoint (see persist_due / _decide_interval)
@@ -114,6 +119,7 @@ class Trainer:
         self.publish_progress = publish_progress or (lambda line: None)
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
         self.progress = progress or Progress()
+        self.clock = ComputeClock(self.progress, straggler_settings(cfg["ft"])["steps"])
 
     def build(self, dims: ParallelDims, rank: int, init: bool = True) -> float:
         """Build the stage, optimizer and snapshot engine of ``rank``'s coordinates (a no-op if
@@ -134,6 +140,7 @@ class Trainer:
         # the fp32 master weights from it, as Megatron does (so a spare's and a peer's initial
         # master shard are the same function of the seed)
         self.stage = self.stage.to(self.dtype)
+        compile_stage(self.stage, cfg, warm=not init and self.coords is None)  # compile=true
         self.params = list(self.stage.parameters())
         t_stage = time.perf_counter()
         par = cfg["parallel"]
@@ -286,8 +293,10 @@ class Trainer:
             busy = self.engine.slows_step()  # snapshot work that can slow this step
             s = self.step
             comm.raise_if_aborted()
+            hold_at_pause(self, comm)  # a migration: every rank holds at one step (recovery.pause)
             at(s, "forward")
             fire(s, "step_start")
+            self.clock.begin(comm, self.injector.delay_s)  # own compute, waits excluded (straggler)
             # gradients of an aborted step must not leak into its replay; gradient buckets are
             # reduced over dp from backward hooks as soon as they are complete
             self.opt.begin_step(comm, self.microbatches * len(batches))
@@ -353,6 +362,7 @@ class Trainer:
                     self._decide_interval(comm, ckpt_s, t_ckpt - t0)
             self.schedule.end_of_step(self.step, comm.raise_if_aborted)
             dt = time.perf_counter() - t0
+            self.clock.end(self.step)
             if self.eval_every and self.step % self.eval_every == 0:  # not in the step's time
                 at(self.step, "eval")
                 self.settle_params(comm)
@@ -381,6 +391,7 @@ class Trainer:
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "pid": os.getpid(),
                "generation": self.generation,
                "loss": None if loss is None else round(float(loss), 6), "step_time_s": step_time_s,
+               "compute_s": self.clock.last_s,  # the step less its waits on peers (straggler.py)
                "lr": lr, "skipped_steps": self.skipped_steps,
                "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
@@ -399,22 +410,16 @@ class Trainer:
                "checkpoint_interval_proposal": self._proposal,
                "val_loss": self._val_loss,
                "batch_digests": self._batch_digests,
+               **self.throughput.fields(step_time_s, comm.topo.dims.world_size),
                "t": time.time()}
         self._proposal = self._val_loss = None  # recorded once, in their step
         self.metrics.write(json.dumps(rec) + "\n")
-        every = int(self.cfg["log_every_steps"])
         dims = comm.topo.dims
         reporter = self.rank == dims.rank_of(dims.pp - 1, 0, 0)
         self.board.write(rec, reporter)
-        if reporter and rec["val_loss"] is not None:
-            line = f"[rank {self.rank}] step {self.step:4d}  val loss {rec['val_loss']:.4f}"
-            print(line, flush=True)
-            self.publish_progress(line)
-        if (reporter and every
-                and (self.step % every == 0 or self.step == self.cfg["num_steps"])):
-            line = (f"[rank {self.rank}] step {self.step:4d}/{self.cfg['num_steps']}  loss {loss:.4f}  "
-                    f"step {step_time_s * 1e3:6.1f} ms  snapshot-blocked {blocked_s * 1e3:5.2f} ms")
-            print(line, flush=True)
+        every = int(self.cfg["log_every_steps"])
+        for line in progress_lines(rec, self.cfg["num_steps"], every) if reporter else ():
+            print(line, flush=True)  # val loss; every `every` steps the progress line
             self.publish_progress(line)
 
     # -- disk checkpoints without snapshots (ft=checkpoint_restart, or persist with snapshots off) --
@@ -434,19 +439,4 @@ class Trainer:
                              asynchronous=ft.get("persist_async", True), wait=wait)
 
     def _decide_interval(self, comm, ckpt_s: float, step_s: float) -> None:
-        """Young/Daly interval from this probe: each rank proposes one, all adopt the widest
-        (every rank must checkpoint the same steps). Asynchronous checkpoints cost only their
-        copy on the critical path, but a write must finish within an interval."""
-        ft = self.cfg["ft"]
-        write_s = self.engine.persister.last_write_s or ckpt_s
-        cost = ckpt_s - write_s if ft.get("persist_async", True) else ckpt_s
-        mine = max(young_daly_steps(max(cost, 0.0), float(ft["mtbf_s"]), step_s),
-                   int(write_s // max(step_s, 1e-9)) + 1 if ft.get("persist_async", True) else 1)
-        # what this rank measured and proposed, in this step's metrics record
-        self._proposal = {"proposed": mine, "cost_s": cost, "step_s": step_s, "write_s": write_s}
-        # the widest proposal, over the job's own groups (no store request, O(log) per rank)
-        self.persist_every = int(global_max(mine, comm, self.device))
-        if self.rank == 0:
-            print(f"[rank 0] checkpoint interval {self.persist_every} steps (Young/Daly: checkpoint "
-                  f"{cost * 1e3:.1f} ms on the critical path, write {write_s * 1e3:.1f} ms, step "
-                  f"{step_s * 1e3:.1f} ms, MTBF {float(ft['mtbf_s']):.0f} s)", flush=True)
+        decide_persist_interval(self, comm, ckpt_s, step_s)  # Young/Daly (strategies.py)

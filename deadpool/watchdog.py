@@ -75,9 +75,14 @@ class Progress:
         # called with each new step as the training thread enters it (the node board's step
         # word: a process killed mid-step is known to have died in that step, not the last beat's)
         self.on_step = None
+        self.waited_s, self._t = 0.0, time.perf_counter()  # seconds in PEER_WAIT phases, total
 
     def set(self, step: int, phase: str) -> None:
         entered = step != self.step
+        t = time.perf_counter()  # (a step's compute time excludes its waits on peers: straggler.py)
+        if self.phase in PEER_WAIT:
+            self.waited_s += t - self._t
+        self._t = t
         self.step, self.phase = step, phase  # first: ``on_step`` and the beat see the new step
         self.count += 1
         if entered and self.on_step is not None:
@@ -217,6 +222,7 @@ class NodeLiveness:
         self._own: dict[int, list[int]] = {}               # node -> hung slots
         self.repl: dict[int, tuple[int, int]] = {}         # node -> (g, newest step replicated)
         self.vote: dict[int, tuple[int, int, int]] = {}    # node -> (g, vote step, interval)
+        self.compute: dict[int, int] = {}  # slot -> its packed step and compute time (straggler)
         self.generation = 0
         self.lock = threading.Lock()
         self._lost: deque[list[int]] = deque()  # slots of nodes lost by presence (lose_node)
@@ -247,6 +253,8 @@ class NodeLiveness:
                 self.repl[node] = tuple(int(x) for x in detail["repl"])
             if "vote" in detail:
                 self.vote[node] = tuple(int(x) for x in detail["vote"])
+            for s, w in detail.get("cmp", {}).items():  # (straggler.unpack_compute)
+                self.compute[int(s)] = int(w)
 
     def lose_node(self, node: int, slots) -> None:
         """Node ``node``'s agent is known dead (its presence connection ended,

@@ -236,7 +236,7 @@ class Worker:
             while plan is not None:
                 self.adopt_layout(plan)
                 rank = plan.rank_of_slot(self.slot)
-                if plan.action == "stop":
+                if plan.action == "stop" or self.slot in plan.retire:  # (migrated: recovery.migrate)
                     return 0
                 if rank is not None:
                     if plan.action in ("checkpoint", "checkpoint_and_stop"):

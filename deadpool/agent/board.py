@@ -47,11 +47,13 @@ HEADER_WORDS = 16
 SLOT_WORDS = 24
 PHASE_BYTES = 64  # slot words 8-15
 # header words
-_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECISION = range(9)
+_MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECISION, _PAUSE = \
+    range(10)  # _PAUSE: (g, step) every rank holds at for a migration (recovery.migrate)
 # slot words
 _SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE, _REPLICATED, _VOTE = range(8)
 _PHASE_WORD = 8
-_REPORTS = 17  # (16: free)
+_COMPUTE = 16  # the rank's newest step and its compute time (straggler.pack_compute)
+_REPORTS = 17
 _STEP_BITS = 40
 
 
@@ -176,7 +178,7 @@ class NodeBoard:
         finally:
             os.close(fd)
         w = memoryview(mm).cast("q")
-        w[_ABORT] = w[_PLAN] = w[_JOB_STEP] = w[_PROTECTED] = w[_DECISION] = -1
+        w[_ABORT] = w[_PLAN] = w[_JOB_STEP] = w[_PROTECTED] = w[_DECISION] = w[_PAUSE] = -1
         w[_SLOTS] = len(slots)
         for i, slot in enumerate(slots):
             base = HEADER_WORDS + SLOT_WORDS * i
@@ -247,6 +249,19 @@ class NodeBoard:
 
     def set_decision(self, generation: int, step: int, interval: int) -> None:
         self.words[_DECISION] = pack3(generation, step, interval)  # one store: read whole
+
+    @property
+    def pause(self) -> tuple[int, int]:
+        return unpack(int(self.words[_PAUSE]))
+
+    def set_pause(self, generation: int, step: int) -> None:
+        self.words[_PAUSE] = pack(generation, step)
+
+    def set_compute(self, index: int, word: int) -> None:
+        self.words[self._base(index) + _COMPUTE] = word
+
+    def compute(self, index: int) -> int:
+        return int(self.words[self._base(index) + _COMPUTE])
 
     # -- slot records ---------------------------------------------------------------------------------
     def _base(self, index: int) -> int:

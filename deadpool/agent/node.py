@@ -151,6 +151,8 @@ class NodeAgent:
             detail["repl"] = replicated
         if vote is not None:
             detail["vote"] = vote
+        if cmp := {str(s): w for s in ranks if (w := self.board.compute(self.index[s])) > 0}:
+            detail["cmp"] = cmp  # each rank's newest step and compute time (straggler.py)
         if self.exits:
             detail["exit"] = {str(s): c for s, c in self.exits.items()}
         if slow:
@@ -417,6 +419,8 @@ class NodeAgent:
             self.board.set_protected(int(event["g"]), int(event["step"]))
         elif kind == "interval":
             self.board.set_decision(int(event["g"]), int(event["step"]), int(event["k"]))
+        elif kind == "pause":  # a migration: every rank holds at this step (recovery.migrate)
+            self.board.set_pause(int(event["g"]), int(event["step"]))
         elif kind == "done":
             self.board.set_flag(JOB_DONE)
         elif kind == "stop":

@@ -190,3 +190,25 @@ class Regrow:
                   f"slot(s) {new} in their place")
         self.slots += new
         self._watch()
+
+
+def regrow_ready(coord) -> bool:
+    """The coordinator may regrow now (``Coordinator._run``): in place, the processes the full
+    width lacks are started first and the job trains on while they warm up: True once they
+    joined as spares (at once for a relaunch)."""
+    if coord.ft.get("elastic_mode", "in_place") != "in_place":
+        return True
+    try:
+        if coord.regrow is None:
+            coord.regrow = Regrow(coord)
+        if not coord.regrow.ready():
+            return False
+    except (NotImplementedError, RuntimeError) as e:
+        coord.log(f"[coordinator] cannot regrow: {e}; the job stays at dp={coord.dims.dp}")
+        coord.grow_at, coord.regrow = None, None
+        return False
+    coord.members.spares += coord.regrow.slots
+    coord.regrow = None
+    full = ParallelDims.from_config(coord.configured["parallel"]).world_size
+    # (a failure while they warmed up may have taken a process more: start the rest)
+    return coord.dims.world_size + len(coord.members.spares) >= full

@@ -1,0 +1,41 @@
+"""A rank's side of a migration's pause: every rank holds at one step boundary.
+
+A migration (``recovery.migrate``) moves live ranks to warm spares without losing or recomputing
+a step, so the job must stop where no rank is inside a step: the coordinator pushes
+``pause (g, T)`` (an event every node agent writes on its board), and each rank of generation g,
+at the top of step T (step T-1 complete, nothing torn), calls ``hold_at_pause``: it snapshots T
+(unless the schedule just did), waits until the snapshot is replicated to its buddies (the
+moving ranks' state then exists outside their processes), marks its board word paused
+(``straggler.pack_paused``) and waits for the coordinator's abort, which starts the ordinary
+recovery protocol at its step 3 with every rank live at T.
+
+A pause moved to a later step (the coordinator's first guess was passed by a rank that had not
+seen the word yet) releases the ranks holding at the old one: they train on to the new step.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deadpool.straggler import pack_paused
+
+
+def hold_at_pause(tr, comm) -> None:
+    """Must be called at the top of every step, before any work of step ``tr.step``. Returns at
+    once unless the node's board asks generation ``comm.topo.generation`` to hold at this step;
+    then raises ``Aborted`` (from ``comm.raise_if_aborted``) once the coordinator aborts, or
+    returns if the pause moved."""
+    link = getattr(comm, "link", None)
+    if link is None or link.board.pause != (comm.topo.generation, tr.step):
+        return
+    T = tr.step
+    tr.progress.set(T, "pause")
+    tr.settle_params(comm)
+    if tr.snapshots_on:
+        if tr.engine.taken_step < T:  # (the schedule may have taken T at the end of T-1)
+            tr.engine.snapshot(T, tr.header(), abort_check=comm.raise_if_aborted)
+        tr.engine.wait_done(T, comm.raise_if_aborted)
+    link.board.set_compute(link.index, pack_paused(T))
+    while link.board.pause == (comm.topo.generation, T):
+        comm.raise_if_aborted()
+        time.sleep(0.005)

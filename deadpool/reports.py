@@ -19,7 +19,9 @@ every report the coordinator waits on during a recovery is *posted*:
                                    (2N-1 when none exists: never use it for sparse reports)
     Reports                        one kind of sealed per-rank report (``keys.status(r)`` ...)
                                    collected incrementally: each poll asks only about the ranks
-                                   still missing, posted ones only when their index changed
+                                   still missing, posted ones only when their index changed;
+                                   with a ``budget`` (keys written by processes that cannot post,
+                                   e.g. join announcements) at most that many requests a poll
     NodeReports                    the same, from one sealed key per node that its agent
                                    rewrites (and posts) as its ranks report (rank -> report)
     send(...)                      a rank's side: its report through its node agent, else posted
@@ -33,6 +35,7 @@ it comes.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable, Iterable
 
@@ -136,10 +139,21 @@ class Reports:
     reports read so far, rank -> text. ``on_forged(rank)`` is called once per rank whose value
     failed its seal. ``posted``: the writers ``post`` (``send`` does): a poll then costs one
     request while the index is unchanged, three when it lists news, whatever the number of ranks.
+
+    ``budget`` (unposted keys only): a poll makes at most this many probes (and one ``multi_get``
+    of what they found), however many keys are missing, instead of an exact ``present`` (2N-1 round trips while none of N exists: at
+    16,384 join announcements, 32,767 requests per poll of the start-up wait, which starved the
+    writers it waited on). It scans the missing keys in order from where the last poll stopped,
+    galloping over runs of present keys (a run of p costs O(log p) requests, an absent key one),
+    so every missing key is probed at least once every ``ceil(missing / budget)`` polls and a
+    complete set is seen within O(log N) requests. A poll may then return only some of the keys
+    that exist: callers that name the missing at a deadline must poll until the scan has passed
+    over them (``settle``).
     """
 
     def __init__(self, store, seal: Seal, key_of: Callable[[int], str], ranks: Iterable[int],
-                 on_forged: Callable[[int], None] | None = None, posted: bool = False):
+                 on_forged: Callable[[int], None] | None = None, posted: bool = False,
+                 budget: int | None = None):
         self.store, self.seal, self.key_of = store, seal, key_of
         self.missing: list[int] = sorted(set(ranks))
         self.got: dict[int, str] = {}
@@ -149,6 +163,8 @@ class Reports:
         self._keys: dict[int, str] = {}  # id -> key, made once (an id is a rank, or a node)
         self._by_name: dict[str, int] = {}  # a key's last part (what its index lists) -> id
         self._index_read = 0  # how much of the index earlier polls read (posted reports)
+        self.budget = budget
+        self._cursor = 0  # budgeted scans: the id the next poll starts at
 
     def forget(self, ranks: Iterable[int]) -> None:
         """Stop waiting for these ranks (declared failed)."""
@@ -174,8 +190,10 @@ class Reports:
                 self._keys[i] = key = self.key_of(i)
                 self._by_name[key.rpartition("/")[2]] = i
         if not self.posted:
-            return read(self.store, self.seal, {i: self._keys[i] for i in ids},
-                        on_forged=self._forged)
+            keys = {i: self._keys[i] for i in ids}
+            if self.budget is not None:
+                return _fetch(self.store, self.seal, keys, self._scan(ids), self._forged)
+            return read(self.store, self.seal, keys, on_forged=self._forged)
         value = peek(self.store, index_of(self._keys[ids[0]]))
         if len(value) < self._index_read:  # deleted and begun again
             self._index_read = 0
@@ -188,6 +206,37 @@ class Reports:
         if found and not self.store.check(found):  # a listed key that does not exist
             found = present(self.store, found)
         return _fetch(self.store, self.seal, keys, found, self._forged)
+
+    def _scan(self, ids: list[int]) -> list[str]:
+        """Existing keys among ``ids`` (sorted) found in at most ``budget`` requests, scanning
+        on from ``_cursor`` and wrapping around (``budget`` docstring)."""
+        keys = [self._keys[i] for i in ids]
+        found: list[str] = []
+        i = bisect.bisect_left(ids, self._cursor) % len(ids)
+        m, used, scanned = 1, 0, 0
+        while used < max(1, self.budget) and scanned < len(ids):
+            j = min(i + m, len(ids))
+            used += 1
+            if self.store.check(keys[i:j]):
+                found += keys[i:j]
+                scanned, i, m = scanned + j - i, j, m * 2
+            elif m == 1:
+                scanned, i = scanned + 1, i + 1  # absent
+            else:
+                m //= 2  # a run ends within this chunk: narrow down
+            if i >= len(ids):
+                i, m = 0, 1
+        self._cursor = ids[i] if i < len(ids) else 0
+        got = set(found)
+        return [k for k in keys if k in got]
+
+    def settle(self) -> dict[int, str]:
+        """One exact read of every missing key (2N-1 requests at worst): what a budgeted caller
+        does once before naming the missing (a deadline)."""
+        if self.missing:
+            keys = {i: self.key_of(i) for i in self.missing}
+            self._take(read(self.store, self.seal, keys, on_forged=self._forged))
+        return self.got
 
     def _forged(self, r: int) -> None:
         if r not in self.forged and self.on_forged is not None:

@@ -129,3 +129,33 @@ def test_a_forged_index_entry_or_value_steers_nothing(tmp_path):
     reports.post(store, JOB, keys.error(9), "real 9")  # the real report overwrites the forgery
     assert reports.read_posted(store, JOB, {r: keys.error(r) for r in range(16)}) == \
         {3: "real", 9: "real 9"}
+
+
+def test_a_start_up_wait_polls_within_its_budget_and_finds_every_join(tmp_path):
+    """Join announcements are not posted (a process sets its key): the start-up wait's poll of
+    N absent keys cost 2N-1 requests (32,767 a poll at 16,384 slots, which starved the writers).
+    With a budget each poll costs at most that (and a multi_get), every key is still found, in any order, and a
+    complete set is seen within O(log N) requests; ``settle`` reads the rest exactly."""
+    store = Counting(dist.HashStore())
+    n, budget = 1024, 16
+    joined = reports.Reports(store, JOB, Keys.spare_ready, range(n), budget=budget)
+    _, cost = requests(store, joined.poll)
+    assert joined.got == {} and cost <= budget  # was 2n - 1 = 2047
+    order = list(range(n))[::7] + [s for s in range(n) if s % 7]  # out of order, in two waves
+    for s in order[: n // 2]:
+        store.set(Keys.spare_ready(s), JOB.wrap(Keys.spare_ready(s), "1.0"))
+    polls = 0
+    while len(joined.got) < n // 2 and polls < 4 * n // budget:
+        _, cost = requests(store, joined.poll)
+        assert cost <= budget + 1  # (the probes, one multi_get of what they found)
+        polls += 1
+    assert set(joined.got) == set(order[: n // 2])  # every key probed within n / budget polls
+    for s in order[n // 2:]:
+        store.set(Keys.spare_ready(s), JOB.wrap(Keys.spare_ready(s), "1.0"))
+    joined.poll()
+    joined.poll()
+    _, cost = requests(store, lambda: [joined.poll() for _ in range(8)])
+    assert joined.complete and cost <= 8 * (budget + 1)
+    late = reports.Reports(store, JOB, Keys.spare_ready, range(n + 1), budget=1)
+    store.set(Keys.spare_ready(n), JOB.wrap(Keys.spare_ready(n), "1.0"))
+    assert len(late.settle()) == n + 1 and late.complete  # one exact read names none missing

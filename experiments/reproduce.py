@@ -10,7 +10,7 @@ Config: conf/reproduce.yaml. Steps, in order (each prints its time):
     replay       python -m sim.replay                   the simulator replays each measured run
     overhead     experiments/bench_overhead.py          DeadPool vs stock torch DDP, side by side
     bench3d      experiments/bench_3d.py                dp2 x tp2 x pp2 overhead and recovery
-    sim_scale, sim_mtbf, sim_spares                     Hydra multirun sweeps (conf/experiment/sim_*.yaml)
+    sim_scale, sim_mtbf, sim_spares                     Hydra multirun sweeps (sim/conf/experiment/sim_*.yaml)
     sensitivity, correlated, spare_sizing, fair         experiments/sim/*.py
     headline     experiments/sim/headline.py            old vs new defaults at 16k and 131k GPUs
     validate     python -m sim.validate                 the simulator against published fleets
@@ -18,7 +18,7 @@ Config: conf/reproduce.yaml. Steps, in order (each prints its time):
     figures      python -m paper_figures                every figure, from the files written above
 
 ``reproduce.scale=full`` writes where the shipped results live (experiments/results/,
-conf/sim/calibration/cpu_strategies.yaml, paper_figures/out/); ``small`` runs every step at a
+sim/conf/calibration/cpu_strategies.yaml, paper_figures/out/); ``small`` runs every step at a
 tiny size under outputs/reproduce_small/ and leaves the shipped files alone. The figures are
 drawn from the results root the steps wrote (``DEADPOOL_RESULTS``).
 """
@@ -46,7 +46,7 @@ def paths(r: dict) -> dict:
     out = r.get("out") or (None if r["scale"] == "full" else "outputs/reproduce_small")
     if out is None:
         return {"results": ROOT / "experiments/results", "figures": ROOT / "paper_figures/out",
-                "calibration": ROOT / "conf/sim/calibration/cpu_strategies.yaml",
+                "calibration": ROOT / "sim/conf/calibration/cpu_strategies.yaml",
                 "sweeps": ROOT / "multirun/reproduce"}
     o = ROOT / out
     return {"results": o / "results", "figures": o / "figures", "calibration": o / "cpu_strategies.yaml",

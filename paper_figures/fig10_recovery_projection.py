@@ -12,7 +12,7 @@ a black tick marks the measured kill-to-first-step time). Reads, under the resul
 
 Right, projected: detect (crash) + plan + rebuild(num_gpus) + transfer(state bytes per node) + warm-up,
 the closed form of sim/costs.py (``costs.reconfig``) evaluated on a calibration file, for the
-Llama-3-405B-like layout of conf/sim/cluster/h100_405b.yaml (tp 8 x pp 16, ZeRO-1) at 128..131,072
+Llama-3-405B-like layout of sim/conf/cluster/h100_405b.yaml (tp 8 x pp 16, ZeRO-1) at 128..131,072
 GPUs; ``gpu_h100`` (the GPU profile) and ``cpu_strategies`` (fitted by sim.calibrate on the CPU
 runs). For comparison, checkpoint/restart's detect + ``costs.restart_s`` (requeue, relaunch, load).
 No simulation is run. The step time (warm-up is counted in steps) is held at its 16,384-GPU value.
@@ -40,7 +40,7 @@ COLOURS = ("#ff7f0e", "#bcbd22", "#8c564b", "#1f77b4", "#d62728", "#7f7f7f")
 DP_RUNS = (("scale/dp2", "dp=2"), ("scale/dp3", "dp=3"), ("kills", "dp=4"), ("burst", "dp=4"))
 KILLS_3D = ((1, "TP peer\n(rank 1,\nstage 0)"), (4, "PP stage 1\n(rank 4,\ndp 0)"),
             (6, "DP replica 1\n(rank 6,\nstage 1)"))
-CLUSTER = style.ROOT / "conf" / "sim" / "cluster" / "h100_405b.yaml"
+CLUSTER = style.ROOT / "sim" / "conf" / "cluster" / "h100_405b.yaml"
 GPUS = [2 ** k for k in range(7, 18)]  # 128 .. 131,072: one tp8 x pp16 replica and up
 CLAIM_GPUS, CLAIM_S = 512, 40.0
 
@@ -213,7 +213,7 @@ def panel_breakdown(ax, calib: dict, base: dict) -> str:
     return (f"(c) at {CLAIM_GPUS} GPUs: {at['total']:.0f} s = detect {at['detect']:.0f} + plan {at['plan']:.1f} + "
             f"rebuild {at['rebuild']:.0f} + transfer {at['transfer']:.1f} ({at['gb_per_node']:.0f} GB per node, "
             f"dp {CLAIM_GPUS // 128}) + warm-up {at['warmup']:.1f}; gpu_h100's detection (10 s heartbeat timeout) and "
-            f"rebuild (2 s per doubling) are assumptions, not measurements (conf/sim/calibration/gpu_h100.yaml).")
+            f"rebuild (2 s per doubling) are assumptions, not measurements (sim/conf/calibration/gpu_h100.yaml).")
 
 
 def main():

@@ -75,13 +75,13 @@ def args(default_input: str, description: str) -> argparse.Namespace:
 
 
 def calibration_file(name: str) -> Path:
-    """``conf/sim/calibration/<name>.yaml``, or the one ``make reproduce`` wrote next to the results
+    """``sim/conf/calibration/<name>.yaml``, or the one ``make reproduce`` wrote next to the results
     root it points ``$DEADPOOL_RESULTS`` at (``<root>/../<name>.yaml``) when there is one."""
     if os.environ.get("DEADPOOL_RESULTS"):
         p = RESULTS.parent / f"{name}.yaml"
         if p.exists():
             return p
-    return ROOT / "conf" / "sim" / "calibration" / f"{name}.yaml"
+    return ROOT / "sim" / "conf" / "calibration" / f"{name}.yaml"
 
 
 def gpu_summary(results: str | Path = RESULTS) -> Path | None:

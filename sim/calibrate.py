@@ -4,7 +4,7 @@
 
 A directory without a ``summary.json`` stands for every run directory below it. Reads each run's ``summary.json`` (and ``metrics.jsonl`` when present) as written by the
 runtime, fits the parameters below and writes a calibration YAML (default:
-conf/sim/calibration/<name>.yaml, selected with ``calibration=<name>``) with a comment on
+sim/conf/calibration/<name>.yaml, selected with ``calibration=<name>``) with a comment on
 every line saying where the value came from. Parameters the runs say nothing about are
 copied from the base calibration (``--base``, default ``default``) and say so.
 
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("run_dirs", nargs="+", help="runtime run directories (summary.json, metrics.jsonl), "
                     "or directories to search for them")
     ap.add_argument("--name", default="measured", help="calibration name (config group option)")
-    ap.add_argument("--out", default=None, help="output YAML (default conf/sim/calibration/<name>.yaml)")
+    ap.add_argument("--out", default=None, help="output YAML (default sim/conf/calibration/<name>.yaml)")
     ap.add_argument("--base", default="default", help="calibration to take unmeasured values from")
     a = ap.parse_args(argv)
     base_path = sim.config.SIM_CONF_DIR / "calibration" / f"{a.base}.yaml"

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--protocol", default="new", help="old (store polling) or new (node agents)")
     ap.add_argument("--base", default="gpu_h100", help="calibration (name or .yaml path) whose other values are kept")
     ap.add_argument("--name", default="control_plane_fit", help="calibration name (config group option)")
-    ap.add_argument("--out", default=None, help="output YAML (default conf/sim/calibration/<name>.yaml)")
+    ap.add_argument("--out", default=None, help="output YAML (default sim/conf/calibration/<name>.yaml)")
     a = ap.parse_args(argv)
     rows = read_table(a.table)
     lines = fit(rows, a.protocol)

@@ -1,9 +1,10 @@
-"""Config plumbing for conf/sim.yaml: the resolver that puts the sim's groups on Hydra's path.
+"""Config plumbing for sim/conf/sim.yaml: where the simulator's configs live, and a resolver.
 
-conf/sim.yaml lists ``file://${sim_repo_path:conf/sim}`` (and experiments/sim) in
-``hydra.searchpath`` so that its groups can live in conf/sim/<group>/ yet be selected with
-short names (``trace=llama3``). The resolver must be registered before Hydra composes the
-config: importing this module does it (sim.run, sim.calibrate and the tests import it).
+The simulator's configs are their own Hydra config directory, ``sim/conf/`` (``sim.yaml``, its
+groups in ``sim/conf/<group>/``, ``experiment/sim_*.yaml``), apart from the runtime's ``conf/``,
+so that ``python -m deadpool.train --help`` and ``python -m sim.run --help`` each list only their
+own groups. The ``sim_repo_path`` resolver (a repository path, absolute) is registered on import
+for configs that name files in the repository (import this module before composing).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO_ROOT / "conf"
-SIM_CONF_DIR = CONF_DIR / "sim"
+SIM_CONF_DIR = REPO_ROOT / "sim" / "conf"  # the simulator's config directory (sim.yaml, its groups)
+CONF_DIR = SIM_CONF_DIR  # what code composing ``sim`` passes to Hydra (initialize_config_dir)
 
 
 def repo_path(rel: str) -> str:

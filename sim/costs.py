@@ -1,7 +1,7 @@
 """Shared cost model: calibration values + layout -> the durations every strategy spends.
 
 One place for every cost that more than one strategy pays, so that the same event costs the
-same for everyone (``conf/sim/calibration/<name>.yaml`` holds the values and their sources):
+same for everyone (``sim/conf/calibration/<name>.yaml`` holds the values and their sources):
 
 - detection, by failure cause (``Detection``): crash, hang, silent data corruption. A crash
   is a process exit (``detect_crash_s + detect_crash_per_rank_s * N``) or, for the causes in

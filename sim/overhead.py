@@ -25,7 +25,7 @@ steps, ``k`` from ``sim.network``), with ``step`` the step time:
 Analytic expectation (tests/sim/test_overhead.py): with everything overlapped and fitting,
 ``overhead = (issue_s * exposed + contention * copy_s) / (k * step)``; the measured on/off ratio
 of the H100 check (1.0043 at a 0.95 s step with a 0.32 s copy) is reproduced by either end of
-the split between issue and contention that ``conf/sim/calibration/gpu_h100.yaml`` documents.
+the split between issue and contention that ``sim/conf/calibration/gpu_h100.yaml`` documents.
 
     python -m sim.overhead [calibration=gpu_h100] [cluster.num_gpus=131072 ...]   # the parts, printed
 """

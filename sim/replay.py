@@ -218,7 +218,7 @@ def _print(rows: list[dict], cols: list[str]) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m sim.replay", description=__doc__.split("\n")[0])
     ap.add_argument("run_dirs", nargs="+", help="run directories, or directories to search for them")
-    ap.add_argument("--calibration", default="cpu_strategies", help="name under conf/sim/calibration or a path")
+    ap.add_argument("--calibration", default="cpu_strategies", help="name under sim/conf/calibration or a path")
     ap.add_argument("--step_time", default="full_width", choices=STEP_TIMES,
                     help="the simulator's step time: the run's mean at full width (default), or before "
                          "its first failure only (a slowdown after a recovery then counts against the model)")

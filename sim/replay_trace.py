@@ -8,8 +8,8 @@ rest form the pool, and the remaining servers are outside the allocation; which 
 which slot is a seeded shuffle (seed k for k < ``--seeds``). Every fault start takes its server
 away until the trace's ``fault_end`` (``sim.infinitehbd``); its class decides how it is detected
 (``hang_causes``, ``node_causes`` of the calibration; software faults are transient). Every
-strategy of ``conf/sim.yaml``'s ``strategies`` list (plus ``deadpool_shrink``) replays the same
-placement. Extra arguments are Hydra overrides of conf/sim.yaml (``calibration=...``).
+strategy of ``sim/conf/sim.yaml``'s ``strategies`` list (plus ``deadpool_shrink``) replays the same
+placement. Extra arguments are Hydra overrides of sim/conf/sim.yaml (``calibration=...``).
 
 Writes into ``--out``: ``summary.csv`` (one row per strategy and seed, as ``sim.run``),
 ``aggregate.csv``, ``timeline.csv`` (seed 0: ``strategy, time_d, progress_d``, the job's kept
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=1, help="server placements (seed k: shuffle k)")
     ap.add_argument("--job-nodes", type=int, default=368)
     ap.add_argument("--spares", type=int, default=32)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/sim.yaml")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of sim/conf/sim.yaml")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows, tl, servers = replay(a.job_nodes, a.spares, a.seeds, a.overrides)

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m sim.run [Hydra overrides]`` (config: conf/sim.yaml).
+"""Entry point: ``python -m sim.run [Hydra overrides]`` (config: sim/conf/sim.yaml).
 
 Runs every strategy in ``strategies`` on the same trace for each of ``seeds`` seeds and
 writes ``summary.csv`` (one row per strategy and seed) and ``aggregate.csv`` (mean and 95%
@@ -21,7 +21,7 @@ from sim import report
 from sim.simulate import run_scenario
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="sim")
+@hydra.main(version_base="1.3", config_path="conf", config_name="sim")
 def main(cfg: DictConfig) -> float:
     out_dir = HydraConfig.get().runtime.output_dir
     c = OmegaConf.to_container(cfg, resolve=True)

@@ -130,7 +130,7 @@ def scenario_columns(cfg: Mapping, layout: Layout, mtbf_s: float) -> dict:
 
 
 def run_scenario(cfg: Mapping, progress: bool = True, trace_dir=None) -> list[dict]:
-    """Every seed x every selected strategy. ``cfg`` is the composed conf/sim.yaml."""
+    """Every seed x every selected strategy. ``cfg`` is the composed sim/conf/sim.yaml."""
     layout = Layout.from_cfg(cfg["cluster"])
     horizon = float(cfg["duration_days"]) * DAY_S
     names = list(cfg["strategies"])

@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m sim.spares", description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, required=True)
     ap.add_argument("--target", type=float, default=0.01)
-    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/sim.yaml, e.g. repair=rma_tail")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of sim/conf/sim.yaml, e.g. repair=rma_tail")
     a = ap.parse_args(argv)
     with initialize_config_dir(version_base="1.3", config_dir=str(sim.config.CONF_DIR)):
         cfg = OmegaConf.to_container(compose("sim", overrides=a.overrides), resolve=True)

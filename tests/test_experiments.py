@@ -1,4 +1,4 @@
-"""Every conf/experiment/<name>.yaml: deltas only, a "Run as:" line, composes, and runs at a tiny
+"""Every conf/experiment/<name>.yaml and sim/conf/experiment/sim_<name>.yaml: deltas only, a "Run as:" line, composes, and runs at a tiny
 size (runtime experiments through the runtime with real processes, simulator ones through
 sim.simulate) with the overrides its "Run as:" line gives."""
 
@@ -16,7 +16,9 @@ from deadpool.job import run_job
 from deadpool.train import compose_config
 from sim.simulate import run_scenario
 
-EXPERIMENTS = sorted(p.stem for p in (sim.config.CONF_DIR / "experiment").glob("*.yaml"))
+RUNTIME_CONF = Path(__file__).resolve().parents[1] / "conf"  # sim_*: sim/conf/experiment/
+EXPERIMENTS = sorted(p.stem for d in (RUNTIME_CONF, sim.config.CONF_DIR)
+                     for p in (d / "experiment").glob("*.yaml"))
 COMMANDS = {"runtime": "python -m deadpool.train", "sim": "python -m sim.run"}
 
 
@@ -24,9 +26,13 @@ def kind(name: str) -> str:
     return "sim" if name.startswith("sim_") else "runtime"
 
 
+def experiment_file(name: str) -> Path:
+    return (sim.config.CONF_DIR if kind(name) == "sim" else RUNTIME_CONF) / "experiment" / f"{name}.yaml"
+
+
 def run_as_overrides(name: str) -> list[str]:
     """The Hydra overrides of the first ``python -m ...`` command on the file's "Run as:" lines."""
-    text = (sim.config.CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    text = experiment_file(name).read_text()
     lines = [ln for ln in text.splitlines() if ln.startswith("#")]
     start = next(i for i, ln in enumerate(lines) if "Run as:" in ln)
     comment = " ".join(ln.lstrip("# ") for ln in lines[start:start + 3])
@@ -46,7 +52,7 @@ def test_there_are_runtime_and_simulator_experiments():
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_deltas_only_with_a_run_as_line(name):
-    text = (sim.config.CONF_DIR / "experiment" / f"{name}.yaml").read_text()
+    text = experiment_file(name).read_text()
     assert text.startswith("# @package _global_\n"), name
     assert "Run as:" in text
     run_as_overrides(name)

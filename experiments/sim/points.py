@@ -1,4 +1,4 @@
-"""Run a list of labelled scenario points (Hydra overrides of conf/sim.yaml) in this process
+"""Run a list of labelled scenario points (Hydra overrides of sim/conf/sim.yaml) in this process
 and write one tidy summary.csv / aggregate.csv for paper_figures.
 
 Used by the sensitivity sweep, the correlated-failure sweep and the fairness table; each point

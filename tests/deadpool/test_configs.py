@@ -14,9 +14,7 @@ GROUPS = ["model", "parallel", "ft", "faults", "launcher", "data", "experiment"]
 
 
 def options(group):
-    # conf/experiment/sim_*.yaml compose with conf/sim.yaml (tests/test_experiments.py)
-    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")
-                  if not (group == "experiment" and p.stem.startswith("sim_")))
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
@@ -87,3 +85,25 @@ def test_validation_names_the_bad_field(override, msg, tmp_path):
     else:
         with pytest.raises(ValueError, match=msg):
             validate(cfg)
+
+
+def test_each_entry_point_lists_only_its_own_config_groups():
+    """``train --help`` must not offer the simulator's groups or sim_* experiments (they fail under
+    train), nor ``sim.run --help`` the runtime's."""
+    import subprocess
+    import sys
+    root = Path(CONF_DIR).parent
+
+    def groups(module):
+        out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=root, capture_output=True,
+                             text=True, timeout=120, check=True).stdout
+        body = out.split("== Configuration groups ==", 1)[1].split("== Config ==", 1)[0]
+        return dict(ln.split(": ", 1) for ln in body.splitlines() if ": " in ln)
+    train, simulator = groups("deadpool.train"), groups("sim.run")
+    assert {"model", "parallel", "ft", "faults", "data", "experiment"} <= set(train)
+    assert not [g for g in train if g.startswith(("sim", "trace", "cluster", "calibration"))], train
+    assert "sim_" not in train["experiment"] and "cpu_hotswap" in train["experiment"]
+    assert {"trace", "cluster", "calibration", "experiment"} <= set(simulator)
+    assert not {"model", "parallel", "ft", "faults"} & set(simulator), simulator
+    assert simulator["experiment"].split(", ") == sorted(
+        p.stem for p in (root / "sim" / "conf" / "experiment").glob("*.yaml"))

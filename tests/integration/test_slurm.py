@@ -371,16 +371,16 @@ def test_coordinator_alone_on_its_node_and_a_node_slurm_marks_down_leaves_the_jo
 
 
 def test_simulator_sweep_through_hydra_submitit_slurm(slurm_env, tmp_path):
-    """Two sweep points of conf/experiment/sim_scale.yaml, each a Slurm job submitted by Hydra's
+    """Two sweep points of sim/conf/experiment/sim_scale.yaml, each a Slurm job submitted by Hydra's
     submitit launcher (hydra/launcher=sim_slurm), on the same cluster."""
     sweep = tmp_path / "sweep"
     p = subprocess.run([sys.executable, "-m", "sim.run", "-m", "experiment=sim_scale", "hydra/launcher=sim_slurm",
                         "seeds=1", "duration_days=1", "cluster.num_gpus=1024,4096", f"hydra.sweep.dir={sweep}",
                         "progress=false"], cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    import yaml  # every strategy the scenario runs (conf/sim.yaml's list): a row each
+    import yaml  # every strategy the scenario runs (sim/conf/sim.yaml's list): a row each
 
-    want = set(yaml.safe_load((ROOT / "conf" / "sim.yaml").read_text())["strategies"])
+    want = set(yaml.safe_load((ROOT / "sim" / "conf" / "sim.yaml").read_text())["strategies"])
     for point in ("0", "1"):
         rows = (sweep / point / "aggregate.csv").read_text().splitlines()
         assert {r.split(",")[0] for r in rows[1:]} == want and len(rows) == 1 + len(want), rows

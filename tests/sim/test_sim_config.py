@@ -1,4 +1,4 @@
-"""Hydra composition of conf/sim.yaml: every group option composes and builds a scenario."""
+"""Hydra composition of sim/conf/sim.yaml: every group option composes and builds a scenario."""
 
 from pathlib import Path
 

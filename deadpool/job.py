@@ -35,7 +35,7 @@ from deadpool.recovery import preempt
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
-from deadpool.settings import num_microbatches  # noqa: F401 (re-exported)
+from deadpool.settings import microbatch_note, num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
 from deadpool.export.hf_import import check_config as check_init_from
 from deadpool.stop import HardStop, Stopper
@@ -204,6 +204,8 @@ def run_job(cfg: dict, log=print, stop: Stopper | None = None) -> dict:
     for warning in check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique"),
                                    int(cfg["ft"].get("replicas", 1))):
         log(f"[deadpool] placement warning: {warning}")
+    if microbatch_note(cfg):  # parallel.microbatches=auto under pipelining: what it chose
+        log(microbatch_note(cfg))
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     netif.check_store_host(cfg)  # a multi-node job served from loopback: refused, with why

@@ -12,6 +12,7 @@ from deadpool.parallel.pipeline import run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor import shard
 from deadpool.protocol import Keys
+from deadpool.settings import microbatch_note, num_microbatches
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads, shorten_timeouts
 
@@ -176,3 +177,22 @@ def test_forward_only_pass_gives_the_single_process_loss_and_no_gradients(tp, pp
             assert abs(loss - ref) < 1e-5 * abs(ref)
         else:
             assert loss is None
+
+
+@pytest.mark.parametrize("pp,batch,want", [(1, 8, 1), (2, 18, 9), (2, 36, 9), (2, 8, 8),
+                                           (4, 64, 32), (4, 27, 27), (8, 512, 64), (3, 7, 7)])
+def test_auto_micro_batches_keep_the_1f1b_bubble_within_ten_percent_where_the_batch_allows(
+        pp, batch, want):
+    """``parallel.microbatches=auto``: the fewest dividing the batch with (pp-1)/(m+pp-1) <=
+    0.1 (m >= 9 (pp - 1)), else one sequence per micro-batch; the job prints what it chose."""
+    cfg = {"parallel": {"pp": pp, "microbatches": "auto"}, "batch_size": batch}
+    m = num_microbatches(cfg)
+    assert m == want and batch % m == 0
+    if m < batch:
+        assert (pp - 1) / (m + pp - 1) <= 0.1 + 1e-12
+    assert num_microbatches(dict(cfg, parallel={"pp": pp, "microbatches": None})) == m
+    assert num_microbatches(dict(cfg, parallel={"pp": pp, "microbatches": 2})) == 2
+    note = microbatch_note(cfg)
+    assert (note is None) == (pp == 1)
+    if note:
+        assert f"{m} per step at pp {pp}" in note and ("over 10%" in note) == (m < 9 * (pp - 1))

@@ -9,10 +9,13 @@ coordinator adds each recovery as it completes (``RecoveryBoard``, fed by
 breakdown; ``write_recoveries`` at the end adds those it had not logged. ``torch.utils.
 tensorboard`` (the ``tensorboard`` package) is imported only when logging is on.
 
-    train/loss            the reporting rank's loss (its data-parallel batch's mean)
+    train/loss            the reporting rank's loss (its data-parallel batch's mean; summary.json's
+                          final loss is the mean over data-parallel ranks)
     val/loss              validation loss (all eval batches; eval_every_steps)
     train/lr, train/grad_norm          when the record has them
     perf/step_time_s, perf/tokens_per_s   tokens of the global batch / step time
+    perf/tokens_per_s_per_gpu, perf/mfu   the same over the job's GPUs, and its model FLOPs
+                          utilisation (deadpool/mfu.py; MFU only where the device's peak is known)
     snapshot/interval_steps, snapshot/protection_lag_steps, snapshot/blocked_s
     recovery/<phase>_s    per recovery, at its resume step; text ``recovery/generation_<g>``
 """
@@ -27,7 +30,8 @@ SCALARS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr",
            "grad_norm": "train/grad_norm", "step_time_s": "perf/step_time_s",
            "snapshot_interval": "snapshot/interval_steps",
            "protection_lag_steps": "snapshot/protection_lag_steps",
-           "snapshot_blocked_s": "snapshot/blocked_s", "checkpoint_s": "checkpoint/critical_path_s"}
+           "snapshot_blocked_s": "snapshot/blocked_s", "checkpoint_s": "checkpoint/critical_path_s",
+           "tokens_per_s_per_gpu": "perf/tokens_per_s_per_gpu", "mfu": "perf/mfu"}
 RECOVERY_TIMES = ("detect_s", "plan_s", "rebuild_s", "transfer_s", "rollback_s", "load_s",
                   "build_s", "first_step_s", "kill_to_training_s", "kill_to_first_step_s")
 

@@ -11,10 +11,18 @@ holds more than one piece (about ``PIECE_BYTES`` of text, or one Parquet row bat
 
 ``check_inputs`` runs before any tokenizer is built or shard written: a missing or unreadable
 file, a Parquet file without the column, a missing ``pyarrow``, refused naming the file.
+
+A file past ``PART_BYTES`` is read as several ``Part``s (``parts``), so that several workers
+share it: JSONL and text cut at line starts near every ``PART_BYTES`` (a paragraph file after a
+blank line, so a part starts a document), Parquet by row groups. The cuts depend on the file
+alone, never on the number of workers, and one worker reads the same parts in turn: the output
+is the same bytes for any ``--workers``. (Only a one-document-per-file text document is cut
+mid-document: its pieces then also break at each cut, for every ``--workers`` alike.)
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -22,6 +30,7 @@ from pathlib import Path
 
 PIECE_BYTES = 1 << 20  # a long document is encoded in pieces of about this size, cut at newlines
 PARQUET_BATCH_ROWS = 1024  # rows read from a Parquet file at once
+PART_BYTES = 16 << 20  # a larger file is read as parts of about this size (workers share it)
 
 
 class PrepareError(ValueError):
@@ -34,6 +43,16 @@ class Reading:
     documents: str = "file"  # "file" | "paragraph": what a document is in a plain-text file
     text_field: str = "text"  # the JSONL field holding a document
     text_column: str = "text"  # the Parquet column holding a document
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes ``[start, end)`` of ``path`` (Parquet: row groups ``[start, end)``; ``end`` None: to
+    the end). ``starts_document``: false only inside a one-document text file's later parts."""
+    path: Path
+    start: int = 0
+    end: int | None = None
+    starts_document: bool = True
 
 
 def input_files(paths) -> list[Path]:
@@ -77,10 +96,19 @@ def check_inputs(files, reading: Reading) -> None:
                                f"columns are {', '.join(names)}")
 
 
-def _lines(path: Path):
+def _lines(path: Path, start: int = 0, end: int | None = None):
+    """The lines of bytes ``[start, end)`` (both at line starts), line endings kept."""
+    left = None if end is None else end - start
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            yield from f
+        with open(path, "rb") as raw:
+            raw.seek(start)
+            with io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
+                for line in f:
+                    if left is not None:
+                        if left <= 0:
+                            return
+                        left -= len(line.encode())
+                    yield line
     except UnicodeDecodeError as e:
         raise PrepareError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a read "
                            "block); convert it to UTF-8 first") from None
@@ -88,25 +116,27 @@ def _lines(path: Path):
         raise PrepareError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _jsonl(path: Path, field: str):
-    for n, line in enumerate(_lines(path), 1):
+def _jsonl(path: Path, field: str, start: int = 0, end: int | None = None):
+    where = "" if start == 0 else f" (line n of the part at byte {start})"
+    for n, line in enumerate(_lines(path, start, end), 1):
         if not line.strip():
             continue
         try:
             text = json.loads(line)[field]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise PrepareError(f"{path}:{n}: a .jsonl line must be an object with a {field!r} "
-                               "field (--text-field)") from None
+            raise PrepareError(f"{path}:{n}{where}: a .jsonl line must be an object with a "
+                               f"{field!r} field (--text-field)") from None
         if not isinstance(text, str):
-            raise PrepareError(f"{path}:{n}: the {field!r} field is not a string")
+            raise PrepareError(f"{path}:{n}{where}: the {field!r} field is not a string")
         yield text, True, len(line.encode())
 
 
-def _parquet(path: Path, column: str):
+def _parquet(path: Path, column: str, start: int = 0, end: int | None = None):
     pq = _pyarrow_parquet()
     f = pq.ParquetFile(path)
     total, rows = path.stat().st_size, max(f.metadata.num_rows, 1)
-    for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
+    groups = list(range(start, f.num_row_groups if end is None else end))
+    for batch in f.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column], row_groups=groups):
         texts = batch.column(0).to_pylist()
         for text in texts:
             if text is None:  # a null row is an empty document: skipped, as a blank JSONL line
@@ -119,9 +149,9 @@ def _parquet(path: Path, column: str):
         yield "", False, total * len(texts) // rows
 
 
-def _text(path: Path, documents: str):
+def _text(path: Path, documents: str, start: int = 0, end: int | None = None):
     buf, size, cut = [], 0, False  # cut: part of this document was already yielded
-    for line in _lines(path):
+    for line in _lines(path, start, end):
         nbytes = len(line.encode())
         if documents == "paragraph" and not line.strip():
             # the separating lines count as read (progress), not as text
@@ -133,17 +163,55 @@ def _text(path: Path, documents: str):
         if size >= PIECE_BYTES:
             yield "".join(buf), False, size
             buf, size, cut = [], 0, True
-    if buf or cut:
-        yield "".join(buf), True, size
+    if buf or cut:  # a part that ends before the file does ends inside its document
+        yield "".join(buf), end is None or end >= path.stat().st_size, size
 
 
-def file_pieces(path: Path, reading: Reading):
-    """``(text, ends_document, bytes_read)`` for every piece of every document of ``path``."""
+def file_pieces(path: Path, reading: Reading, part: Part | None = None):
+    """``(text, ends_document, bytes_read)`` for every piece of every document of ``path``
+    (of ``part`` of it, when given)."""
+    start, end = (0, None) if part is None else (part.start, part.end)
     if path.suffix == ".jsonl":
-        return _jsonl(path, reading.text_field)
+        return _jsonl(path, reading.text_field, start, end)
     if path.suffix == ".parquet":
-        return _parquet(path, reading.text_column)
-    return _text(path, reading.documents)
+        return _parquet(path, reading.text_column, start, end)
+    return _text(path, reading.documents, start, end)
+
+
+def parts(path: Path, reading: Reading, part_bytes: int | None = None) -> list[Part]:
+    """``path`` as the parts its workers read (module docstring): one for a small file."""
+    part_bytes = part_bytes or PART_BYTES
+    size = path.stat().st_size
+    if path.suffix == ".parquet":
+        return _row_group_parts(path, size, part_bytes)
+    if size <= part_bytes:
+        return [Part(path)]
+    paragraph = path.suffix != ".jsonl" and reading.documents == "paragraph"
+    cuts, at = [0], 0
+    with open(path, "rb") as f:
+        for target in range(part_bytes, size, part_bytes):
+            if at >= target:
+                continue
+            f.seek(target - 1)
+            f.readline()  # to the start of the line after the one holding byte target - 1
+            at = f.tell()
+            while paragraph and at < size:  # on to just after a blank line
+                line = f.readline()
+                at = f.tell()
+                if not line.decode("utf-8", "replace").strip():
+                    break
+            if at < size:
+                cuts.append(at)
+    ends = [*cuts[1:], size]
+    return [Part(path, a, b, paragraph or path.suffix == ".jsonl" or a == 0)
+            for a, b in zip(cuts, ends)]
+
+
+def _row_group_parts(path: Path, size: int, part_bytes: int) -> list[Part]:
+    f = _pyarrow_parquet().ParquetFile(path)
+    n = f.num_row_groups
+    per = max(1, n * part_bytes // max(size, 1))  # row groups per part, for about part_bytes each
+    return [Part(path, a, min(a + per, n)) for a in range(0, n, per)] or [Part(path)]
 
 
 def pieces(files, reading: Reading):

@@ -1,14 +1,15 @@
 """Encoding ``prepare``'s inputs into one token stream, over files in parallel (``--workers``).
 
-Each file is encoded on its own (``encode_file``): its documents' pieces, at most
+Each part of a file is encoded on its own (``encode_part``): its documents' pieces, at most
 ``ENCODE_BATCH_BYTES`` of text at a time, framed by the tokenizer's specials
 (``tokenizer.Specials``). With one worker the tokens go straight into the shard writer; with
 ``N > 1`` a pool of ``N`` processes encodes files into part files beside the output
 (``.parts/NNNNN.bin``) and the parent streams each part, in file order, into the shards and
 removes it. So the output is the same bytes whatever ``--workers`` is, and memory is bounded:
 a worker holds one batch of text and its tokens, the parent one read block of a part.
-Parallelism is over files: one large file is encoded by one worker (split a corpus into
-several files to use more).
+Parallelism is over the files' parts (``corpus.parts``: a file past ``corpus.PART_BYTES`` is
+several parts, cut where a document starts, Parquet by row groups), so one large file is
+shared by the workers too; one worker encodes the same parts in turn.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from deadpool.data.corpus import Reading, file_pieces
+from deadpool.data.corpus import Part, Reading, file_pieces, parts
 
 ENCODE_BATCH_BYTES = 8 << 20  # text handed to the tokenizer at once
 COPY_TOKENS = 16 << 20  # tokens moved from a part file into the shards at once
 
 
-def encode_file(path: Path, reading: Reading, tok: Tokenizer, spec, write, progress) -> int:
-    """Every document of ``path``, framed, into ``write(ids)``; ``progress(bytes)`` as it reads.
-    Returns the number of documents."""
+def encode_part(part: Part, reading: Reading, tok: Tokenizer, spec, write, progress) -> int:
+    """Every document of ``part``, framed, into ``write(ids)``; ``progress(bytes)`` as it reads.
+    Returns the number of documents it ends."""
     batch, firsts, lasts, n_docs, pending = [], [], [], 0, 0
-    first = True
+    first = part.starts_document
 
     def flush():
         for enc, f, last in zip(tok.encode_batch(batch, add_special_tokens=False), firsts, lasts):
@@ -39,7 +40,7 @@ def encode_file(path: Path, reading: Reading, tok: Tokenizer, spec, write, progr
             if ids:
                 write(ids)
         batch.clear(), firsts.clear(), lasts.clear()
-    for text, end, nbytes in file_pieces(path, reading):
+    for text, end, nbytes in file_pieces(part.path, reading, part):
         if text or end:
             batch.append(text)
             firsts.append(first)
@@ -71,15 +72,15 @@ def _progress(nbytes: int) -> None:
             _W["counter"].value += nbytes
 
 
-def _encode_part(job: tuple[str, str]) -> tuple[int, int]:
-    src, part = job
+def _encode_part(job: tuple[Part, str]) -> tuple[int, int]:
+    src, out = job
     n_tokens = 0
-    with open(part, "wb") as f:
+    with open(out, "wb") as f:
         def write(ids):
             nonlocal n_tokens
             np.asarray(ids, dtype=_W["dtype"]).tofile(f)
             n_tokens += len(ids)
-        n_docs = encode_file(Path(src), _W["reading"], _W["tok"], _W["spec"], write, _progress)
+        n_docs = encode_part(src, _W["reading"], _W["tok"], _W["spec"], write, _progress)
     return n_docs, n_tokens
 
 
@@ -87,16 +88,17 @@ def encode_all(files, reading: Reading, tok: Tokenizer, spec, sink, dtype: str, 
                scratch: Path, progress) -> int:
     """Every file's tokens into ``sink.write`` in file order; returns the number of documents.
     ``progress`` is a ``Progress``-like object (``add(nbytes)``)."""
-    if workers <= 1 or len(files) < 2:
-        return sum(encode_file(f, reading, tok, spec, sink.write, progress.add) for f in files)
+    todo = [p for f in files for p in parts(Path(f), reading)]
+    if workers <= 1 or len(todo) < 2:
+        return sum(encode_part(p, reading, tok, spec, sink.write, progress.add) for p in todo)
     ctx = mp.get_context("spawn")  # no forked copy of the parent's tokenizer thread pool
     counter = ctx.Value("q", 0)
     scratch.mkdir(parents=True, exist_ok=True)
-    jobs = [(str(f), str(scratch / f"{i:05d}.bin")) for i, f in enumerate(files)]
+    jobs = [(p, str(scratch / f"{i:05d}.bin")) for i, p in enumerate(todo)]
     n_docs, seen = 0, 0
     itemtype = np.dtype(dtype).newbyteorder("<")
     try:
-        with ctx.Pool(min(workers, len(files)), initializer=_init,
+        with ctx.Pool(min(workers, len(jobs)), initializer=_init,
                       initargs=(tok.to_str(), spec, reading, dtype, counter)) as pool:
             results = pool.imap(_encode_part, jobs)  # in file order; later files run ahead
             for _, part in jobs:

@@ -11,10 +11,14 @@ over files in parallel (``--workers``; ``encode.py``), writes the token stream a
 ``manifest.json`` (last; see ``manifest.py``) with every file's checksum.
 
 Documents: a ``.jsonl`` line's ``--text-field`` ("text"), a ``.parquet`` row's
-``--text-column`` ("text"), or a text file (one document per file, or one per
-blank-line-separated paragraph with ``--documents paragraph``). The end-of-document token's
-literal text inside a document is read as a boundary. Same inputs and options, same bytes out,
-whatever ``--workers``.
+``--text-column`` ("text"), or in a text file each blank-line-separated paragraph (the default;
+``--documents file``: the whole file). The end-of-document token's literal text inside a
+document is read as a boundary. Same inputs and options, same bytes out, whatever ``--workers``.
+
+The BPE's ``--vocab-size`` defaults to the vocabulary of ``--model`` (``conf/model/<name>.yaml``;
+the training default, ``tiny``: 512), so the shards fit the model a bare ``deadpool.train``
+builds. A BPE that learns fewer tokens than asked (too little text for more merges) is said
+in a warning line, with what ``model.vocab_size`` then needs.
 """
 
 from __future__ import annotations
@@ -35,7 +39,19 @@ from deadpool.data.encode import encode_all
 from deadpool.data.tokenizer import (EOS, MIN_BPE_VOCAB, byte_tokenizer, load_tokenizer, specials,
                                      train_bpe)
 
-__all__ = ["PrepareError", "input_files", "pieces", "prepare", "main"]
+__all__ = ["PrepareError", "input_files", "pieces", "prepare", "main", "model_vocab_size"]
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the runtime's configs (conf/model/)
+DEFAULT_MODEL = "tiny"  # conf/train.yaml's default model group
+
+
+def model_vocab_size(model: str = DEFAULT_MODEL) -> int:
+    """``vocab_size`` of ``conf/model/<model>.yaml``, read as YAML (no Hydra composition)."""
+    import yaml
+    path = CONF_DIR / "model" / f"{model}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise PrepareError(f"--model {model}: no conf/model/{model}.yaml (one of {', '.join(names)})")
+    return int(yaml.safe_load(path.read_text())["vocab_size"])
 
 class Progress:
     """One line on stderr, redrawn at most once a second (a new line each time when stderr is
@@ -156,17 +172,27 @@ def build_tokenizer(kind: str, files, reading: Reading, total: int, vocab_size: 
         progress.add(0, final=True)
     t0 = time.perf_counter()
     tok = train_bpe(texts(), vocab_size, show_progress=False)
-    log(f"[prepare] trained a {tok.get_vocab_size()}-token BPE in {time.perf_counter() - t0:.1f} s")
+    got = tok.get_vocab_size()
+    log(f"[prepare] trained a {got}-token BPE in {time.perf_counter() - t0:.1f} s")
+    if got < vocab_size:
+        log(f"[prepare] warning: the BPE learnt {got} tokens, fewer than the {vocab_size} asked "
+            "(--vocab-size): the input has too little text for more merges; model.vocab_size "
+            f"must be at least {got} (a larger one trains, its extra rows unused)")
     return tok, specials(tok, EOS), None
 
 
-def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int = 8192,
+def prepare(inputs, out, *, tokenizer: str = "bpe", vocab_size: int | None = None,
             val_fraction: float = 0.05, shard_tokens: int = 100_000_000, dtype: str = "auto",
-            documents: str = "file", text_field: str = "text", text_column: str = "text",
-            workers: int = 1, eos_token: str | None = None, log=print) -> dict:
+            documents: str = "paragraph", text_field: str = "text", text_column: str = "text",
+            workers: int = 1, eos_token: str | None = None, model: str = DEFAULT_MODEL,
+            log=print) -> dict:
     """Write a prepared directory (module docstring); returns its manifest. On any error the
-    files written so far are removed (the inputs are only read)."""
+    files written so far are removed (the inputs are only read). ``vocab_size`` None: the
+    vocabulary of ``conf/model/<model>.yaml``."""
     out = Path(out)
+    if vocab_size is None and tokenizer == "bpe":
+        vocab_size = model_vocab_size(model)
+        log(f"[prepare] BPE vocabulary {vocab_size}: model={model}'s (--vocab-size to change)")
     if not 0 <= val_fraction < 1:
         raise PrepareError(f"--val-fraction {val_fraction} must be in [0, 1)")
     if shard_tokens < 1:
@@ -250,13 +276,18 @@ def main(argv=None) -> int:
     ap.add_argument("--eos-token", default=None,
                     help="a PATH tokenizer's end-of-document token (default: its "
                          "tokenizer_config.json's eos_token, else a known one)")
-    ap.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary (bpe only)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="BPE vocabulary (bpe only; default: --model's vocab_size)")
+    ap.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                    help="the conf/model/NAME.yaml to fit the BPE's vocabulary to (default: tiny, "
+                         "the training default: 512)")
     ap.add_argument("--val-fraction", type=float, default=0.05,
                     help="share of the token stream held out for validation (its end)")
     ap.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard file")
     ap.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
-    ap.add_argument("--documents", choices=("file", "paragraph"), default="file",
-                    help="what a document is in a plain-text file")
+    ap.add_argument("--documents", choices=("file", "paragraph"), default="paragraph",
+                    help="what a document is in a plain-text file: each blank-line-separated "
+                         "paragraph (default) or the whole file")
     ap.add_argument("--text-field", default="text", help="the .jsonl field holding a document")
     ap.add_argument("--text-column", default="text", help="the .parquet column holding a document")
     ap.add_argument("--workers", type=int, default=1,
@@ -267,7 +298,7 @@ def main(argv=None) -> int:
         prepare(a.input, a.out, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
                 val_fraction=a.val_fraction, shard_tokens=a.shard_tokens, dtype=a.dtype,
                 documents=a.documents, text_field=a.text_field, text_column=a.text_column,
-                workers=a.workers, eos_token=a.eos_token)
+                workers=a.workers, eos_token=a.eos_token, model=a.model)
     except PrepareError as e:
         print(f"[prepare] error: {e}", file=sys.stderr)
         return 2

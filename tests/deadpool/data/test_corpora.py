@@ -152,3 +152,56 @@ def test_the_export_hands_back_the_users_tokenizer(tmp_path):
                    "ffn_mult": 4, "max_seq_len": 64}, torch.bfloat16, eos, bos)
     assert (c["bos_token_id"], c["eos_token_id"]) == (bos, eos)
     assert tok(DOCS[3])["input_ids"] == Tokenizer.from_file(str(path)).encode(DOCS[3]).ids
+
+
+def test_one_large_file_is_shared_by_the_workers_with_the_same_bytes_out(tmp_path, monkeypatch):
+    """A file past corpus.PART_BYTES is several parts (JSONL and text cut at line starts, a
+    paragraph file after a blank line, Parquet by row groups) that 2 workers share, with the
+    same shards as 1 worker and, where a part starts a document, as the file read whole."""
+    import multiprocessing
+
+    pa = pytest.importorskip("pyarrow", reason="pyarrow (optional) not installed")
+    import pyarrow.parquet as pq
+
+    from deadpool.data import corpus, encode
+    path = llama3_like(tmp_path / "tok")
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "a.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in DOCS * 3)
+    (big / "b.txt").write_text("\n\n".join(DOCS * 3))  # paragraphs
+    pq.write_table(pa.table({"text": DOCS * 3}), big / "c.parquet", row_group_size=10)
+    files = [big / "a.jsonl", big / "b.txt", big / "c.parquet"]
+    pools = []
+    real = multiprocessing.get_context
+
+    class Spy:  # the parent's pool: how many processes it starts
+        def __init__(self, method):
+            self.ctx = real(method)
+
+        def __getattr__(self, name):
+            return getattr(self.ctx, name)
+
+        def Pool(self, n, *a, **k):  # noqa: N802
+            pools.append(n)
+            return self.ctx.Pool(n, *a, **k)
+    monkeypatch.setattr(encode.mp, "get_context", Spy)
+    shards = lambda m: [(s["file"], s["tokens"], s["xxh3"])  # noqa: E731
+                        for sp in ("train", "val") for s in m["splits"][sp]["shards"]]
+    opts = dict(tokenizer=str(path), val_fraction=0.1, shard_tokens=900, log=quiet)
+    whole = {d: prepare(files if d == "paragraph" else [big / "b.txt"], tmp_path / f"whole_{d}",
+                        documents=d, **opts) for d in ("paragraph", "file")}
+    monkeypatch.setattr(corpus, "PART_BYTES", 2000)  # each file becomes several parts
+    for f in files:
+        assert len(corpus.parts(f, corpus.Reading())) > 4, f.name
+    for d, inputs in (("paragraph", files), ("file", [big / "b.txt"])):
+        one = prepare(inputs, tmp_path / f"w1_{d}", workers=1, documents=d, **opts)
+        del pools[:]
+        two = prepare(inputs, tmp_path / f"w2_{d}", workers=2, documents=d, **opts)
+        assert pools == [2], d
+        assert shards(one) == shards(two), d  # bitwise, whatever --workers
+        n_docs = one["splits"]["train"]["documents"] + one["splits"]["val"]["documents"]
+        if d == "paragraph":  # every part starts a document: as if each file were read whole
+            assert shards(one) == shards(whole[d]) and n_docs == 9 * len(DOCS)
+        else:
+            assert n_docs == 1

@@ -162,3 +162,28 @@ def test_a_failure_midway_leaves_no_partial_shards(tmp_path):
         prepare([good, bad], out, tokenizer="byte", shard_tokens=64, log=quiet)
     assert list(out.iterdir()) == []
     assert good.read_text() == "fine text\n" * 50  # inputs untouched
+
+
+def test_the_defaults_fit_the_default_model(tmp_path):
+    """A bare ``prepare`` must write shards a bare ``deadpool.train`` (model=tiny) can train on:
+    the BPE's vocabulary is the model's, a text file is documents by paragraph, and a BPE that
+    learns fewer tokens than asked says so."""
+    import yaml
+    text = tmp_path / "fables.txt"
+    text.write_text(generate()[:120_000])
+    lines = []
+    m = prepare([text], tmp_path / "out", log=lines.append)
+    tiny = yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text())["vocab_size"]
+    assert m["vocab_size"] == tiny == 512
+    n_paragraphs = sum(1 for p in text.read_text().split("\n\n") if p.strip())
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == n_paragraphs > 100
+    assert not any("warning" in ln for ln in lines)
+    small = tmp_path / "small.txt"
+    small.write_text("a tiny corpus, far too small for many merges.\n\nanother line.\n")
+    lines = []
+    m = prepare([small], tmp_path / "out_small", log=lines.append)
+    got = m["vocab_size"]
+    assert got < 512
+    (warn,) = [ln for ln in lines if "warning" in ln]
+    assert f"learnt {got} tokens, fewer than the 512 asked" in warn
+    assert "model.vocab_size" in warn and m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 2

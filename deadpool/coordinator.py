@@ -38,7 +38,8 @@ from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.protocol import (Keys, Plan, RecoveryRecord, Seal, Source, announce_abort,
                                finished_key)
 from deadpool.protocol_wire import publish_plan
-from deadpool.recovery import detect, elastic, fallbacks, finish, migrate, plan, preempt, timeline
+from deadpool.recovery import (detect, elastic, fallbacks, finish, integrity, migrate, plan,
+                               preempt, timeline)
 from deadpool.reports import Reports
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
@@ -83,8 +84,7 @@ class Coordinator:
                                   spares=list(range(n, n + int(self.ft["num_spares"]))),
                                   generation=int(cfg.get("_first_generation", 0)))
         self.spare_policy = make_policy(SPARE_POLICIES, self.ft["spare_policy"])
-        self.events = events
-        self.waker = waker
+        self.events, self.waker = events, waker
         self.stopper, self.stop_record = stopper, None
         self.live = live or Liveness(float(self.ft["heartbeat_timeout_s"]),
                                      float(self.ft["heartbeat_hard_timeout_s"]),
@@ -380,11 +380,11 @@ class Coordinator:
         if not self.strategy.recovers:
             fallbacks.no_recovery(self, failed, t_detect)
             return
-        statuses = detect.collect_statuses(self, failed, keys)
+        statuses = integrity.restrict(self, detect.collect_statuses(self, failed, keys))
         bad = detect.collect_bad_sources(self, keys)
         faults = detect.collect_faults(self, set(failed))
         decision = plan.decide(self, statuses)
-        rec = timeline.open_record(self, failed, faults, decision, t_detect, bad)
+        rec = integrity.open_record(self, failed, faults, decision, t_detect, bad)
         lost = {d: self.members.ranks.pop(d) for d in failed}  # rank -> the slot it held
         if decision.resume_step is None:
             decision = fallbacks.from_disk(self, decision, rec)
@@ -442,12 +442,12 @@ class Coordinator:
         poll = 0.01  # detection latency of a process exit; the store round trips it costs
         idle = float(self.ft["agent_interval_s"]) / 2  # under node agents, with nothing to wake it
         while True:
-            found = detect.failures(self)
+            found = detect.failures(self) or integrity.poll(self)  # or a corruption, a spike
             if preempt.due(self):  # a signal (walltime, preemption, Ctrl-C): write and stop
                 break
             if found is not None:
                 failed, t = found
-                if not failed:
+                if not failed and not integrity.pending(self):
                     failed = detect.name_culprit(self, poll)
                 self.recover(failed, t)
                 if self.outcome != "running":

@@ -49,6 +49,7 @@ from deadpool.parallel.grad_norm import clip_, global_grad_norm
 from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor.layers import tp_replicated
+from deadpool.recovery.integrity import Guard
 from deadpool.rounds import rounds_for
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
@@ -119,6 +120,7 @@ class Trainer:
         self.publish_progress = publish_progress or (lambda line: None)
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
         self.progress = progress or Progress()
+        self.guard = Guard(cfg, injector)  # corruption and spike checks, skipped batches
         self.clock = ComputeClock(self.progress, straggler_settings(cfg["ft"])["steps"])
 
     def build(self, dims: ParallelDims, rank: int, init: bool = True) -> float:
@@ -222,7 +224,8 @@ class Trainer:
 
     def header(self) -> dict:
         """JSON-serialisable metadata stored with every snapshot and checkpoint."""
-        return {"step": self.step, "rank": self.rank, "data_position": self.step,
+        return {"step": self.step, "rank": self.rank, "skip_batches": self.guard.skips,
+                "data_position": self.guard.position(self.step),
                 "generation": self.generation,
                 "skipped_steps": self.skipped_steps,
                 "rng_cpu": checkpoint.encode_rng_state(torch.get_rng_state())}
@@ -231,6 +234,7 @@ class Trainer:
         """Called whenever the live state was just loaded (rollback, transfer, disk)."""
         self.step = int(header["step"])
         self.skipped_steps = int(header.get("skipped_steps", 0))
+        self.guard.apply_header(header)
         self._updating = False
         if self.opt is not None:  # the buckets in flight belong to the replaced state
             self.opt.abandon_param_gather()
@@ -260,7 +264,8 @@ class Trainer:
         """This rank's inputs and targets of ``step``: the batches of data-parallel ranks
         ``batches`` (one, unless an elastic job runs narrower than its global batch)."""
         cfg = self.cfg
-        parts = [self.corpus.batch(step, i, cfg["batch_size"], cfg["seq_len"]) for i in batches]
+        pos = self.guard.position(step)  # the step's data position (batches a spike skipped)
+        parts = [self.corpus.batch(pos, i, cfg["batch_size"], cfg["seq_len"]) for i in batches]
         # which sequences made the step (metrics: batch index -> XXH3 of its input tokens), so a
         # run can be checked to draw the same samples at another width or after a recovery
         self._batch_digests = {str(i): checksum(x.reshape(-1).view(torch.uint8)) for i, (x, _) in
@@ -281,6 +286,7 @@ class Trainer:
         batches = batch_indices(global_dp, dp, dp_rank)
         self.opt.grad_div = global_dp
         self.schedule.start(rounds_for(comm, lambda: comm.store))
+        self.guard.start(comm, self.step)
         if self.engine.persister is not None:
             self.engine.persister.rank = self.rank
         # without per-step snapshots to write from, the training thread persists itself
@@ -339,6 +345,7 @@ class Trainer:
             self.step += 1
             self._updating = False
             loss = None if loss is None else host_scalar(loss)
+            self.guard.after_step(self, comm, s, loss, norm)  # a spike: roll back, skip
             # every rank snapshots the same steps: the agreed interval, and the persist steps
             took = self.snapshots_on and (
                 (self.schedule.due(self.step)
@@ -346,6 +353,7 @@ class Trainer:
                 or bool(self.engine.persist_every and self.step % self.engine.persist_every == 0))
             if took:
                 self.settle_params(comm)  # the snapshot copies the parameters
+                self.guard.at_snapshot(self, comm)  # peers compare the previous one
                 self.engine.snapshot(self.step, self.header(), abort_check=comm.raise_if_aborted,
                                      on_block=lambda: at(self.step, "snapshot_backpressure"))
                 if self.strategy.sync_snapshot:  # on the critical path: copied and replicated now
@@ -409,7 +417,7 @@ class Trainer:
                # the Young/Daly probe's measurements and this rank's proposed interval (once)
                "checkpoint_interval_proposal": self._proposal,
                "val_loss": self._val_loss,
-               "batch_digests": self._batch_digests,
+               "batch_digests": self._batch_digests, "skipped_batches": self.guard.skips,
                **self.throughput.fields(step_time_s, comm.topo.dims.world_size),
                "t": time.time()}
         self._proposal = self._val_loss = None  # recorded once, in their step

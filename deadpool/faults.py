@@ -28,8 +28,8 @@ Phases of a recovery (the step number is the resume step)::
     idle          a warm spare waiting for a plan (step: the job's newest step)
     checkpoint    before writing the resume step's state to disk for the coordinator (an
                   in-place elastic regroup, or a checkpoint-and-stop)
-    final         inside the job's final write, after its first tensor is on disk (step: the
-                  job's last step; ``checkpoint.final``)
+    final         inside the job's final write, once its first bytes are on disk (at the job's
+                  last step, which a ``step`` below it names too; ``checkpoint.final``)
 
 Kinds::
 

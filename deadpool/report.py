@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
+from deadpool.checkpoint.dcp_io import read_rank_state
+from deadpool.checkpoint.files import latest_step_dir, read_meta
 from deadpool.checkpoint.final import final_digest
+from deadpool.checkpoint.unique import read_full_rank
 
 
 MAX_OPEN_FILES = 256  # per merge pass: more files are merged in groups first (file limits)
@@ -196,18 +199,47 @@ def print_report(summary: dict, log=print) -> None:
                 log(f"           {k[:-2].replace('_', ' ')}: {rec[k]:.3f} s")
 
 
+def final_step_dir(run) -> Path:
+    """The run's final checkpoint (``<run>/final/step_<S>``; FileNotFoundError if incomplete)."""
+    return latest_step_dir(Path(run) / "final")
+
+
+def final_ranks(run) -> list[int]:
+    """The ranks of the run's final checkpoint (the layout the job ended at)."""
+    return list(range(int(read_meta(final_step_dir(run))["world_size"])))
+
+
+def load_final_rank(run, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s whole final state (name -> tensor), its shared tensors joined from the
+    parts its data-parallel peers wrote (``checkpoint.unique.read_full_rank``)."""
+    return read_full_rank(final_step_dir(run), rank)[0]
+
+
 def compare_final_states(run_a: Path, run_b: Path) -> tuple[bool, str]:
-    """torch.equal on every tensor of every rank's final state. Returns (equal, explanation)."""
-    fa = sorted((Path(run_a) / "final").glob("rank*.pt"))
-    fb = sorted((Path(run_b) / "final").glob("rank*.pt"))
-    if not fa or [f.name for f in fa] != [f.name for f in fb]:
-        return False, f"different final rank files: {[f.name for f in fa]} vs {[f.name for f in fb]}"
-    for a, b in zip(fa, fb):
-        sa, sb = torch.load(a), torch.load(b)
+    """Two runs' final states, bitwise: ``torch.equal`` on every tensor each rank wrote, and
+    every rank's digest of its *whole* state (a data-parallel replica's parameters are written
+    by one replica only: a replica given another rank's parameters differs in its digest).
+    Returns (equal, explanation)."""
+    try:
+        da, db = final_step_dir(run_a), final_step_dir(run_b)
+    except FileNotFoundError as e:
+        return False, f"no complete final state: {e}"
+    ma, mb = read_meta(da), read_meta(db)
+    if (ma["world_size"], ma.get("layout")) != (mb["world_size"], mb.get("layout")):
+        return False, (f"different final layouts: {ma['world_size']} ranks {ma.get('layout')} vs "
+                       f"{mb['world_size']} ranks {mb.get('layout')}")
+    n = int(ma["world_size"])
+    for r in range(n):
+        (sa, ha), (sb, hb) = read_rank_state(da, r), read_rank_state(db, r)
         if sa.keys() != sb.keys():
-            return False, f"{a.name}: different state keys"
+            return False, f"rank {r}: different state keys written ({sorted(sa)} vs {sorted(sb)})"
         for k in sa:
             if not torch.equal(sa[k], sb[k]):
-                diff = (sa[k].double() - sb[k].double()).abs().max().item()
-                return False, f"{a.name}: {k} differs (max abs diff {diff:.3e})"
-    return True, f"{len(fa)} ranks, every parameter and optimizer tensor bitwise equal"
+                diff = (sa[k].double() - sb[k].double()).abs().max().item() if (
+                    sa[k].shape == sb[k].shape) else float("nan")
+                return False, f"rank {r}: {k} differs (max abs diff {diff:.3e})"
+        if ha.get("digest") is None or ha.get("digest") != hb.get("digest"):
+            return False, (f"rank {r}: the digest of its whole state differs ({ha.get('digest')} "
+                           f"vs {hb.get('digest')}), in a part another rank wrote")
+    return True, (f"{n} ranks, every parameter and optimizer tensor written bitwise equal, and "
+                  "every rank's whole-state digest")

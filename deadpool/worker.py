@@ -377,23 +377,25 @@ class Worker:
         tr = self.trainer
         if tr.engine.persister is not None:  # the process exits without destructors
             tr.engine.persister.close()
-        out = self.run_dir / "final"
-        out.mkdir(exist_ok=True)
+        out = self.run_dir / "final"  # a checkpoint root (checkpoint.final)
 
         def progressed():  # the coordinator waits while this moves (recovery.finish)
             self.progress.set(tr.step, "final")
         progressed()
-        final.write_final_state(tr.state_dict(), out / f"rank{rank}.pt", progressed)
-        digest = tr.digest()
-        progressed()
+        digest = tr.digest()  # of its whole state, where it lies (the checkpoint holds a part)
+        written = final.write_final_state(
+            out, tr.step, rank, tr.state_dict(), dict(tr.header(), digest=digest),
+            shared_names=tr.shared_names(), layout=self.dims.layout,
+            world_size=self.dims.world_size, on_progress=progressed,
+            on_first_write=lambda: self.injector.fire(tr.step, "final"))
         self._set_sealed(Keys.final(rank), json.dumps({
-            "digest": digest, "step": tr.step, "slot": self.slot,
+            "digest": digest, "step": tr.step, "slot": self.slot, "written_bytes": written,
             "state_bytes": tr.engine.layout.nbytes,
             # what this rank sends its buddies per snapshot (snapshot.py's regions, x ft.replicas)
             "replicated_bytes": tr.engine.replicated_bytes,
             "model_params": sum(p.numel() for p in tr.params)}))
-        print(f"[rank {rank}] final state ({tr.engine.layout.nbytes / 2**30:.2f} GiB) written and "
-              f"digested in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"[rank {rank}] final state digested, {written / 2**30:.3f} GiB of it written in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def main(argv=None) -> None:

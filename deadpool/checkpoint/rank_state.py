@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from deadpool.checkpoint.dcp_io import load_rank_state, read_rank_state, save_rank_state
+from deadpool.checkpoint.dcp_io import load_rank_state, save_rank_state
 from deadpool.checkpoint.files import (is_complete, latest_step_dir, rank_complete, read_header,
                                        read_meta, write_meta)
 from deadpool.checkpoint.relayout import load_relayout
 from deadpool.checkpoint.retention import prune
-from deadpool.checkpoint.unique import unique_part
+from deadpool.checkpoint.unique import SHARED_PARTS, read_full_rank, unique_part
 from deadpool.snapshot.layout import StateLayout, decode_header
 from deadpool.snapshot.transfer import outgoing
 from deadpool.topology import ParallelDims
@@ -137,6 +137,12 @@ def load(trainer, dims: ParallelDims, step_dir, rank: int) -> None:
         _load_resharded(trainer, dims, step_dir, rank, layout)
         return
     header = read_header(step_dir, rank)
+    if header.get(SHARED_PARTS) is not None:  # a final checkpoint (its parts spread: unique.py)
+        full, header = read_full_rank(step_dir, rank)
+        for name, t in trainer.state_dict().items():
+            t.copy_(full[name].reshape(t.shape))
+        trainer.apply_header(header)
+        return
     if header.get("shared_from") is None:
         trainer.apply_header(load_rank_state(step_dir, rank, trainer.state_dict()))
         return
@@ -162,7 +168,7 @@ def _load_resharded(trainer, dims: ParallelDims, step_dir: Path, rank: int, layo
     old = ParallelDims(int(layout["dp"]), dims.tp, dims.pp, dims.tp)
     states, header = [], None
     for d in range(old.dp):
-        st, hdr = read_rank_state(step_dir, old.rank_of(c["pp"], d, c["tp"]))
+        st, hdr = read_full_rank(step_dir, old.rank_of(c["pp"], d, c["tp"]))
         states.append(st)
         header = header or hdr
     new = reshard_state(states, trainer.opt.numel, dims.dp, c["dp"], trainer.opt.shard)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from deadpool.checkpoint.dcp_io import read_rank_state
+from deadpool.checkpoint.unique import read_full_rank
 from deadpool.checkpoint.files import read_header
 from deadpool.topology import ParallelDims
 
@@ -59,7 +59,7 @@ def whole_stage(step_dir: Path, old: ParallelDims, pp_rank: int, tp_rank: int,
     """Stage (pp, tp)'s state at data-parallel width 1 (ZeRO shards of every old dp rank joined)."""
     from deadpool.parallel.data.reshard import reshard_state
 
-    states = [read_rank_state(step_dir, old.rank_of(pp_rank, d, tp_rank))[0] for d in range(old.dp)]
+    states = [read_full_rank(step_dir, old.rank_of(pp_rank, d, tp_rank))[0] for d in range(old.dp)]
     return reshard_state(states, numel, 1, 0, shard=False)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from deadpool import checkpoint
+from deadpool.checkpoint.unique import PART, read_full_rank
 from deadpool.model import GPT, model_config
 from deadpool.parallel.stage import StageModel
 from deadpool.parallel.tensor.layers import shard
@@ -39,7 +40,8 @@ def find_job(start: Path) -> Path | None:
 
 
 def load_source(src, job: Path | None = None) -> tuple[dict, ParallelDims, dict[int, dict], str]:
-    """``(cfg, dims, states, what)`` of a run directory (``final/rank*.pt``) or a checkpoint
+    """``(cfg, dims, states, what)`` of a run directory (its final checkpoint ``final/``, or
+    ``final/rank*.pt`` of a run from before it was one) or a checkpoint
     (a ``step_<S>`` directory, or a root holding them: its newest complete step). ``states``:
     rank -> tensors (``params`` may be missing from a rank written from a buddy's replica)."""
     src = Path(src)
@@ -50,7 +52,8 @@ def load_source(src, job: Path | None = None) -> tuple[dict, ParallelDims, dict[
         raise ExportError(f"{src}: no job.json here or above it; pass --job RUN_DIR/job.json "
                           "(the run's resolved config: model size and layout)")
     cfg = json.loads(job.read_text())
-    if (src / "final").is_dir() and not (src / checkpoint.META_FILE).exists():
+    legacy = (src / "final").is_dir() and any((src / "final").glob("rank*.pt"))
+    if legacy and not (src / checkpoint.META_FILE).exists():  # a run of before final/step_<S>
         dims = ParallelDims.from_config(cfg["parallel"])
         states = {}
         for r in range(dims.world_size):
@@ -61,6 +64,8 @@ def load_source(src, job: Path | None = None) -> tuple[dict, ParallelDims, dict[
             # memory-mapped: a tensor's bytes are read when consolidation reaches it
             states[r] = torch.load(f, weights_only=True, mmap=True)
         return cfg, dims, states, f"{src}/final"
+    if (src / "final").is_dir() and not (src / checkpoint.META_FILE).exists():
+        src = src / "final"  # the run's final checkpoint (checkpoint.final)
     try:
         step_dir = checkpoint.latest_step_dir(src)
     except FileNotFoundError as e:
@@ -88,7 +93,11 @@ class StageStates(dict):
         pp = self.dims.coords(rank)["pp"]
         for r in [r for r in self if self.dims.coords(r)["pp"] != pp]:
             del self[r]
-        self[rank] = checkpoint.read_rank_state(self.step_dir, rank)[0]
+        if self.dims.coords(rank)["dp"] == 0:  # a final checkpoint's spread parts joined here
+            self[rank] = read_full_rank(self.step_dir, rank)[0]
+        else:  # (once per group: the other replicas give their unique tensors only)
+            st = checkpoint.read_rank_state(self.step_dir, rank)[0]
+            self[rank] = {k: v for k, v in st.items() if not k.endswith(PART)}
         return self[rank]
 
     def values(self):  # every rank, one stage at a time

@@ -18,7 +18,7 @@ import torch
 
 from deadpool.job import run_job
 from deadpool.model import build_model
-from deadpool.report import compare_final_states
+from deadpool.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=10", "ft.num_spares=1",
@@ -35,7 +35,7 @@ def reference(tmp_path_factory):
 
 
 def final_states(run_dir):
-    return {r: torch.load(run_dir / "final" / f"rank{r}.pt") for r in range(8)}
+    return {r: load_final_rank(run_dir, r) for r in range(8)}
 
 
 @pytest.mark.slow
@@ -138,7 +138,7 @@ def test_gqa_with_full_checkpointing_hot_swaps_to_the_failure_free_state(referen
     assert equal, why
     # the GQA shapes were trained: rank 0 (first stage, tp 0) holds its shard of them
     n = stage_params(dict(compose_train(BASE, tmp_path)["model"], n_kv_heads=2), 2, 2, 0)
-    assert torch.load(tmp_path / "final" / "rank0.pt")["params"].numel() == -(-n // 2) * 2
+    assert load_final_rank(tmp_path, 0)["params"].numel() == -(-n // 2) * 2
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from deadpool.data import SyntheticCorpus
 from deadpool.job import run_job
 from deadpool.lr_schedule import lr_at
 from deadpool.model import build_model
-from deadpool.report import compare_final_states
+from deadpool.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=10", "ft.num_spares=1",
@@ -67,7 +67,7 @@ def test_bf16_state_after_a_kill_equals_the_failure_free_run(reference, tmp_path
     assert rec["failed_rank"] == rank and rec["outcome"] == "hot-swapped"
     # the master shard came from the buddy's replica, never from a peer's bf16 parameters
     assert rec["sources"][str(rank)].startswith("replica from rank"), rec["sources"]
-    state = torch.load(tmp_path / "final" / f"rank{rank}.pt")
+    state = load_final_rank(tmp_path, rank)
     assert state["params"].dtype == torch.bfloat16 and state["master"].dtype == torch.float32
     equal, why = compare_final_states(tmp_path, reference)
     assert equal, why

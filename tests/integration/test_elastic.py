@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.report import compare_final_states, final_ranks, load_final_rank
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp4", "num_steps=14", "log_every_steps=0",
@@ -48,7 +48,7 @@ def _first_step(run, generation: int) -> int:
 
 
 def _final(run):
-    return {f.name: torch.load(f) for f in sorted((run / "final").glob("rank*.pt"))}
+    return {f"rank{r}.pt": load_final_rank(run, r) for r in final_ranks(run)}
 
 
 def test_elastic_refuses_spares(tmp_path):

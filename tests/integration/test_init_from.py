@@ -15,7 +15,7 @@ from deadpool.export import export
 from deadpool.export.hf_import import stage_loader
 from deadpool.job import run_job
 from deadpool.parallel.stage import build_stage
-from deadpool.report import compare_final_states
+from deadpool.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 pytest.importorskip("safetensors")
@@ -44,7 +44,7 @@ def test_a_run_from_an_exported_model_hot_swaps_bitwise(tmp_path):
     for r, (pp, tp) in enumerate([(0, 0), (0, 0), (1, 0), (1, 0)]):  # dp2 x pp2: rank = pp*2 + dp
         stage = build_stage(cfg["model"], 0, pp_rank=pp, pp=2, tp_rank=tp, tp=1, weights=loader)
         flat = torch.cat([p.detach().reshape(-1) for p in stage.parameters()])
-        trained = torch.load(tmp_path / "a" / "final" / f"rank{r}.pt", weights_only=True)["params"]
+        trained = load_final_rank(tmp_path / "a", r)["params"]
         assert torch.equal(trained[:flat.numel()], flat), r
     init = [f"model.init_from={tmp_path / 'hf'}", "num_steps=6"]
     ref = run_job(compose_train(BASE + init + ["faults=none"], tmp_path / "ref"), log=quiet)

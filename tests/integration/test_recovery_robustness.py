@@ -19,7 +19,7 @@ import pytest
 
 from deadpool.job import run_job
 from deadpool.launcher import job_processes
-from deadpool.report import compare_final_states
+from deadpool.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 # dp4 with ZeRO-1 (the default) and replicas of the unique region only: every rank's optimizer
@@ -89,7 +89,7 @@ def test_every_rank_holds_distinct_state(reference):
     """What makes a wrong route fail: no two ranks' final states are equal (ZeRO-1 shards)."""
     import torch
 
-    states = [torch.load(reference / "final" / f"rank{r}.pt") for r in range(4)]
+    states = [load_final_rank(reference, r) for r in range(4)]
     for a in range(4):
         for b in range(a + 1, 4):
             assert any(not torch.equal(states[a][k], states[b][k]) for k in states[a]), (a, b)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 quiet = lambda *a, **k: None  # noqa: E731
@@ -24,7 +24,7 @@ TINY = ["model=tiny", "num_steps=10", "log_every_steps=0", "faults=none"]
 
 
 def final_states(run_dir, n):
-    return [torch.load(run_dir / "final" / f"rank{r}.pt") for r in range(n)]
+    return [load_final_rank(run_dir, r) for r in range(n)]
 
 
 def run(tmp_path_factory, name, overrides):

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from deadpool import auth, nccl_env, netif, reports
 from deadpool.agent.board import NODE_DIR_ENV
-from deadpool.agent.client import BoardHeartbeat, NodeLink
+from deadpool.agent.client import BoardHeartbeat, NodeLink, report_crash
 from deadpool.checkpoint import final, rank_state
 from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
@@ -433,8 +433,8 @@ def main(argv=None) -> None:
         traceback.print_exc()
         code = 1
         try:
-            store = connect(cfg["_store"]["host"], int(cfg["_store"]["port"]), secret, 5)
-            reports.post(store, Seal(secret), Keys.crash(args.slot), f"{type(e).__name__}: {e}"[:500])
+            report_crash(args.slot, f"{type(e).__name__}: {e}"[:500], Seal(secret), lambda: connect(
+                cfg["_store"]["host"], int(cfg["_store"]["port"]), secret, 5))  # (through its agent)
         except Exception:
             pass
     sys.stdout.flush()

@@ -21,9 +21,9 @@ from pathlib import Path
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
                                   NODE_INDEX_ENV, Doorbell, NodeBoard, open_doorbell, ring,
                                   waker_name)
-from deadpool import auth
-from deadpool.agent.files import file_context, plan_file, read_file, report_file, write_whole
-from deadpool.protocol import Seal
+from deadpool import auth, reports
+from deadpool.agent.files import CRASH, file_context, plan_file, read_file, report_file, write_whole
+from deadpool.protocol import Keys, Seal
 from deadpool.watchdog import Progress
 
 
@@ -45,6 +45,18 @@ def _job_seal(environ=os.environ) -> Seal:
     if environ.get(auth.SECRET_ENV) or environ.get(auth.SECRET_FILE_ENV):
         return Seal(auth.load_secret(environ))
     return Seal(None)
+
+
+def report_crash(slot: int, text: str, seal: Seal, connect, environ=os.environ) -> None:
+    """A crashed process's last word for the coordinator (``crash/<slot>``, read when it sees the
+    exit: ``recovery.detect``): through the node agent that started it, like its other reports
+    (a file next to the board; the agent posts it before it writes the exit), else posted to the
+    store on a client ``connect()`` opens."""
+    link = NodeLink.attach(environ)
+    if link is not None:
+        link.report(-1, CRASH, slot, text)
+    else:
+        reports.post(connect(), seal, Keys.crash(slot), text)
 
 
 class NodeLink:
@@ -70,7 +82,8 @@ class NodeLink:
     @classmethod
     def attach(cls, environ=os.environ) -> "NodeLink | None":
         where = environ.get(NODE_DIR_ENV)
-        return None if not where else cls(Path(where), int(environ[NODE_INDEX_ENV]))
+        return None if not where else cls(Path(where), int(environ[NODE_INDEX_ENV]),
+                                          seal=_job_seal(environ))
 
     def plan_text(self, generation: int) -> str | None:
         """Plan ``generation``'s wire text (``protocol_wire``) once the agent holds it (it writes

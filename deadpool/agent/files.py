@@ -7,8 +7,11 @@ is private to the job's user (``agent.shm``).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+CRASH = "crash"  # a report kind the agent posts at once under the process's own key (crash/<slot>)
 
 
 def write_whole(path: Path, text: str) -> None:
@@ -47,3 +50,22 @@ def file_context(path: Path) -> str:
     """The seal context of a node file: its name (a sealed plan or report cannot be replayed
     under another name; the directory is private to the job's user, ``agent.shm``)."""
     return f"node-file/{Path(path).name}"
+
+
+def read_report(path: Path, seal, on_forged=None) -> dict | None:
+    """A local process's report file (``report_file``), removed once read; None if it is missing,
+    not JSON, or fails its seal (``on_forged(name)`` is then called)."""
+    try:
+        raw = read_file(path)
+        path.unlink()
+    except OSError:
+        return None  # (the rank writes the file before the word: not expected)
+    text = seal.open(file_context(path), raw)
+    if text is None:
+        if on_forged is not None:
+            on_forged(path.name)
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -52,8 +52,8 @@ from pathlib import Path
 
 from deadpool import reports
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
-from deadpool.agent.files import (file_context, plan_file, read_file, report_file,  # noqa: F401
-                                  write_whole)
+from deadpool.agent.files import (CRASH, file_context, plan_file, read_file,  # noqa: F401
+                                  read_report, report_file, write_whole)
 from deadpool.launcher import process_stopped
 from deadpool.protocol import Keys, Plan, Seal, wake_coordinator
 from deadpool.protocol_wire import fetch_plan
@@ -294,18 +294,25 @@ class NodeAgent:
         """Send on the reports the local ranks wrote since the last check: one sealed key per
         generation and kind, holding every local rank's report of it so far (rewritten when
         one more arrives). Reports of generations two behind the newest are dropped, and so is
-        a file that fails its seal (``on_forged``)."""
+        a file that fails its seal (``on_forged``). A crash report goes out at once as
+        ``crash/<slot>`` of the process that wrote it (``client.report_crash``)."""
+        crashes = {}
         with self.lock:
             for i in range(self.board.num_slots):
                 n, done = self.board.reports(i), self._reports_read.get(i, 0)
                 for k in range(done + 1, n + 1):
-                    r = self._read_report(report_file(self.node_dir, i, k))
-                    if r is None:
+                    r = read_report(report_file(self.node_dir, i, k), self.seal, self.on_forged)
+                    if r is None or r["kind"] == CRASH:
+                        if r is not None:
+                            crashes[self.slots[i]] = r["text"]
                         continue
                     at = (int(r["g"]), str(r["kind"]))
                     self._reports.setdefault(at, {})[str(int(r["rank"]))] = r["text"]
                     self._unsent.add(at)
                 self._reports_read[i] = max(n, done)
+        for slot, text in crashes.items():  # before its exit is written (``on_exit``)
+            reports.post(store or self.store, self.seal, Keys.crash(slot), text)
+        with self.lock:
             if not self._unsent:
                 return
             newest = max(g for g, _ in self._reports)
@@ -322,22 +329,6 @@ class NodeAgent:
                 with self.lock:
                     self._unsent.update((g2, k2) for g2, k2, _ in out[n:] if (g2, k2) in self._reports)
                 raise
-
-    def _read_report(self, path: Path) -> dict | None:
-        try:
-            raw = read_file(path)
-            path.unlink()
-        except OSError:
-            return None  # (the rank writes the file before the word: not expected)
-        text = self.seal.open(file_context(path), raw)
-        if text is None:
-            if self.on_forged is not None:
-                self.on_forged(path.name)
-            return None
-        try:
-            return json.loads(text)
-        except ValueError:
-            return None
 
     def check_coordinator(self, error: bool = False, store=None) -> None:
         """Read the coordinator's heartbeat (``store``: the caller's client), then judge its
@@ -382,6 +373,10 @@ class NodeAgent:
     def on_exit(self, slot: int, code: int) -> None:
         with self.lock:
             self.exits[slot] = code
+        try:  # its crash report (if any) first: the coordinator reads it when it sees the exit
+            self.check_reports()
+        except Exception:  # the store is gone: the exit is written all the same
+            pass
         self.observe()  # the last beats, the dead process's included
         self.publish(urgent=True)
 

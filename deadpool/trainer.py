@@ -121,7 +121,8 @@ class Trainer:
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
         self.progress = progress or Progress()
         self.guard = Guard(cfg, injector)  # corruption and spike checks, skipped batches
-        self.clock = ComputeClock(self.progress, straggler_settings(cfg["ft"])["steps"])
+        self.clock = ComputeClock(self.progress, straggler_settings(cfg["ft"])["steps"],
+                                  cpu=self.device == "cpu")
 
     def build(self, dims: ParallelDims, rank: int, init: bool = True) -> float:
         """Build the stage, optimizer and snapshot engine of ``rank``'s coordinates (a no-op if

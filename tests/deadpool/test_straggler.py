@@ -31,11 +31,17 @@ def test_a_slow_rank_is_found_once_and_only_in_its_stage_position():
     base = {r: 0.010 if pos[r] == 0 else 0.020 for r in range(8)}
     assert det.observe(words(20, base), pos) == []
     slow = {**base, 5: 0.030}  # +50 % against its own position's median (0.020)
-    assert det.observe(words(21, slow), pos) == [5]
-    assert det.observe(words(22, slow), pos) == []  # reported once
-    det.restarted(22)
-    assert det.observe(words(30, slow), pos) == []  # within the quiet steps after a recovery
-    assert det.observe(words(37, slow), pos) == [5]
+    assert det.observe(words(21, slow), pos) == []  # one window: not yet
+    assert det.observe(words(24, slow), pos) == []
+    assert det.observe(words(25, base), pos) == []  # a record where it is not slow: start again
+    assert det.observe(words(26, slow), pos) == []
+    assert det.observe(words(30, slow), pos) == []
+    assert det.observe(words(31, slow), pos) == [5]  # slow in every record over 5 more steps
+    assert det.observe(words(40, slow), pos) == []  # reported once
+    det.restarted(40)
+    assert det.observe(words(50, slow), pos) == []  # within the quiet steps after a recovery
+    assert det.observe(words(55, slow), pos) == []
+    assert det.observe(words(60, slow), pos) == [5]
 
 
 def test_no_false_positive_from_jitter_warm_up_or_small_excess():
@@ -66,7 +72,9 @@ def test_compute_clock_excludes_waits_on_peers_and_counts_a_slow_fault():
     for step in (1, 2):
         clock.begin(comm, delay_s=0.02)  # a slow fault's sleep is compute
         progress.set(step, "forward")
-        time.sleep(0.01)
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.01:  # compute (busy: the CPU clock counts it too)
+            pass
         progress.set(step, "allreduce")  # waiting on peers: not compute
         time.sleep(0.05)
         progress.set(step, "optimizer")
@@ -74,6 +82,10 @@ def test_compute_clock_excludes_waits_on_peers_and_counts_a_slow_fault():
         assert 0.028 <= c < 0.05, c
     s, c = unpack_compute(board.word)
     assert s == 2 and 0.028 <= c < 0.05
+    cpu = ComputeClock(progress, steps=1, cpu=True)  # a CPU device: the thread's CPU time
+    cpu.begin(comm, delay_s=0.02)
+    time.sleep(0.05)  # descheduled or blocked: not this rank's compute
+    assert 0.02 <= cpu.end(3) < 0.03
     comm.topo.generation = 1  # a new generation: the window restarts, nothing published yet
     board.word = None
     clock.begin(comm)

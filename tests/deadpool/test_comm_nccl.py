@@ -176,6 +176,30 @@ def test_a_gather_that_completes_because_of_the_abort_is_never_trusted(tmp_path,
         assert tr.opt.flat_params.isnan().any()  # the junk the aborted gather left
 
 
+class StallReduceScatter(StallGather):
+    """The same, in the gradient step: step 2's first reduce-scatter (ZeRO-1's gradients are
+    reduce-scattered in two bucket groups a step on NCCL) never completes on either dp rank."""
+
+    def stall(self, prefix, rank, name, n):
+        return name == "reduce_scatter" and n == 3
+
+
+def test_a_reduce_scatter_cut_by_the_abort_releases_every_rank_with_its_state_clean(
+        tmp_path, monkeypatch):
+    """The reduce-scatter a dead peer never joins: the abort ends it (junk in the gradients,
+    never used) and the step ends Aborted before the update, so the live state is step 1's,
+    clean: what a survivor resumes from. gloo's reduce_scatter could not be released so."""
+    script = StallReduceScatter()
+    script.master = master_store()
+    res, _, _ = run(tmp_path, monkeypatch, ParallelDims(dp=2), 4, script=script,
+                    master=script.master, extra=["backend=nccl"])
+    for tr, comm, err, _ in res:
+        assert tr.opt.reduce_scatter and len(tr.opt.buckets.edges) == 4  # 2 groups of 2
+        assert isinstance(err, Aborted) and "rank 1 lost" in str(err), err
+        assert tr.step == 1 and not tr.dirty
+        assert not tr.opt.flat_params.isnan().any()
+
+
 class FailTP(fake_nccl.Script):
     """The third TP all-reduce of rank 1 (tp rank 1 of the first tp group) fails: NCCL reports a
     remote error on its work."""

@@ -107,3 +107,26 @@ def test_each_entry_point_lists_only_its_own_config_groups():
     assert not {"model", "parallel", "ft", "faults"} & set(simulator), simulator
     assert simulator["experiment"].split(", ") == sorted(
         p.stem for p in (root / "sim" / "conf" / "experiment").glob("*.yaml"))
+
+
+def test_the_readmes_3d_example_has_no_placement_warning(tmp_path):
+    """The README's own 3D command must compose to a layout ``check_placement`` finds sound."""
+    import shlex
+
+    from deadpool.policies import check_placement
+    from deadpool.topology import ParallelDims
+    readme = (Path(CONF_DIR).parent / "README.md").read_text()
+    lines = readme.split("    # 3D: 8 ranks", 1)[1].splitlines()
+    start = next(i for i, ln in enumerate(lines) if "python -m deadpool.train" in ln)
+    cmd = []
+    for ln in lines[start:]:  # the command and its continuation lines
+        cmd.append(ln.rstrip("\\ "))
+        if not ln.rstrip().endswith("\\"):
+            break
+    overrides = [a for a in shlex.split(" ".join(cmd)) if "=" in a]
+    assert any(a.startswith("parallel") for a in overrides), overrides
+    cfg = compose_train(overrides, tmp_path)
+    dims = ParallelDims.from_config(cfg["parallel"])
+    assert (dims.dp, dims.tp, dims.pp) == (2, 2, 2)
+    assert check_placement(dims, cfg["ft"]["buddy_policy"], cfg["ft"].get("replicate", "unique"),
+                           int(cfg["ft"].get("replicas", 1))) == []

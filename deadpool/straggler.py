@@ -83,6 +83,11 @@ class ComputeClock:
         self.last_s: float | None = None
         self.generation, self.link = -1, None
 
+    @classmethod
+    def of(cls, cfg: dict, progress) -> "ComputeClock":
+        """A rank's clock as the job's config asks (``ft.straggler.steps``, the device)."""
+        return cls(progress, settings(cfg["ft"])["steps"], cpu=cfg["device"] == "cpu")
+
     def begin(self, comm, delay_s: float = 0.0) -> None:
         """``delay_s``: a ``slow`` fault's sleep (faults.py), counted as this step's compute."""
         if comm.topo.generation != self.generation:  # a new generation: its first steps are

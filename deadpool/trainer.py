@@ -54,7 +54,7 @@ from deadpool.rounds import rounds_for
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
 from deadpool.recovery.pause import hold_at_pause
-from deadpool.straggler import ComputeClock, settings as straggler_settings
+from deadpool.straggler import ComputeClock
 from deadpool.strategies import decide_persist_interval, strategy_of
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Progress
@@ -121,8 +121,7 @@ class Trainer:
         # where the training thread is (read by the heartbeat thread for the progress watchdog)
         self.progress = progress or Progress()
         self.guard = Guard(cfg, injector)  # corruption and spike checks, skipped batches
-        self.clock = ComputeClock(self.progress, straggler_settings(cfg["ft"])["steps"],
-                                  cpu=self.device == "cpu")
+        self.clock = ComputeClock.of(cfg, self.progress)  # own compute per step (straggler.py)
 
     def build(self, dims: ParallelDims, rank: int, init: bool = True) -> float:
         """Build the stage, optimizer and snapshot engine of ``rank``'s coordinates (a no-op if

@@ -40,15 +40,14 @@ The model has no dropout or any other random op, so recomputation replays nothin
 from __future__ import annotations
 
 import math
-import os
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from deadpool.init_rng import fill_normal_, param_key
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
@@ -150,39 +149,27 @@ def swiglu_activation(gate: torch.Tensor, up: torch.Tensor, recompute: bool) -> 
     return _silu_mul(gate, up)
 
 
-def init_threads() -> int:
-    """Threads drawing the initial parameters: the cores this process may run on, at most 8 (each
-    thread holds one full parameter while it draws it). The count changes no bit (each parameter
-    has its own generator). gpt_1b's stage build on 2 cores: 19-25 s on one thread, 10-12 s on two."""
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+INIT_STD = 0.02  # every weight but the norms' (Linear, Embedding): N(0, INIT_STD^2)
 
 
-def draw_params(items, seed: int, keep=lambda name, full: full) -> None:
-    """Copy ``keep(name, init_param(name, shape, seed))`` into the parameter of each
-    ``(name, param, shape)`` in ``items``, ``init_threads()`` at a time (the kernels drop
-    the GIL): the same bits as one after another."""
-    def one(item):
-        name, p, shape = item
-        with torch.no_grad():  # per thread
-            p.copy_(keep(name, init_param(name, shape, seed)))
-
-    with ThreadPoolExecutor(init_threads(), thread_name_prefix="init") as pool:
-        list(pool.map(one, items))
-
-
-def init_param(name: str, shape, seed: int) -> torch.Tensor:
-    """The initial value of the full (unsharded) parameter ``name``, independent of any layout.
-
-    Each parameter has its own CPU generator seeded from ``(seed, crc32(name))``, so its value
-    depends on nothing else: a tensor/pipeline shard draws just the full parameters it holds a
-    slice of and keeps its slice, and gets exactly the bits of the single-process model. (A
-    stream cannot be skipped into, so the full tensor is drawn; it is freed right after.) Norm
-    weights are ones; every other weight (Linear, Embedding) is N(0, 0.02).
-    """
+def init_values_(name: str, out: torch.Tensor, seed: int, starts=None, width: int | None = None
+                 ) -> torch.Tensor:
+    """Fill ``out`` with the initial values of parameter ``name`` at the full (unsharded)
+    parameter's flat indices ``[s, s + width)`` for each ``s`` in ``starts`` (default: all of
+    it), on ``out``'s device. Independent of any layout: element ``i`` is a function of ``(seed,
+    name, i)`` alone (``deadpool.init_rng``), so a tensor/pipeline shard computes just the
+    elements it holds (``parallel.stage.shard_segments``) and gets exactly the bits of the
+    single-process model. Norm weights are ones; every other weight is N(0, 0.02)."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode()))
-    return torch.empty(shape).normal_(0.0, 0.02, generator=gen)
+        return out.fill_(1.0)
+    if starts is None:
+        starts, width = [0], out.numel()
+    return fill_normal_(out, param_key(seed, name), INIT_STD, starts, width)
+
+
+def init_param(name: str, shape, seed: int, device="cpu") -> torch.Tensor:
+    """The initial value of the full parameter ``name`` of ``shape`` (float32, on ``device``)."""
+    return init_values_(name, torch.empty(shape, device=device), seed)
 
 
 class RMSNorm(nn.Module):
@@ -304,13 +291,20 @@ class GPT(nn.Module):
 
 def build_model(model_cfg, seed: int, device: str = "cpu",
                 activation_checkpointing: str = "none") -> GPT:
-    """Build the model with a seed-determined init (``init_param``): every rank and every spare
-    gets the same weights, and so does every tensor/pipeline layout (``parallel/stage.py``)."""
+    """Build the model with a seed-determined init (``init_values_``), drawn on ``device`` from
+    the meta device (no default init, no host copy): every rank and every spare gets the same
+    weights, and so does every tensor/pipeline layout (``parallel/stage.py``)."""
     cfg = model_config(model_cfg)
-    with torch.random.fork_rng(devices=[]):  # the modules' default init must not move the global RNG
+    with torch.device("meta"):
         model = GPT(cfg, activation_checkpointing)
-    draw_params([(n, p, p.shape) for n, p in model.named_parameters()], seed)
-    return model.to(device)
+    model = model.to_empty(device=device)
+    cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    model.rope_cos.copy_(cos)
+    model.rope_sin.copy_(sin)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            init_values_(name, p, seed)
+    return model
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:

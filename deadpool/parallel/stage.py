@@ -8,8 +8,9 @@ last the final norm, the vocabulary-parallel head and the vocabulary-parallel cr
 Parameter names are the single-process model's (``deadpool.model.GPT``): blocks live in a
 ``ModuleDict`` keyed by their *global* index, so stage 1 of a 4-layer, 2-stage model holds
 ``blocks.2.*`` and ``blocks.3.*``. Each parameter is ``layers.shard(name, full, tp_rank, tp)`` of
-the full one, and ``build_stage`` builds it bit-for-bit from ``model.init_param`` without building
-the whole model. Checkpoints, snapshots and tests can therefore map any layout onto any other
+the full one, and ``build_stage`` builds it bit-for-bit from ``model.init_values_`` without building
+the whole model: on its device, from the meta device, computing only the elements it holds
+(``shard_segments`` says where they lie in the full parameter). Checkpoints, snapshots and tests can therefore map any layout onto any other
 through (name, tp slice).
 
 ``activation_checkpointing`` (``none|full|selective``, see ``deadpool/model.py``) applies per
@@ -19,11 +20,13 @@ backward, whose recomputation runs inside the schedule's backward of that micro-
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
-from deadpool.model import (GPT, RMSNorm, check_activation_checkpointing, draw_params, model_config,
-                            rotary_tables, run_block)
+from deadpool.model import (GPT, RMSNorm, check_activation_checkpointing, init_values_,
+                            model_config, rotary_tables, run_block)
 from deadpool.parallel.tensor.layers import (ColumnParallelLinear, ParallelBlock,
                                              VocabParallelEmbedding, shard)
 from deadpool.parallel.tensor.ops import copy_to_tp, vocab_parallel_cross_entropy
@@ -97,12 +100,33 @@ def empty_stage(cfg, device, **kw) -> StageModel:
     return stage
 
 
+def shard_segments(name: str, full_shape, tp_rank: int, tp: int, model_cfg) -> tuple[list[int], int]:
+    """Where ``shard(name, full, tp_rank, tp, model_cfg)`` lies in ``full``'s flat (row-major)
+    index: flattened, the slice is the runs ``[s, s + width)`` for each ``s`` of the returned
+    starts, in order. Found by applying ``shard`` itself to a grid of (row, column block) ids,
+    one id per row and ``tp``-th of a row, so the slicing convention stays defined in one
+    place (``layers.shard``: whole rows for dim-0 chunks and the q/k/v heads, a column block of
+    every row for dim-1 chunks)."""
+    shape = tuple(full_shape)
+    numel = math.prod(shape)
+    rows = shape[0] if len(shape) > 1 else 1
+    cols = numel // rows
+    blocks = tp if cols % tp == 0 else 1  # a row must split evenly to be cut by columns
+    width = cols // blocks
+    grid = torch.arange(rows * blocks).view((rows, blocks) if len(shape) > 1 else (blocks,))
+    held = shard(name, grid, tp_rank, tp, model_cfg).reshape(-1)
+    starts = ((held // blocks) * cols + (held % blocks) * width).tolist()
+    if all(b - a == width for a, b in zip(starts, starts[1:])):  # one contiguous run
+        return starts[:1], width * len(starts)
+    return starts, width
+
+
 def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
                 device="cpu", init: bool = True, activation_checkpointing: str = "none",
                 weights=None) -> StageModel:
     """This rank's stage, with parameters equal (bitwise) to the matching slices of
-    ``deadpool.model.build_model(model_cfg, seed)``. Draws only the full parameters it holds a
-    slice of (one at a time, on the CPU: the values do not depend on the device).
+    ``deadpool.model.build_model(model_cfg, seed)``. Draws only the elements it holds, on
+    ``device`` (the values do not depend on the device: ``deadpool.init_rng``).
 
     ``init=False``: parameters are allocated but not drawn (a spare whose state will arrive by
     transfer: drawing the init it overwrites would lengthen every hot-swap).
@@ -128,7 +152,9 @@ def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp
         return stage.to(device)
     with torch.device("meta"):
         full_shapes = {n: p.shape for n, p in GPT(cfg).named_parameters()}
-    stage = StageModel(cfg, **kw)
-    draw_params([(n, p, full_shapes[n]) for n, p in stage.named_parameters()], seed,
-                keep=lambda name, full: shard(name, full, tp_rank, tp, cfg))
-    return stage.to(device)
+    stage = empty_stage(cfg, device, **kw)
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            starts, width = shard_segments(name, full_shapes[name], tp_rank, tp, cfg)
+            init_values_(name, p, seed, starts, width)
+    return stage

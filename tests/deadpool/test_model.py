@@ -166,16 +166,20 @@ def test_activation_checkpointing_is_off_without_grad_and_refuses_unknown_modes(
 
 
 def test_the_threaded_init_draws_the_bits_of_a_serial_one(monkeypatch):
-    import deadpool.model as model
+    import deadpool.init_rng as init_rng
 
     cfg = {"vocab_size": 96, "d_model": 32, "n_layers": 3, "n_heads": 4, "ffn_mult": 4, "max_seq_len": 16}
-    monkeypatch.setattr(model, "init_threads", lambda: 4)
+    monkeypatch.setattr(init_rng, "init_threads", lambda device: 4)
+    monkeypatch.setitem(init_rng._CHUNK, "cpu", 256)  # several chunks per parameter, 4 at once
     threaded = build_model(cfg, seed=7)
+    monkeypatch.undo()
     serial = {n: init_param(n, p.shape, 7) for n, p in threaded.named_parameters()}
     for n, p in threaded.named_parameters():
         assert torch.equal(p, serial[n]), n
-    # each parameter its own draw: a wrong pairing of generator and tensor would show here
+    # each parameter its own draw: a wrong pairing of key and tensor would show here
     assert not torch.equal(serial["blocks.0.attn.qkv.weight"][:8], serial["blocks.1.attn.qkv.weight"][:8])
+    assert all((p == 1).all() == n.endswith("norm.weight") for n, p in serial.items())
+    assert abs(serial["embed.weight"].std() - 0.02) < 1e-3
 
 
 def test_norm_eps_comes_from_the_model_config_everywhere():

@@ -8,6 +8,9 @@ from deadpool.parallel.stage import build_stage, layer_range
 from deadpool.parallel.tensor import shard
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=5, n_heads=4, ffn_mult=2, max_seq_len=8)
+# grouped-query attention: each tp rank's qkv slice is three separate row blocks (q, k, v heads)
+GQA = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_mult=2,
+           max_seq_len=8)
 
 
 def test_layers_split_contiguously_earlier_stages_take_the_extra():
@@ -16,18 +19,56 @@ def test_layers_split_contiguously_earlier_stages_take_the_extra():
     assert list(layer_range(4, 1, 0)) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("pp,tp", [(1, 1), (2, 2), (3, 4), (5, 1)])
-def test_stage_parameters_equal_slices_of_build_model(pp, tp):
-    full = dict(build_model(TINY, 7).named_parameters())
+def assert_stages_are_slices(cfg, pp, tp):
+    full = dict(build_model(cfg, 7).named_parameters())
     seen = set()
     for s in range(pp):
         for r in range(tp):
-            stage = build_stage(TINY, 7, pp_rank=s, pp=pp, tp_rank=r, tp=tp)
+            stage = build_stage(cfg, 7, pp_rank=s, pp=pp, tp_rank=r, tp=tp)
             assert stage.is_first == (s == 0) and stage.is_last == (s == pp - 1)
             for name, p in stage.named_parameters():
-                assert torch.equal(p, shard(name, full[name].detach(), r, tp, TINY)), name
+                assert torch.equal(p, shard(name, full[name].detach(), r, tp, cfg)), (name, s, r)
                 seen.add(name)
     assert seen == set(full)  # every parameter lives on some stage
+
+
+@pytest.mark.parametrize("pp,tp", [(1, 1), (2, 2), (3, 4), (5, 1)])
+def test_stage_parameters_equal_slices_of_build_model(pp, tp):
+    assert_stages_are_slices(TINY, pp, tp)
+
+
+@pytest.mark.parametrize("pp,tp", [(1, 2), (1, 4), (2, 1), (2, 4)])
+def test_gqa_stage_parameters_equal_slices_of_build_model(pp, tp):
+    assert_stages_are_slices(GQA, pp, tp)
+
+
+def test_a_wrong_index_map_is_caught(monkeypatch):
+    """The equality above can fail: a stage whose index map is off by one tp rank (the slice
+    of the next rank) or by one row differs from the single-process model's slice."""
+    import deadpool.parallel.stage as stage_mod
+
+    right = stage_mod.shard_segments
+    for wrong in (lambda n, shape, r, tp, cfg: right(n, shape, (r + 1) % tp, tp, cfg),
+                  lambda n, shape, r, tp, cfg: ([s + shape[-1] for s in right(n, shape, r, tp, cfg)[0]],
+                                                right(n, shape, r, tp, cfg)[1])):
+        monkeypatch.setattr(stage_mod, "shard_segments", wrong)
+        with pytest.raises(AssertionError):
+            assert_stages_are_slices(GQA, 1, 2)
+
+
+def test_a_stage_draws_only_the_elements_it_holds(monkeypatch):
+    """Each tp rank computes its own slice, never the full parameter (the draws counted)."""
+    import deadpool.init_rng as init_rng
+
+    drawn = []
+    real = init_rng.normal_pairs
+    monkeypatch.setattr(init_rng, "normal_pairs",
+                        lambda pairs, *a, **k: drawn.append(2 * len(pairs)) or real(pairs, *a, **k))
+    for r in range(4):
+        drawn.clear()
+        stage = build_stage(GQA, 7, pp_rank=0, pp=2, tp_rank=r, tp=4)
+        held = sum(p.numel() for n, p in stage.named_parameters() if not n.endswith("norm.weight"))
+        assert sum(drawn) == held
 
 
 def test_ffn_multiple_of_is_optional_and_sets_the_swiglu_width():

@@ -2,7 +2,13 @@
 
     python experiments/bench_control_plane.py --ranks 512,2048,8192,16384 --out DIR
         [--protocol new,old] [--duration-s 10] [--ranks-per-node 8] [--procs 2] [--threads 8]
-        [--dilation 1|auto|D1,D2,...] [--phases steady,exit,node]
+        [--dilation 1|auto|D1,D2,...] [--phases steady,exit,node] [--startup-timeout-s 900]
+
+The parts live in ``experiments/control_plane/`` (fake ranks, fake nodes, the coordinator's
+side, one size's measurement, the table). Start-up prints a progress line every 10 s (fake
+processes alive, slots announced, plan 0 written, plan 0 read by how many), and every wait is
+bounded: a size whose start-up is not done within ``--startup-timeout-s`` is reported failed
+with where it stood.
 
 ``--protocol new`` (node agents, deadpool/agent): per fake node a real ``NodeAgent`` on a real
 shared-memory board, following the coordinator's pushed events on its own blocking store

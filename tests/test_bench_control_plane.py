@@ -1,8 +1,9 @@
 """experiments/bench_control_plane.py at a tiny size, both protocols: the table has the issue's
-columns, and what it measures holds to bounds a broken control plane misses: an exit is seen
+columns at two sizes, and what it measures holds to bounds a broken control plane misses: an exit is seen
 by the agent's wake-up, not by heartbeat staleness; a recovery costs the store requests per node
 and failure (plus one per poll), not per rank; under node agents the store sees a few requests
-per rank and second, and the coordinator's loop costs little CPU and few requests a second."""
+per rank and second, and the coordinator's loop costs little CPU and few requests a second;
+twice the ranks cost a recovery about as many requests (besides its polls)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ COLUMNS = ["ranks", "protocol", "store_ops_per_s_per_rank", "exit_detect_s", "no
            "plan_everywhere_s", "coordinator_cpu_frac", "detect_to_plan_s", "recovery_store_ops"]
 RANKS, PER_NODE, SPARES = 16, 4, 5  # (the benchmark starts ranks_per_node + 1 spares)
 NODES = -(-(RANKS + SPARES) // PER_NODE)
+LARGER = 2 * RANKS  # the second size: what a recovery costs must not grow with the ranks
 POLL_S = 0.002  # the coordinator's status poll (recovery.detect.collect_statuses)
 
 
 def test_the_benchmark_writes_the_table_at_a_tiny_size(tmp_path):
     p = subprocess.run(
-        [sys.executable, "experiments/bench_control_plane.py", "--ranks", str(RANKS),
+        [sys.executable, "experiments/bench_control_plane.py", "--ranks", f"{RANKS},{LARGER}",
          "--duration-s", "2", "--ranks-per-node", str(PER_NODE), "--procs", "1", "--threads", "2",
          "--dilation", "0.5", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
         timeout=400)
@@ -30,8 +32,10 @@ def test_the_benchmark_writes_the_table_at_a_tiny_size(tmp_path):
     with open(tmp_path / "table.csv") as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames[:len(COLUMNS)] == COLUMNS
-        new, row = list(reader)
-    runs = {r["protocol"]: r for r in json.loads((tmp_path / "runs.json").read_text())}
+        rows = {(int(r["ranks"]), r["protocol"]): r for r in reader}
+    new, row = rows[RANKS, "new"], rows[RANKS, "old"]
+    every = {(r["ranks"], r["protocol"]): r for r in json.loads((tmp_path / "runs.json").read_text())}
+    runs = {p: every[RANKS, p] for p in ("new", "old")}
     assert new["ranks"] == "16" and new["protocol"] == "new" and new["survived"] == "True"
     # an exit wakes the coordinator at once: seen in milliseconds (2-14 ms measured), within
     # half a record interval (ft.agent_interval_s 0.25 s, dilated x 0.5): not at the agent's
@@ -55,6 +59,15 @@ def test_the_benchmark_writes_the_table_at_a_tiny_size(tmp_path):
         polls = by.get("compare_set", 0)  # one per status poll: bounded by the wait, not by N
         assert polls <= run["detect_to_plan_measured_s"] / POLL_S + 5, run
         assert ops - polls <= 3 * (NODES + 1) + 6, run  # O(nodes + failures): 29 here
+    for p in ("new", "old"):  # the same recovery at twice the ranks (and nodes) costs the
+        # coordinator's store about as many requests besides its polls: O(nodes + failures)
+        # with one multi_get per kind, not one request per rank or node (a read per rank:
+        # +2 per rank and kind of sparse report)
+        small, large = every[RANKS, p], every[LARGER, p]
+        assert large["survived"] and small["survived"], (small, large)
+        extra = [r["recovery_store_ops"] - r["recovery_store_ops_by_method"].get("compare_set", 0)
+                 for r in (small, large)]
+        assert extra[1] <= 1.5 * extra[0] + 4, (p, extra, small, large)
     assert row["ranks"] == "16" and row["protocol"] == "old" and row["dilation"] == "0.5"
     assert float(row["store_ops_per_s_per_rank"]) > 20  # ~155 per rank plus the spares' polling
     assert 0 < float(row["coordinator_cpu_frac"]) < 2

@@ -3,6 +3,7 @@ store clients that count their requests."""
 
 from __future__ import annotations
 
+import resource
 import time
 
 STEP = 10  # the step every fake rank is at
@@ -62,3 +63,18 @@ class Counted:
             self.by_method[name] = self.by_method.get(name, 0) + 1
             return fn(*a, **k)
         return call
+
+
+def raise_fd_limit(need: int, log=print) -> None:
+    """Raise this process's open-file limit (inherited by the fake processes) to at least
+    ``need``, as far as the hard limit allows: under node agents the store's process holds one
+    connection per fake node's event follower (2,049 at 16,384 ranks) and each fake process
+    half of them, past a common soft limit of 1,024 (a connection refused for it looks like
+    load, and its node never reads a plan)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    if hard != resource.RLIM_INFINITY and hard < need:
+        log(f"[bench] open files: hard limit {hard} < {need} needed; raise it (ulimit -Hn)",
+            flush=True)

@@ -205,6 +205,10 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         time.sleep(1.0 * D)
         # a node goes silent (no exit seen)
         log("[bench] exit recovered; the last node goes silent", flush=True)
+        if any(r not in coord.members.ranks for r in range(n - rpn, n)):  # (a shrink, not a swap)
+            out["failed"] = (f"exit: the recovery left {len(coord.members.ranks)} of {n} ranks "
+                             "(more ranks declared failed than spares: the fakes fell behind)")
+            return out
         node = [coord.members.ranks[r] for r in range(n - rpn, n)]  # the last node
         t_node = time.time()
         for s in node:

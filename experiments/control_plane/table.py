@@ -8,6 +8,7 @@ import csv
 import json
 from pathlib import Path
 
+from experiments.control_plane.common import raise_fd_limit
 from experiments.control_plane.measure import run_size
 
 COLUMNS = ["ranks", "protocol", "store_ops_per_s_per_rank", "exit_detect_s", "node_detect_s",
@@ -60,6 +61,8 @@ def main(argv=None) -> None:
             ap.error("--dilation: one value, auto, or one per size")
         args.dilation_of = dict(zip(sizes, ds * len(sizes) if len(ds) == 1 else ds))
     args.phases = set(args.phases.split(","))
+    # one store connection per fake node's follower, plus each thread's, plus slack
+    raise_fd_limit(max(sizes) // args.ranks_per_node + 4 * args.procs * args.threads + 1024)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

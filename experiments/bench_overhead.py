@@ -4,6 +4,7 @@
         [--precisions fp32,bf16] [--arms ddp,off,on] [--out experiments/results/runtime/overhead]
     python experiments/bench_overhead.py --quick    # smoke test: 1 repeat, 2 ranks, fp32, 24 steps
     python experiments/bench_overhead.py --settings 4+1 --arms off,on,on2,on1,on1r2  # ft.replicas 1 vs 2
+    python experiments/bench_overhead.py --settings 4+1 --arms on1,on1_nocheck  # integrity checks
 
 Arms, on the same model, data, layout, AdamW kernel, decay groups and learning rates, each run
 as a whole job:
@@ -18,6 +19,9 @@ as a whole job:
   on1   (optional) a snapshot every step, never widened: the raw per-step cost
   off_ov, on_ov  (optional) off and on with ``parallel.overlap_param_gather=true``: ZeRO-1's
         parameter all-gather posted per bucket and waited by the next forward (zero.py)
+  on1_nocheck  (optional) ``on1`` without the silent-corruption comparison and the spike rule
+        (``ft.integrity_check=false``, ``ft.spike.rule=off``): on1 / on1_nocheck is their cost
+        at a snapshot every step (recovery/integrity.py)
   on2, on1r2  (optional) ``on`` and ``on1`` with ``ft.replicas=2``: every snapshot goes to two
         buddies (needs 3 ranks: run in the ``4+1`` setting only, skipped in ``2``)
 in each setting, ``2`` (2 ranks) and ``4+1`` (4 data-parallel ranks and 1 warm spare, which DDP
@@ -64,14 +68,17 @@ SETTINGS = {"2": ("dp2", 2, 0), "4+1": ("dp4", 4, 1)}  # name -> (parallel, rank
 OVERLAP = ["parallel.overlap_param_gather=true"]
 ARM_OVERRIDES = {"off": ["ft.snapshot=false", "ft.on_no_spare=checkpoint_and_stop"], "on": [],
                  "on1": ["ft.snapshot_adaptive=false"], "on2": ["ft.replicas=2"],
-                 "on1r2": ["ft.snapshot_adaptive=false", "ft.replicas=2"]}
+                 "on1r2": ["ft.snapshot_adaptive=false", "ft.replicas=2"],
+                 "on1_nocheck": ["ft.snapshot_adaptive=false", "ft.integrity_check=false",
+                                 "ft.spike.rule=off"]}
 ARM_OVERRIDES |= {"off_ov": ARM_OVERRIDES["off"] + OVERLAP, "on_ov": OVERLAP}
 MIN_RANKS = {"on2": 3, "on1r2": 3}  # ft.replicas=2 needs two other ranks
 RATIOS = {"on/ddp": ("on", "ddp"), "off/ddp": ("off", "ddp"), "on/off": ("on", "off"),
           "on1/ddp": ("on1", "ddp"), "on1/off": ("on1", "off"),
           "off_ov/off": ("off_ov", "off"), "on_ov/on": ("on_ov", "on"),
           "off_ov/ddp": ("off_ov", "ddp"), "on_ov/ddp": ("on_ov", "ddp"), "on2/off": ("on2", "off"),
-          "on2/on": ("on2", "on"), "on1r2/off": ("on1r2", "off"), "on1r2/on1": ("on1r2", "on1")}
+          "on2/on": ("on2", "on"), "on1r2/off": ("on1r2", "off"), "on1r2/on1": ("on1r2", "on1"),
+          "on1/on1_nocheck": ("on1", "on1_nocheck")}
 
 
 def free_port() -> int:
@@ -155,7 +162,7 @@ def main() -> None:
     ap.add_argument("--settings", default="2,4+1")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--arms", default="ddp,off,on",
-                    help="of ddp, off, on, on1, off_ov, on_ov, on2, on1r2")
+                    help="of ddp, off, on, on1, off_ov, on_ov, on2, on1r2, on1_nocheck")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=8)

@@ -91,10 +91,30 @@ def test_runtime_figure_skips_without_results_and_draws_with_them(tmp_path):
                detect_s=1.0, plan_s=0.1, rebuild_s=2.0, transfer_s=0.5, rollback_s=0.1, first_step_s=0.4,
                kill_to_training_s=3.8, kill_to_first_step_s=4.2, bytes_transferred=1e8)
     run.joinpath("summary.json").write_text(json.dumps(dict(world_size=4, recoveries=[rec])))
+    for k in range(30):  # as many runs as the shipped results, nested paths, one 20x slower (a hang)
+        d = tmp_path / "runtime" / "strategies" / "kills" / f"rep{k % 3}" / f"strategy_{k}"
+        d.mkdir(parents=True)
+        slow = dict(rec, detect_s=60.0, kill_to_first_step_s=64.0) if k == 7 else rec
+        d.joinpath("summary.json").write_text(json.dumps(dict(world_size=8, recoveries=[slow])))
     p = subprocess.run([sys.executable, script, "--input", str(tmp_path / "runtime"), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert (tmp_path / "fig05_runtime_recovery.png").exists()
+    from PIL import Image
+    width, height = Image.open(tmp_path / "fig05_runtime_recovery.png").size
+    assert width <= 2000 and height <= 2500, (width, height)  # readable, not 4,039 px wide
+
+
+def test_runtime_figure_labels_runs_without_paths_and_cuts_an_outlier():
+    sys.path.insert(0, str(FIGS))
+    try:
+        import fig05_runtime_recovery as fig05
+    finally:
+        sys.path.remove(str(FIGS))
+    lab = fig05.label("strategies/kills/rep1/sync_snapshot", {"world_size": 4}, [{"fault": "kill"}])
+    assert lab == "strategy runs: kills, repeat 1, sync snapshot (4 ranks, kill)"
+    assert "/" not in fig05.label("bench3d/kill1_affected", {"world_size": 8}, [{"fault": "kill"}])
+    end = fig05.axis_end([0.2, 0.25, 0.3, 2.2])  # the hang's 2.2 s would squash the rest
+    assert 0.3 < end < 0.5
 
 
 def test_ranking_figure_draws_from_its_csvs(tmp_path):

@@ -172,6 +172,12 @@ def init_param(name: str, shape, seed: int, device="cpu") -> torch.Tensor:
     return init_values_(name, torch.empty(shape, device=device), seed)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's arithmetic (eager here; ``compile=true`` fuses it into the block's graphs,
+    parallel/compile.py)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -179,7 +185,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float = 10000.0

@@ -39,7 +39,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from deadpool.model import attention_core
+from deadpool.model import attention_core, rms_norm
 from deadpool.parallel.tensor.ops import copy_to_tp, reduce_from_tp
 from deadpool.settings import num_microbatches
 
@@ -65,13 +65,8 @@ def _counting_inductor(gm, example_inputs):
     return compile_fx(gm, example_inputs)
 
 
-def _rms_norm(x, w, eps: float):
-    # model.RMSNorm.forward's arithmetic
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 def _norm(x, w, eps: float):
-    return _rms_norm(x, w, eps)
+    return rms_norm(x, w, eps)
 
 
 def _attn(h, qkv_w, out_w, cos, sin, heads: int, kv_heads: int, head_dim: int):
@@ -80,7 +75,7 @@ def _attn(h, qkv_w, out_w, cos, sin, heads: int, kv_heads: int, head_dim: int):
 
 def _add_norm(x, a, w, eps: float):
     x = x + a
-    return x, _rms_norm(x, w, eps)
+    return x, rms_norm(x, w, eps)
 
 
 def _mlp(h, gate_w, up_w, down_w):
@@ -89,11 +84,11 @@ def _mlp(h, gate_w, up_w, down_w):
 
 def _attn_half(x, norm_w, eps: float, qkv_w, out_w, cos, sin, heads: int, kv_heads: int,
                head_dim: int):
-    return x + _attn(_rms_norm(x, norm_w, eps), qkv_w, out_w, cos, sin, heads, kv_heads, head_dim)
+    return x + _attn(rms_norm(x, norm_w, eps), qkv_w, out_w, cos, sin, heads, kv_heads, head_dim)
 
 
 def _mlp_half(x, norm_w, eps: float, gate_w, up_w, down_w):
-    return x + _mlp(_rms_norm(x, norm_w, eps), gate_w, up_w, down_w)
+    return x + _mlp(rms_norm(x, norm_w, eps), gate_w, up_w, down_w)
 
 
 class _Kernels:

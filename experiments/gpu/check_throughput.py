@@ -3,17 +3,21 @@ snapshots off and on, next to the same model in plain PyTorch as a torchtitan us
 
     python experiments/gpu/check_throughput.py OUT_DIR [--model gpt_1b] [--batch-size 8]
         [--seq-len 1024] [--steps 56] [--warmup 10] [--settled 16] [--peak-tflops 989.4]
-        [--arms deadpool_off,deadpool_on,plain,plain_fp32_autocast] [--timeout-s 95]
-        [--plain-timeout-s 100] [--budget-s 270] [--device cuda|cpu] [--dry-run]
+        [--arms deadpool_on_compile,deadpool_off_compile,plain,...] [--timeout-s 95]
+        [--compile-timeout-s 130] [--plain-timeout-s 100] [--budget-s 270] [--name NAME]
+        [--device cuda|cpu] [--dry-run]
 
-Arms, in this order by default (the most important first: a bound that falls loses the last):
+Arms, in this order by default (the most important first: a bound that falls loses the last;
+``run_session.sh`` part a runs the first three, part c the other three):
 
-deadpool_off  ``python -m deadpool.train`` with one rank (``parallel.dp=1 ft.num_spares=0``),
-              ``precision=bf16`` (bf16 parameters, fp32 master weights and moments),
-              ``ft.snapshot=false``; step times from its metrics (``step_time_s``)
-deadpool_on   the same with ``ft.snapshot=true`` (the default: adaptive snapshot schedule);
-              ``deadpool_on_compile`` follows it if the runtime has a ``compile`` option
-              (``runtime_compile_option`` in the JSON says whether it has)
+deadpool_on_compile   ``python -m deadpool.train`` with one rank (``parallel.dp=1
+              ft.num_spares=0``), ``precision=bf16`` (bf16 parameters, fp32 master weights and
+              moments), ``compile=true`` (each block's local compute compiled,
+              deadpool/parallel/compile.py), ``ft.snapshot=true`` (the default: adaptive snapshot
+              schedule); step times from its metrics (``step_time_s``). Bound:
+              ``--compile-timeout-s`` (the compile is in its first step, not in the medians)
+deadpool_off_compile  the same with ``ft.snapshot=false``
+deadpool_off, deadpool_on  the same two without ``compile`` (eager blocks)
 plain         the model of ``deadpool.model`` (its default init, built on the GPU), bf16
               parameters, fused AdamW, ``torch.compile`` of each block (as torchtitan does;
               ``--plain-compile``), SDPA attention (the model's), the loss read every step
@@ -27,11 +31,18 @@ freed between arms, a slow compile bounded). Every arm is bounded (``--timeout-s
 ``--plain-timeout-s``), and all together by ``--budget-s`` (an arm that would start with
 under 30 s left is skipped, recorded as such).
 
+Ratios: each arm's ``vs_plain`` (tokens/s over the plain compiled arm's; the issue's bar for
+``deadpool_snapshot_on_compile``: >= 0.97), ``snapshot_on_vs_off_step_time`` (eager) and
+``compile_snapshot_on_vs_off_step_time`` (compiled; bar <= 1.01).
+
 Medians are over the same step numbers in every arm: steps after ``--warmup``, and the last
 ``--settled`` (the adaptive schedule's vote of step 32 rules from 40: steps 41-56 by default).
 Tokens/s = batch x seq_len / median step. MFU = tokens/s x FLOPs per token / peak, FLOPs per
-token = 6 x parameters + 12 x layers x d_model x seq_len. ``--peak-tflops``: dense bf16 of an
-H100 SXM (989.4). Writes OUT_DIR/check_throughput.json after every arm. ``--dry-run`` (no GPU):
+token = ``deadpool.mfu.flops_per_token``: 6 x parameters without the input embedding + 12 x
+layers x d_model x seq_len, as the runtime's metrics count it (runs before 2026-11-28 counted
+the embedding too: 6 x 1.416e9 rather than 6 x 1.35e9 for gpt_1b, MFU 5 % higher).
+``--peak-tflops``: dense bf16 of an H100 SXM (989.4). Writes OUT_DIR/NAME.json (default
+check_throughput) after every arm. ``--dry-run`` (no GPU):
 the commands and the FLOP count only; ``--device cpu`` with a small model: a smoke run.
 """
 
@@ -51,9 +62,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, env_info, write_json  # noqa: E402
 from jobs import run_bounded  # noqa: E402
 
-ARMS = ("deadpool_off", "deadpool_on", "plain", "plain_fp32_autocast")
+ARMS = ("deadpool_on_compile", "deadpool_off_compile", "plain", "deadpool_off", "deadpool_on",
+        "plain_fp32_autocast")
 KEYS = {"deadpool_off": "deadpool_snapshot_off", "deadpool_on": "deadpool_snapshot_on",
-        "deadpool_on_compile": "deadpool_snapshot_on_compile", "plain": "plain",
+        "deadpool_on_compile": "deadpool_snapshot_on_compile",
+        "deadpool_off_compile": "deadpool_snapshot_off_compile", "plain": "plain",
         "plain_fp32_autocast": "plain_fp32_autocast"}
 
 
@@ -72,8 +85,10 @@ def count_params(cfg: dict) -> int:
         return sum(p.numel() for p in GPT(model_config(cfg)).parameters())
 
 
-def flops_per_token(cfg: dict, params: int, seq_len: int) -> float:
-    return 6.0 * params + 12.0 * cfg["n_layers"] * cfg["d_model"] * seq_len
+def flops_per_token(cfg: dict, seq_len: int) -> float:
+    from deadpool.mfu import flops_per_token as runtime_flops_per_token
+
+    return float(runtime_flops_per_token(cfg, seq_len))
 
 
 def deadpool_overrides(args, snapshot: bool, compile_: bool = False) -> list[str]:
@@ -159,7 +174,7 @@ def run_plain(args, arm: str, bound: float, tmp: Path) -> dict:
 
 def deadpool_arm(args, arm: str, bound: float, tmp: Path) -> dict:
     run_dir = tmp / arm
-    cmd = deadpool_command(args, arm != "deadpool_off", run_dir, arm.endswith("compile"))
+    cmd = deadpool_command(args, arm.startswith("deadpool_on"), run_dir, arm.endswith("compile"))
     res = run_bounded(cmd, run_dir, args.steps, bound, hide=str(tmp))
     rows = res["rows"]
     res.update(step_s=[r["step_time_s"] for r in rows],
@@ -190,14 +205,18 @@ def summarize(res: dict, args, fpt: float) -> dict:
 
 
 def ratios(out: dict) -> None:
-    base, off, on = out.get("plain", {}), out.get("deadpool_snapshot_off", {}), out.get("deadpool_snapshot_on", {})
+    base = out.get("plain", {})
     for w in ("", "settled_"):
         for k in KEYS.values():
             r = out.get(k)
             if isinstance(r, dict) and base.get(f"{w}tokens_per_s") and r.get(f"{w}tokens_per_s"):
                 r[f"{w}vs_plain"] = r[f"{w}tokens_per_s"] / base[f"{w}tokens_per_s"]
-        if off.get(f"{w}median_step_s") and on.get(f"{w}median_step_s"):
-            out[f"{w}snapshot_on_vs_off_step_time"] = on[f"{w}median_step_s"] / off[f"{w}median_step_s"]
+        for name, suffix in (("", ""), ("compile_", "_compile")):
+            off = out.get(f"deadpool_snapshot_off{suffix}", {})
+            on = out.get(f"deadpool_snapshot_on{suffix}", {})
+            if off.get(f"{w}median_step_s") and on.get(f"{w}median_step_s"):
+                out[f"{w}{name}snapshot_on_vs_off_step_time"] = (on[f"{w}median_step_s"]
+                                                                 / off[f"{w}median_step_s"])
 
 
 def compile_option(args) -> bool:
@@ -219,7 +238,10 @@ def main() -> None:
                     help="also report the last N steps (the schedule's vote of step 32 rules from 40)")
     ap.add_argument("--peak-tflops", type=float, default=989.4)
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--timeout-s", type=float, default=95, help="bound of each DeadPool arm")
+    ap.add_argument("--timeout-s", type=float, default=95, help="bound of each eager DeadPool arm")
+    ap.add_argument("--compile-timeout-s", type=float, default=130,
+                    help="bound of each compile=true DeadPool arm (its compile included)")
+    ap.add_argument("--name", default="check_throughput", help="OUT/NAME.json")
     ap.add_argument("--plain-timeout-s", type=float, default=100, help="bound of each plain arm")
     ap.add_argument("--budget-s", type=float, default=270, help="bound of all arms together")
     ap.add_argument("--plain-compile", choices=("auto", "on", "off"), default="auto",
@@ -244,25 +266,25 @@ def main() -> None:
     if bad:
         ap.error(f"--arms: unknown {bad}; known: {','.join(ARMS)}")
     params = count_params(cfg)
-    fpt = flops_per_token(cfg, params, args.seq_len)
+    fpt = flops_per_token(cfg, args.seq_len)
     out = {"check": "throughput", "model": args.model, "batch_size": args.batch_size,
            "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
            "settled": args.settled, "peak_tflops": args.peak_tflops, "params": params,
            "flops_per_token": fpt, "arms": arms,
-           "commands": {k: " ".join(deadpool_command(args, k == "on", Path("RUN"))[1:])
-                        for k in ("off", "on")}}
-    path = Path(args.out) / "check_throughput.json"
-    has_compile = compile_option(args)
-    out["runtime_compile_option"] = has_compile
-    if has_compile and "deadpool_on" in arms:
-        arms.insert(arms.index("deadpool_on") + 1, "deadpool_on_compile")
+           "commands": {a: " ".join(deadpool_command(args, a.startswith("deadpool_on"), Path("RUN"),
+                                                     a.endswith("compile"))[1:])
+                        for a in ARMS if a.startswith("deadpool")}}
+    path = Path(args.out) / f"{args.name}.json"
+    out["runtime_compile_option"] = compile_option(args)
     if args.dry_run:
         from deadpool.train import compose_config
 
-        for k in ("off", "on"):  # the DeadPool arms' overrides compose (a typo fails here)
-            c = compose_config(deadpool_overrides(args, k == "on") + list(args.overrides),
+        for a in (a for a in ARMS if a.startswith("deadpool")):  # the overrides compose
+            c = compose_config(deadpool_overrides(args, a.startswith("deadpool_on"),
+                                                  a.endswith("compile")) + list(args.overrides),
                                Path(tempfile.mkdtemp()))
-            out.setdefault("composed", {})[k] = {"snapshot": c["ft"]["snapshot"],
+            out.setdefault("composed", {})[a] = {"snapshot": c["ft"]["snapshot"],
+                                                 "compile": c["compile"],
                                                  "precision": c["precision"], "dp": c["parallel"]["dp"]}
         out["flops_per_token_approx"] = fpt
         write_json(path, out)
@@ -273,7 +295,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for arm in arms:
             left = args.budget_s - (time.monotonic() - t_start)
-            limit = args.plain_timeout_s if arm.startswith("plain") else args.timeout_s
+            limit = (args.plain_timeout_s if arm.startswith("plain") else
+                     args.compile_timeout_s if arm.endswith("compile") else args.timeout_s)
             if left < 30:
                 out[KEYS[arm]] = {"skipped": f"{left:.0f} s of the {args.budget_s:.0f} s budget left"}
                 print(f"{arm}: skipped ({left:.0f} s left)", flush=True)
@@ -290,8 +313,9 @@ def main() -> None:
                   f"{len(r.get('step_s', []))} | launch->first step "
                   f"{r.get('launch_to_first_step_s') or 0:.1f} s | wall {r.get('wall_s', 0):.0f} s"
                   + (" TIMED OUT" if r.get("timed_out") else ""), flush=True)
-    print(json.dumps({k: out.get(k) for k in ("snapshot_on_vs_off_step_time",
-                                              "settled_snapshot_on_vs_off_step_time")}))
+    print(json.dumps({k: out.get(k) for k in (
+        "snapshot_on_vs_off_step_time", "settled_snapshot_on_vs_off_step_time",
+        "compile_snapshot_on_vs_off_step_time", "settled_compile_snapshot_on_vs_off_step_time")}))
     write_json(path, out)
 
 

@@ -25,6 +25,7 @@ import time
 
 from deadpool import reports
 from deadpool.protocol import Keys, RankStatus
+from deadpool.recovery.report_text import summarize
 
 
 def failures(coord) -> tuple[dict[int, str], float] | None:
@@ -112,7 +113,7 @@ def _collective_error(coord, keys: Keys) -> bool:
         for rank, text in sorted(errors.items()):
             if (keys.g, rank) not in coord.errors_logged:
                 coord.errors_logged.add((keys.g, rank))
-                coord.log(f"[coordinator] gen {coord.gen}: rank {rank} reports: {text[:300]}")
+                coord.log(f"[coordinator] gen {coord.gen}: rank {rank} reports: {summarize(text)}")
         confirmed = confirmed or bool(errors)
         if not confirmed:
             _forged(coord, f"error counter of generation {keys.g} bumped with no report")

@@ -1,6 +1,19 @@
 """model.init_from with real processes: a run trained, exported, imported by a new run that then
 loses a rank to SIGKILL and ends bitwise equal to its failure-free twin; a checkpoint that does
-not fit the model is refused before any process starts."""
+not fit the model is refused before any process starts.
+
+What "trains on bitwise the same" means here. A Hugging Face export carries the weights only: no
+AdamW moments, no step counter, no data position (transformers' format has no place for them),
+so a run from an export cannot equal the uninterrupted run, which keeps its moments and goes on
+at step N + 1 with step N + 1's batches and rate. What is compared instead, bitwise:
+  1. the import is the trained run's state at step N minus exactly that: every rank's parameter
+     buffer built from the export equals the trained run's final buffer (ZeRO pad aside), so a
+     job from the export starts where one from the trained buffers with a fresh optimizer at
+     step 0 would (a job is a pure function of its initial buffers, seed and config);
+  2. training on from it is deterministic through a failure: hot-swapped, it ends bitwise equal
+     to its failure-free twin from the same export.
+Not compared (not built): a job that resumes the trained run's own checkpoint with its moments
+zeroed and its step reset, which would check 1's "pure function" step by running it."""
 
 from __future__ import annotations
 

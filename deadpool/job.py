@@ -6,7 +6,7 @@ resolved Hydra config as a plain dict. The run directory receives::
     job.json        the resolved config the processes read
     logs/slot*.log  each process's output
     metrics.jsonl   per-step, per-rank metrics (merged from metrics/slot*.jsonl)
-    final/rank*.pt  each rank's final state (parameters + optimizer state)
+    final/          the final state: a checkpoint of unique state (checkpoint.final)
     summary.json    recoveries with their timing breakdown, final digest, outcome
 """
 

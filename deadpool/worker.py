@@ -395,7 +395,7 @@ class Worker:
             "replicated_bytes": tr.engine.replicated_bytes,
             "model_params": sum(p.numel() for p in tr.params)}))
         print(f"[rank {rank}] final state digested, {written / 2**30:.3f} GiB of it written in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
 
 
 def main(argv=None) -> None:

@@ -10,10 +10,13 @@ dies and no spare is left, the coordinator's loss, and ``ft.resume_from``.
     persister.py   ``AsyncPersister``: periodic checkpoints written off the training thread
     rank_state.py  every disk write and read of a running rank's state (the runtime's only
                    caller of the three above)
-    unique.py      what a rank writes: a data-parallel group's replicated tensors once
+    unique.py      what a rank writes: a data-parallel group's replicated tensors once (or,
+                   spread, a 1/dp part each), and a rank's whole state read back
     retention.py   ``ft.keep_checkpoints``: the newest complete steps kept, older ones removed
     relayout.py    a rank's state from a checkpoint written at another dp x tp x pp
-    final.py       the end of a job: a wait on the writers' progress, the final digest
+    final.py       the end of a job: its final state as one unique-state checkpoint (its
+                   shared tensors spread over the replicas), a wait on the writers' progress,
+                   the final digest
 """
 
 from deadpool.checkpoint.dcp_io import load_rank_state, read_rank_state, save_rank_state

@@ -1,8 +1,9 @@
 """The end of a job, coordinator side: every rank's final record, waited for while it progresses.
 
 Once every rank finished its last step the coordinator sets ``job/done``; each rank then writes
-its final state (``checkpoint.final.write_final_state``) and posts its record (digest, step,
-sizes) under ``final/<rank>``. ``collect_finals`` waits for those records as long as each
+its part of the final checkpoint (``checkpoint.final.write_final_state``: one checkpoint of
+unique state, the replicated tensors spread over the replicas) and posts its record (the digest
+of its whole state, step, sizes) under ``final/<rank>``. ``collect_finals`` waits for those records as long as each
 missing rank's writer makes progress (``checkpoint.final.FinalWait``), never for a fixed time:
 
     a missing rank's process exited             -> JobFailed at once (its log's tail)

@@ -68,15 +68,16 @@ class GpuSampler(threading.Thread):
 
 def tensor_compare(run_a: Path, run_b: Path) -> dict:
     """Per-rank count of tensors and bytes compared, and how many differ."""
+    from deadpool.report import final_ranks, load_final_rank
+
     out = {}
-    for fa in sorted((run_a / "final").glob("rank*.pt")):
-        fb = run_b / "final" / fa.name
-        if not fb.exists():
-            out[fa.stem] = "missing in reference"
+    for r in final_ranks(run_a):
+        if r not in final_ranks(run_b):
+            out[f"rank{r}"] = "missing in reference"
             continue
-        sa, sb = torch.load(fa), torch.load(fb)
+        sa, sb = load_final_rank(run_a, r), load_final_rank(run_b, r)
         differ = [k for k in sa if k not in sb or not torch.equal(sa[k], sb[k])]
-        out[fa.stem] = {"tensors": len(sa), "bytes": sum(t.numel() * t.element_size() for t in sa.values()),
+        out[f"rank{r}"] = {"tensors": len(sa), "bytes": sum(t.numel() * t.element_size() for t in sa.values()),
                         "differ": len(differ), "first_differing": differ[:3]}
     return out
 

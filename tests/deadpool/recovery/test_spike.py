@@ -76,3 +76,18 @@ def test_the_injected_flip_is_one_bit_outside_the_ranks_own_shard(dp_rank):
     lo, hi = opt.shard_range
     assert not lo <= i < hi and i < opt.numel  # a peer's shard: the all-gather would not spread it
     assert int(before.view(torch.int32)[i] ^ opt.flat_params.view(torch.int32)[i]) == 1
+
+
+def test_corrupt_in_the_step_flips_a_parameter_elsewhere_replicas_and_spike_the_loss():
+    from deadpool.faults import FaultInjector
+    events = [{"rank": 0, "step": 2, "phase": p, "kind": k} for p, k in
+              (("optimizer", "corrupt"), ("replication", "corrupt"), ("status", "corrupt"),
+               ("backward", "spike"))]
+    calls = []
+    inj = FaultInjector(events, slot=0, on_corrupt=lambda: calls.append("replicas"))
+    inj.on_flip, inj.on_spike = (lambda: calls.append("flip")), (lambda: calls.append("spike"))
+    inj.set_rank(0)
+    for phase in ("optimizer", "replication", "status", "backward"):
+        inj.fire(1, phase)  # before the step: nothing
+        inj.fire(2, phase)
+    assert calls == ["flip", "replicas", "replicas", "spike"]

@@ -1,0 +1,90 @@
+"""Silent data corruption and loss spikes with real processes (deadpool/recovery/integrity.py).
+
+``corrupt`` flips one bit of a parameter a rank holds as a copy of a data-parallel peer's ZeRO
+shard; nothing fails, so only the peers' snapshot checksums can see it. ``spike`` makes a rank's
+loss non-finite. Each run ends bitwise equal to a failure-free run of the same seed (for a
+spike: one given the same skipped batch), with every rank's state distinct (ZeRO on, dp > 1:
+the optimizer shards differ), so a state routed to the wrong rank or a corruption left in fails.
+No false detection: every failure-free reference here and in the other integration tests
+(test_hotswap.py, test_3d.py: ``not summary["recoveries"]``) runs with the check on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deadpool.job import run_job
+from deadpool.report import compare_final_states
+from tests.conftest import compose_train
+
+quiet = lambda *a, **k: None  # noqa: E731
+DP4 = ["model=tiny", "parallel=dp4", "num_steps=8", "ft.num_spares=1", "log_every_steps=0"]
+DP2 = ["model=tiny", "parallel=dp2", "num_steps=8", "ft.num_spares=1", "log_every_steps=0"]
+D3 = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=8", "ft.num_spares=1",
+      "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
+
+
+def run(args, run_dir):
+    summary = run_job(compose_train(args, run_dir), log=quiet)
+    assert summary["outcome"] == "completed", summary["message"]
+    return summary
+
+
+def corrupt(rank: int, step: int) -> str:
+    return f"faults.events=[{{rank: {rank}, step: {step}, phase: optimizer, kind: corrupt}}]"
+
+
+@pytest.mark.slow
+def test_a_corrupt_rank_is_named_by_the_majority_swapped_and_the_state_matches(tmp_path):
+    """dp 4: rank 1's copy of a peer's shard flipped after step 3's all-gather (state 4, which
+    is snapshotted); its peers compare snapshot 4's checksums at the next snapshot, name rank 1,
+    the spare takes it (optimizer shard from the buddy's replica of step 4, parameters from a
+    peer) and every survivor rolls back to its own snapshot of step 4."""
+    ref = run(DP4 + ["faults=none"], tmp_path / "ref")
+    assert not ref["recoveries"]  # no false detection
+    s = run(DP4 + [corrupt(1, 3)], tmp_path / "run")
+    (rec,) = s["recoveries"]
+    assert rec["detected_by"] == "corruption" and rec["fault"] == "corrupt"
+    assert rec["failed_rank"] == 1 and rec["spare_slot"] == 4 and rec["outcome"] == "hot-swapped"
+    assert rec["failed_at_step"] == 4 and rec["resume_step"] == 4
+    assert rec["steps_recomputed"] >= 1
+    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_corruption_at_dp2_tp2_pp2_is_found_by_re_running_and_the_state_matches(tmp_path):
+    """dp 2 per model shard: no majority. The job rolls back to the newest agreed snapshot
+    (no rank lost), both replicas re-run, and the rank whose re-run differs from its own first
+    run is swapped for the spare."""
+    ref = run(D3 + ["faults=none"], tmp_path / "ref")
+    assert not ref["recoveries"]
+    s = run(D3 + [corrupt(5, 3)], tmp_path / "run")
+    dispute, swap = s["recoveries"]
+    assert dispute["detected_by"] == "corruption" and dispute["failed_rank"] == []
+    assert dispute["failed_at_step"] == 4 and dispute["resume_step"] < 4
+    assert swap["detected_by"] == "corruption" and swap["failed_rank"] == 5
+    assert swap["spare_slot"] == 8 and swap["outcome"] == "hot-swapped"
+    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_a_spike_rolls_back_and_skips_its_batch_like_a_run_told_to_skip_it(tmp_path):
+    """dp 2: rank 1's loss of step 5 made NaN. The job rolls back to snapshot 5 (the state
+    before that batch) and reads data position 6 at step 5 from then on; a failure-free run with
+    ``ft.spike.skip_batches=[5]`` computes the same bits, one without it does not."""
+    ref = run(DP2 + ["faults=none", "ft.spike.skip_batches=[5]"], tmp_path / "ref")
+    assert not ref["recoveries"]
+    ev = "faults.events=[{rank: 1, step: 5, phase: optimizer, kind: spike}]"
+    s = run(DP2 + [ev], tmp_path / "run")
+    (rec,) = s["recoveries"]
+    assert rec["detected_by"] == "spike" and rec["failed_rank"] == [] and rec["spare_slot"] == []
+    assert rec["failed_at_step"] == 5 and rec["resume_step"] == 5 and rec["steps_recomputed"] >= 1
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = max(rows, key=lambda r: (r["generation"], r["step"]))
+    assert last["skipped_batches"] == [5]
+    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    assert equal, why

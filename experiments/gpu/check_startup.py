@@ -21,6 +21,11 @@ its pre-built stage: the first plan waits for every slot); rank 0's start-up lin
 includes the wait for the first plan, ``waiting_for_plan_s``); launch -> the worker's
 interpreter (the coordinator's own start and the process launch). ``--device cpu`` with a
 small model: a smoke run of the check.
+
+Before the job (``init_probe``, unless ``--no-init-probe``): the rank's stage built in this
+process on the device from the meta device (``stage_build_on_device_s``, the initialisation
+drawn there), and whether a chunk of a parameter drawn on the device has the CPU's bits
+(``init_bits_equal_cpu``: the draw is meant not to depend on the device, deadpool/init_rng.py).
 """
 
 from __future__ import annotations
@@ -48,6 +53,35 @@ def overrides(args) -> list[str]:
             *(["launcher.share_gpu=true"] if args.device == "cuda" else []), *args.overrides]
 
 
+def init_probe(args) -> dict:
+    """Stage build on the device (the job's model, float32, tp 1) and CPU == device bits."""
+    import torch
+
+    from deadpool.init_rng import fill_normal_, param_key
+    from deadpool.parallel.stage import build_stage
+    from deadpool.train import compose_config
+
+    cfg = compose_config([f"model={args.model}"], Path(tempfile.mkdtemp()))["model"]
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    stage = build_stage(cfg, 0, pp_rank=0, pp=1, tp_rank=0, tp=1, device=args.device)
+    sync()
+    out = {"stage_build_on_device_s": round(time.perf_counter() - t0, 3),
+           "stage_params": sum(p.numel() for p in stage.parameters())}
+    del stage
+    key, n = param_key(0, "blocks.0.ffn.down.weight"), 1 << 20
+    starts = list(range(1, 64 * 4097, 4097))  # odd starts: pairs split at both ends
+    here = fill_normal_(torch.empty(n, device=args.device), key, 0.02, [0], n)
+    cpu = fill_normal_(torch.empty(n), key, 0.02, [0], n)
+    cols_dev = fill_normal_(torch.empty(64, 2049, device=args.device), key, 0.02, starts, 2049)
+    cols_cpu = fill_normal_(torch.empty(64, 2049), key, 0.02, starts, 2049)
+    out["init_bits_equal_cpu"] = bool(torch.equal(here.cpu(), cpu)
+                                      and torch.equal(cols_dev.cpu(), cols_cpu))
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -59,6 +93,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=120)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--no-init-probe", action="store_true")
     ap.add_argument("--overrides", nargs="*",
                     default=["ft.num_local_slots=2", "ft.progress_timeout_s=900"],
                     help="extra Hydra overrides")
@@ -77,6 +112,9 @@ def main() -> None:
         print(json.dumps(out, indent=1))
         return
     out["env"] = env_info()
+    if not args.no_init_probe:
+        out["init_probe"] = init_probe(args)
+        print(f"init probe: {json.dumps(out['init_probe'])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "job"
         warm_json = Path(tmp) / "warm.json"

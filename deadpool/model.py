@@ -35,6 +35,10 @@ with ``torch.utils.checkpoint`` (non-reentrant):
 
 The model has no dropout or any other random op, so recomputation replays nothing random
 (checkpoint still restores the RNG state around it, at the cost of reading it).
+
+``compile=true`` (conf/train.yaml) runs each block's local compute, RMSNorm and the rotary
+embedding included, through ``torch.compile`` (``parallel/compile.py``: the same arithmetic as
+``rms_norm`` and ``attention_core``, fused by inductor); without it these run eagerly as here.
 """
 
 from __future__ import annotations

@@ -219,8 +219,12 @@ def poll(coord) -> tuple[dict[int, str], float] | None:
     """A rank's report of corruption or a spike in the current generation: ``(failed, t)``
     (the named ranks, detected by ``corruption``; none for a spike or a dp-2 dispute), else
     None. One store request while nothing is reported."""
-    got = reports.read_posted(coord.store, coord.seal,
-                              {r: report_key(coord.gen, r) for r in coord.members.ranks})
+    listed = reports.peek(coord.store, reports.index_of(report_key(coord.gen, 0)))
+    if not listed:  # the one request of a turn with nothing reported (no O(ranks) work either)
+        return None
+    names = {int(n) for n in listed.decode(errors="replace").split(",") if n.isdigit()}
+    got = reports.read_posted(coord.store, coord.seal, {r: report_key(coord.gen, r) for r in
+                                                        names if r in coord.members.ranks})
     if not got:
         return None
     ev = json.loads(got[min(got)])

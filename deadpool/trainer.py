@@ -302,7 +302,7 @@ class Trainer:
             hold_at_pause(self, comm)  # a migration: every rank holds at one step (recovery.pause)
             at(s, "forward")
             fire(s, "step_start")
-            self.clock.begin(comm, self.injector.delay_s)  # own compute, waits excluded (straggler)
+            self.clock.begin(comm, getattr(self.injector, "delay_s", 0.0))  # (straggler.py)
             # gradients of an aborted step must not leak into its replay; gradient buckets are
             # reduced over dp from backward hooks as soon as they are complete
             self.opt.begin_step(comm, self.microbatches * len(batches))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 PIECE_BYTES = 1 << 20  # a long document is encoded in pieces of about this size, cut at newlines
 PARQUET_BATCH_ROWS = 1024  # rows read from a Parquet file at once
-PART_BYTES = 16 << 20  # a larger file is read as parts of about this size (workers share it)
+PART_BYTES = 4 << 20  # a larger file is read as parts of about this size (workers share it)
 
 
 class PrepareError(ValueError):

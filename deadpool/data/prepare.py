@@ -50,7 +50,8 @@ def model_vocab_size(model: str = DEFAULT_MODEL) -> int:
     path = CONF_DIR / "model" / f"{model}.yaml"
     if not path.is_file():
         names = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
-        raise PrepareError(f"--model {model}: no conf/model/{model}.yaml (one of {', '.join(names)})")
+        raise PrepareError(f"--model {model}: no conf/model/{model}.yaml (one of "
+                           f"{', '.join(names)})")
     return int(yaml.safe_load(path.read_text())["vocab_size"])
 
 class Progress:

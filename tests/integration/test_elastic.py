@@ -7,6 +7,10 @@ process."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,9 +62,9 @@ def test_elastic_refuses_spares(tmp_path):
         run_job(compose_train(BASE + ["parallel.global_dp=2"], tmp_path), log=quiet)
 
 
-def _train(tmp_path, name: str, overrides: list[str]):
+def _train(tmp_path, name: str, overrides: list[str], log=quiet):
     run = tmp_path / name
-    s = run_job(compose_train(BASE + overrides, run), log=quiet)
+    s = run_job(compose_train(BASE + overrides, run), log=log)
     assert s["outcome"] == "completed", s["message"]
     return run, s
 
@@ -124,18 +128,62 @@ def test_shrink_equals_training_at_the_reduced_width_from_the_same_step(tmp_path
         assert d_kept < 1e-4 and d_kept * 50 < d_other, (name, d_kept, d_other)
 
 
+class JoinerKiller:
+    """A thread that SIGKILLs the process of ``slot`` of the job in ``run`` as soon as it exists
+    (a regrow's joiner, still building its model: in its warm-up), once. The tests' processes
+    are forks of their node agent (tests/conftest.py): its command line (naming the job file)
+    and its own process name ``dp-slot<slot>`` (``launcher.fork_worker``) tell it."""
+
+    def __init__(self, run, slot: int):
+        self.job, self.name = str(run / "job.json").encode(), f"dp-slot{slot}"
+        self.killed: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set() and self.killed is None:
+            for p in Path("/proc").iterdir():
+                try:
+                    if not p.name.isdigit() or (p / "comm").read_text().strip() != self.name:
+                        continue
+                    cmd = (p / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if self.job in cmd:
+                    os.kill(int(p.name), signal.SIGKILL)
+                    self.killed = int(p.name)
+                    return
+            self._stop.wait(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_spares_three_failures_shrink_then_regrow_in_place(tmp_path):
     # two spares, three kills: the first two are hot-swapped, the third finds no spare and the
     # job shrinks in place to dp=3 (survivors keep their processes); a replacement is asked for
-    # at once, warms up while the narrower job trains, and the job regrows in place to dp=4
+    # at once, warms up while the narrower job trains, and the job regrows in place to dp=4.
+    # The first replacement (slot 6) is SIGKILLed while it warms up: a second (slot 7) is started
+    # in its place and the regrow goes on with it (issue 36 items 11 and 14: a joiner dying in
+    # warm-up; old code gave the regrow up for good and the job ended at dp=3)
     events = ("faults.events=[{rank: 1, step: 3, phase: mid_step, kind: kill},"
               "{rank: 2, step: 6, phase: mid_step, kind: kill},"
               "{rank: 3, step: 9, phase: mid_step, kind: kill}]")
-    steps = 150  # long enough for the replacement to start (torch import) before the end
-    run, s = _train(tmp_path, "dp", [events, "ft.num_spares=2", "ft.elastic_regrow_after_s=0",
-                                     f"num_steps={steps}"])
+    steps = 200  # long enough for two replacements to warm up one after the other
+    logs: list[str] = []
+    killer = JoinerKiller(tmp_path / "dp", slot=6)
+    try:
+        run, s = _train(tmp_path, "dp", [events, "ft.num_spares=2", "ft.elastic_regrow_after_s=0",
+                                         f"num_steps={steps}"], log=logs.append)
+    finally:
+        killer.stop()
+    assert killer.killed, "slot 6's process was never seen"
+    assert any("slot(s) [6] exited during start-up; started slot(s) [7]" in line
+               for line in logs), [line for line in logs if "regrow" in line]
     recs = s["recoveries"]
     assert [r["outcome"] for r in recs] == ["hot-swapped", "hot-swapped", "shrunk to dp=3",
                                             "regrown to dp=4"], recs
@@ -147,8 +195,8 @@ def test_two_spares_three_failures_shrink_then_regrow_in_place(tmp_path):
     # the regrow: the same three processes, plus one started for it (a slot never used before)
     _same_processes(run, [0, 4, 5], shrink["generation"], grow["generation"])
     pids = _pids(run)
-    new = [slot for slot in pids if slot > 5]
-    assert len(new) == 1 and set(pids[new[0]]) == {grow["generation"]}, pids
+    new = [slot for slot in pids if slot > 5]  # slot 6 died before training a step
+    assert new == [7] and set(pids[7]) == {grow["generation"]}, pids
     assert sorted(_final(run)) == [f"rank{r}.pt" for r in range(4)]
     rows = _rows(run)
     assert max(r["step"] for r in rows) == steps

@@ -49,3 +49,35 @@ def test_compiled_blocks_match_eager_and_a_warm_up_leaves_nothing_to_compile(tmp
     assert losses(tmp_path / "again.jsonl") == b
     for k, v in again.state_dict().items():
         assert torch.equal(v, tr.state_dict()[k]), k
+
+
+@pytest.mark.slow
+def test_compiled_tensor_parallel_stage_matches_eager_with_collectives_outside():
+    """tp 2 (ranks as threads): the compiled pieces between the eager TP all-reduces give the
+    eager stage's loss and gradients within fp32 rounding."""
+    from deadpool.parallel.stage import build_stage
+    from tests.deadpool.helpers import master_store, run_threads
+    from tests.deadpool.parallel.test_tensor import tp_comm
+
+    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_mult=2,
+               max_seq_len=16)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+    master = master_store()
+
+    def rank_fn(r):
+        comm = tp_comm(master, r)
+        out = []
+        for compiled in (False, True):
+            stage = build_stage(cfg, 3, pp_rank=0, pp=1, tp_rank=r, tp=2)
+            dp_compile.compile_blocks(stage, compiled)
+            loss = stage(x, comm, y)
+            loss.backward()
+            out.append((loss.detach(), {n: p.grad for n, p in stage.named_parameters()}))
+        return out
+
+    # without the eager all-reduces between the pieces each rank's loss would be its shard's
+    for (eager_loss, eager_grads), (loss, grads) in run_threads(rank_fn, 2, timeout_s=900):
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+        for n, gr in grads.items():
+            torch.testing.assert_close(gr, eager_grads[n], rtol=1e-4, atol=1e-6)

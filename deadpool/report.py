@@ -163,6 +163,8 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
         "stop": getattr(coord, "stop_record", None),  # a signal's stop (recovery.preempt)
         # from the ranks' own digests (checkpoint.final): nothing read back from disk
         "final_digest": final_digest(finals, coord.dims.world_size),
+        # bytes of the final checkpoint's files, every rank's part (checkpoint.final)
+        "final_written_bytes": sum(f.get("written_bytes", 0) for f in finals.values()) or None,
         # the last pipeline stage logs the loss (the mean of its data-parallel rank's batch)
         "final_loss": m.final_loss(),
         # validation loss by step (eval_every_steps; the same on every last-stage rank)

@@ -15,6 +15,12 @@ For each round, old then new (so a load that drifts during the run falls on both
   spare needs ~40 GB of host memory, more than a 24 GB machine has: the job then uses fewer
   layers, see the results' README).
 
+* ``--draw``: in this process, alternating, the per-element cost of the two draws alone on one
+  ``[5632, 2048]`` weight (an ffn weight of gpt_1b): the old one (a CPU ``torch.Generator``
+  seeded per parameter, ``normal_``, as ``model.init_param`` drew before
+  ``deadpool/init_rng.py``) and the new ``init_rng.fill_normal_`` on one thread, the way the
+  old build ran it on each of its threads (``--draw-threads``: the new one's chunk threads).
+
 Each tree runs with ``PYTHONPATH`` set to itself (its own ``deadpool``) and the interpreter
 running this script. Writes OUT_DIR/startup.json (every run, plus medians per arm) and prints
 progress as it goes. The load average is recorded before and after each run.
@@ -88,6 +94,32 @@ def run_job(tree: Path, args) -> dict:
     return {k: res.get(k) for k in keep}
 
 
+def run_draws(rounds: int, threads: int) -> list[dict]:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from deadpool.init_rng import fill_normal_, param_key
+
+    torch.set_num_threads(1)
+    shape = (5632, 2048)
+    n = shape[0] * shape[1]
+    out = []
+    for rnd in range(rounds):
+        for arm in ("old", "new"):
+            l0 = load()
+            t0 = time.perf_counter()
+            if arm == "old":
+                gen = torch.Generator().manual_seed((0 << 32) | 12345)
+                torch.empty(shape).normal_(0.0, 0.02, generator=gen)
+            else:
+                fill_normal_(torch.empty(shape), param_key(0, "x"), 0.02, [0], n, threads=threads)
+            dt = time.perf_counter() - t0
+            out.append({"what": "draw", "arm": arm, "round": rnd, "threads": 1 if arm == "old" else threads,
+                        "ns_per_element": round(dt / n * 1e9, 2), "load_before": l0})
+            print(f"    draw {arm}: {out[-1]['ns_per_element']} ns/element (load {l0})", flush=True)
+    return out
+
+
 def median(rows: list[dict], key: str):
     vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
     return round(statistics.median(vals), 3) if vals else None
@@ -102,6 +134,9 @@ def main() -> None:
     ap.add_argument("--model", default="gpt_1b")
     ap.add_argument("--stage-tp", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--stage-timeout-s", type=float, default=600)
+    ap.add_argument("--draw", action="store_true", help="also the two draws alone, in-process")
+    ap.add_argument("--draw-rounds", type=int, default=5)
+    ap.add_argument("--draw-threads", type=int, default=1)
     ap.add_argument("--job", action="store_true", help="also launch -> first step of a job")
     ap.add_argument("--job-seq-len", type=int, default=128)
     ap.add_argument("--job-timeout-s", type=float, default=900)
@@ -112,7 +147,7 @@ def main() -> None:
     commits = {k: subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"],
                                  capture_output=True, text=True).stdout.strip()
                for k, t in trees.items()}
-    runs = []
+    runs = run_draws(args.draw_rounds, args.draw_threads) if args.draw else []
     for rnd in range(args.rounds):
         for arm in ("old", "new"):
             for tp in args.stage_tp:
@@ -134,6 +169,9 @@ def main() -> None:
                 runs.append(r)
     summary = {}
     for arm in ("old", "new"):
+        rows = [r for r in runs if r["what"] == "draw" and r["arm"] == arm]
+        if rows:
+            summary[f"{arm} draw"] = {"ns_per_element": median(rows, "ns_per_element")}
         for tp in args.stage_tp:
             rows = [r for r in runs if r["what"] == "stage" and r["arm"] == arm and r["tp"] == tp]
             summary[f"{arm} stage tp{tp}"] = {k: median(rows, k) for k in

@@ -90,8 +90,12 @@ def run_job(tree: Path, args) -> dict:
             return {"error": (p.stdout + p.stderr)[-2000:]}
         res = json.loads(path.read_text())
     keep = ("launch_to_first_step_s", "launch_to_spare_warm_s", "launch_to_warm_s",
-            "launch_to_worker_exec_s", "startup", "startup_line", "timed_out", "wall_s")
-    return {k: res.get(k) for k in keep}
+            "launch_to_worker_exec_s", "startup", "startup_line", "timed_out", "wall_s",
+            "returncode")
+    out = {k: res.get(k) for k in keep}
+    if out["launch_to_first_step_s"] is None:  # the job's own words on why
+        out["tail"] = (res.get("tail") or "")[-1500:]
+    return out
 
 
 def run_draws(rounds: int, threads: int) -> list[dict]:

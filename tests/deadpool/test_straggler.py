@@ -79,9 +79,9 @@ def test_compute_clock_excludes_waits_on_peers_and_counts_a_slow_fault():
         time.sleep(0.05)
         progress.set(step, "optimizer")
         c = clock.end(step)
-        assert 0.028 <= c < 0.05, c
+        assert 0.028 <= c < 0.065, c  # with the 50 ms wait it would be >= 0.08
     s, c = unpack_compute(board.word)
-    assert s == 2 and 0.028 <= c < 0.05
+    assert s == 2 and 0.028 <= c < 0.065
     cpu = ComputeClock(progress, steps=1, cpu=True)  # a CPU device: the thread's CPU time
     cpu.begin(comm, delay_s=0.02)
     time.sleep(0.05)  # descheduled or blocked: not this rank's compute

@@ -75,7 +75,7 @@ def test_a_slow_rank_is_migrated_without_losing_a_step(tmp_path):
     assert ratio > slowed  # loosely: the job is faster without its straggler
 
 
-def _wait_for_step(run_dir: Path, step: int, timeout_s: float = 120.0) -> None:
+def _wait_for_step(run_dir: Path, step: int, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(r["step"] >= step for r in metrics(run_dir) if r["rank"] == 0):
@@ -96,8 +96,11 @@ def _gone(pid: int) -> bool:
 def test_draining_a_node_moves_its_ranks_and_its_processes_leave(tmp_path, monkeypatch):
     base = ["model=tiny", "parallel=dp2_tp2_pp2", "parallel.ranks_per_node=2", "num_steps=30",
             "ft.num_spares=2", "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
-    ref = run_job(compose_train(base + ["faults=none"], tmp_path / "ref"), log=quiet)
+    lines: list[str] = []
+    ref = run_job(compose_train(base + ["faults=none"], tmp_path / "ref"), log=lines.append)
     assert ref["outcome"] == "completed" and not ref["recoveries"]
+    # no false positive with pipeline stages of unequal work (first: embedding, last: head + loss)
+    assert not [x for x in lines if "straggler" in x], lines
     secret = auth.new_secret()
     monkeypatch.setattr(auth, "new_secret", lambda: secret)  # the operator holds the job's secret
     monkeypatch.setenv("DEADPOOL_JOB_SECRET", secret)
@@ -114,7 +117,9 @@ def test_draining_a_node_moves_its_ranks_and_its_processes_leave(tmp_path, monke
         deadline = time.monotonic() + 30
         while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert job.is_alive() and all(_gone(p) for p in pids), pids  # gone while the job trains
+        # gone while the job trains on (every process leaves at the job's end anyway)
+        at = max(r["step"] for r in metrics(run_dir) if r["rank"] == 0)
+        assert all(_gone(p) for p in pids) and at < 30 - 5, (pids, at)
     finally:
         job.join(300)
     s = out

@@ -1,0 +1,104 @@
+"""Planned swaps without processes (recovery/migrate.py, deadpool/drain.py): the retired slots
+travel with the plan, a drain request is sealed and answered, refused when too few spares are
+free off the node, and the pause is placed past the steps the records may lag by."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from deadpool import drain
+from deadpool.protocol import Plan, Seal, Source
+from deadpool.protocol_wire import decode_plan, encode_plan
+from deadpool.recovery.migrate import Migrations
+from deadpool.topology import ParallelDims
+
+
+class DictStore:
+    def __init__(self):
+        self.d: dict[str, bytes | int] = {}
+
+    def add(self, k, n):
+        self.d[k] = int(self.d.get(k, 0)) + n
+        return self.d[k]
+
+    def set(self, k, v):
+        self.d[k] = v
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+
+def test_retired_slots_travel_in_full_and_as_a_delta():
+    a = Plan(0, "train", {0: 0, 1: 1}, 0, {0: Source("live", 0), 1: Source("live", 1)})
+    b = Plan(1, "train", {0: 0, 1: 2}, 7, {0: Source("live", 0), 1: Source("replica", 0)},
+             retire=[1])
+    assert decode_plan(encode_plan(b, None), None).retire == [1]
+    assert decode_plan(encode_plan(b, a), a).retire == [1]
+    assert decode_plan(encode_plan(a, None), None).retire == []
+
+
+def fake_coord(spares: list[int], events=True):
+    """dp2 x tp2 x pp2 with two ranks per node: node n holds slots 2n, 2n+1; spares after."""
+    cfg = {"parallel": {"dp": 2, "tp": 2, "pp": 2, "ranks_per_node": 2}}
+    logs: list[str] = []
+    store, seal = DictStore(), Seal("s3cret")
+    killed: list[int] = []
+    coord = SimpleNamespace(
+        ft={"agent_interval_s": 0.25}, gen=0, job_step=12, store=store, seal=seal,
+        forgeries=set(), log=logs.append, pending=None,
+        members=SimpleNamespace(ranks={r: r for r in range(8)}, spares=list(spares)),
+        dims=ParallelDims.from_config(cfg["parallel"]),
+        launcher=SimpleNamespace(node_of_slot={}, kill=killed.append),
+        events=SimpleNamespace(pushed=[], push=lambda kind, **d: coord.events.pushed.append(
+            (kind, d))) if events else None,
+        live=SimpleNamespace(compute={}))
+    coord.counter = lambda key: int(store.add(key, 0))
+    return coord, logs, killed
+
+
+def answers(coord, ids):
+    return {i: json.loads(coord.seal.unwrap(drain.reply_key(i), coord.store.get(drain.reply_key(i))))
+            for i in ids if coord.store.check([drain.reply_key(i)])}
+
+
+def test_a_drain_is_refused_with_the_reason_when_too_few_spares_are_free_off_the_node():
+    coord, logs, _ = fake_coord(spares=[8])  # one spare (node 4) for node 1's two ranks
+    m = Migrations(coord)
+    i = drain.request(coord.store, coord.seal, 1)
+    assert m.poll(coord) is False
+    got = answers(coord, [i])[i]
+    assert not got["ok"] and "2 rank(s) [2, 3]" in got["message"] and "1 warm spare" in got["message"]
+    assert not m.wanted and not coord.events.pushed  # nothing paused
+
+
+def test_an_accepted_drain_pauses_every_rank_past_the_records_lag_and_retires_its_spares():
+    coord, logs, killed = fake_coord(spares=[8, 9, 10])  # 8, 9 on node 4; 10 on node 5
+    coord.launcher.node_of_slot = {8: 4, 9: 4, 10: 1}  # (a spare of the drained node: released)
+    m = Migrations(coord)
+    i = drain.request(coord.store, coord.seal, 1)
+    m.poll(coord)
+    assert m.wanted == {2: "drain", 3: "drain"} and i not in answers(coord, [i])
+    assert killed == [10] and coord.members.spares == [8, 9]
+    ((kind, ev),) = coord.events.pushed
+    assert kind == "pause" and ev["g"] == 0 and ev["step"] >= coord.job_step + 3
+
+
+def test_a_forged_drain_request_is_ignored():
+    coord, logs, _ = fake_coord(spares=[8, 9])
+    m = Migrations(coord)
+    drain.request(coord.store, Seal("another job"), 1)
+    m.poll(coord)
+    assert not m.wanted and any("without the job's secret" in x for x in logs)
+
+
+def test_without_node_agents_a_drain_is_refused():
+    coord, logs, _ = fake_coord(spares=[8, 9], events=False)
+    m = Migrations(coord)
+    i = drain.request(coord.store, coord.seal, 1)
+    m.poll(coord)
+    got = answers(coord, [i])[i]
+    assert not got["ok"] and "node agents" in got["message"]

@@ -34,6 +34,7 @@ in this order (``module:function``)::
 A failure during any of steps 7-10 aborts g+1 the same way; step 1 then plans g+2 from what is
 left (the open record is closed as interrupted). A stop on a signal (walltime, preemption,
 Ctrl-C: ``recovery.preempt``) runs steps 2-4 without a failure and writes the planned step to
-disk. The end of a job (every rank's final record, waited for while its writer progresses):
+disk. A planned swap (a straggler, a drained node: ``recovery.migrate``) holds every rank at
+one step boundary (``recovery.pause``) and runs steps 2-6 without a failure. The end of a job (every rank's final record, waited for while its writer progresses):
 ``recovery.finish``. Messages and store keys: ``deadpool.protocol``.
 """

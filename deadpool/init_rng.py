@@ -18,13 +18,21 @@ Elements ``2p`` and ``2p + 1`` are one Box-Muller pair (``normal_pairs``):
 (a quarter turn and two sign bits make an angle uniform over the full turn: Box-Muller's pair of
 independent normals).
 
-``ln``, ``cos`` and ``sin`` are written as polynomials (atanh series on a mantissa in [1/sqrt 2, sqrt 2);
-Taylor series on [0, pi/2]) from float32 add, mul, div and sqrt alone, one torch op each: those
-are correctly rounded in IEEE arithmetic on the CPU (vectorised body or scalar tail alike) and on
-CUDA (no fast-math, no fused multiply-add across separate kernels), so the bits do not depend on
-the chunking, the thread count, the slice or the device, which torch's own ``log``/``cos`` (SLEEF
-in the CPU's vector loop, libm in its tail, CUDA's libdevice) would not promise. The polynomials'
-error is below float32's rounding (< 1e-8 relative); ``|z| <= sqrt(48 ln 2) = 5.77``.
+``ln``, ``cos`` and ``sin`` are polynomials (an atanh series on a mantissa in
+[1/sqrt 2, sqrt 2); Taylor series on [0, pi/2]; truncation errors below 1e-8, within 3e-7 of the
+true values once evaluated in float32) built from float32 add, mul, div and sqrt alone, one torch
+op each. Those are correctly rounded in IEEE arithmetic on the CPU, vectorised body or scalar
+tail alike, and on CUDA (no fast-math, no fused multiply-add across separate kernels). So the
+bits depend on neither the chunking, the thread count nor the slice (tested), nor, by the same
+argument, on the device: ``test_init_rng.py``'s ``gpu`` test and ``check_startup.py``'s probe
+check that, not yet run on a GPU. Torch's own ``log``/``cos`` would not promise it (SLEEF in the
+CPU's vector loop, libm in its tail, libdevice on CUDA). ``|z| <= sqrt(48 ln 2) = 5.77``.
+
+Cost: about 70 elementwise ops per pair, each a pass over the chunk. On a CPU that is about 3x
+the Mersenne twister's ``normal_`` per element (experiments/results/runtime/startup); a rank at
+tp >= 3 still draws less than before, and on a GPU the passes are cheap. A fused kernel (Triton,
+C++) computing this same function, tested bitwise against it, would remove the CPU cost; none is
+written yet.
 
 Nothing here imports the rest of the package: ``model.py`` (the full parameter) and
 ``parallel/stage.py`` (a tensor-parallel slice, ``shard_segments``) both draw through
@@ -56,7 +64,7 @@ _COS = [(-1) ** n / math.factorial(2 * n) for n in range(1, 7)]
 _SIN = [(-1) ** n / math.factorial(2 * n + 1) for n in range(1, 7)]  # sin(x) / x, n = 1..6
 # atanh series: ln m = 2 s (1 + s^2/3 + s^4/5 + s^6/7 + s^8/9), s = (m-1)/(m+1), |s| <= 0.172
 _LN = [1 / 9, 1 / 7, 1 / 5, 1 / 3, 1.0]
-_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}  # elements per chunk (~10 scratch tensors of it)
+_CHUNK = {"cpu": 1 << 18, "cuda": 1 << 24}  # elements per chunk: ~10 scratch tensors of it per thread
 
 
 def splitmix64(x: int) -> int:

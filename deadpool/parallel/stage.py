@@ -126,7 +126,7 @@ def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp
                 weights=None) -> StageModel:
     """This rank's stage, with parameters equal (bitwise) to the matching slices of
     ``deadpool.model.build_model(model_cfg, seed)``. Draws only the elements it holds, on
-    ``device`` (the values do not depend on the device: ``deadpool.init_rng``).
+    ``device`` (the values are meant not to depend on the device: ``deadpool.init_rng``).
 
     ``init=False``: parameters are allocated but not drawn (a spare whose state will arrive by
     transfer: drawing the init it overwrites would lengthen every hot-swap).

@@ -82,7 +82,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.control_plane.table import main  # noqa: E402
-
 if __name__ == "__main__":
+    # imported here, not at the top: the fake processes (spawned) run this module's top level
+    # again, and need only experiments.control_plane.fake_nodes / fake_ranks, not the
+    # coordinator's imports (seconds of start-up each on a loaded machine)
+    from experiments.control_plane.table import main
+
     main()

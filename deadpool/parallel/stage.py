@@ -140,7 +140,7 @@ def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp
               activation_checkpointing=activation_checkpointing)
     if not init:
         return empty_stage(cfg, device, **kw)
-    if weights is not None:  # read on the CPU, as drawn: no full parameter is ever built
+    if weights is not None:  # read on the CPU slice by slice (no full parameter), then moved
         stage = empty_stage(cfg, "cpu", **kw)
         with torch.no_grad():
             for name, p in stage.named_parameters():

@@ -115,6 +115,7 @@ def test_bench_overhead_quick_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1600)
 def test_gpu_throughput_check_runs_end_to_end_on_cpu(tmp_path):
     """GPU check 4's machinery on a small CPU job (the GPU runs are rare: the script must work
     the first time there): both DeadPool arms are stopped once their last step is logged, their
@@ -127,11 +128,17 @@ def test_gpu_throughput_check_runs_end_to_end_on_cpu(tmp_path):
     subprocess.run([sys.executable, str(root / "experiments" / "gpu" / "check_throughput.py"),
                     str(tmp_path), "--device", "cpu", "--model", "tiny", "--batch-size", "2",
                     "--seq-len", "32", "--steps", "12", "--warmup", "2", "--settled", "4",
-                    "--timeout-s", "150"], check=True, cwd=root, timeout=400,
+                    "--arms", "deadpool_on_compile,deadpool_off_compile,plain,deadpool_off,deadpool_on",
+                    # CPU inductor compiles of a loaded machine: minutes (a GPU's: ~1 min)
+                    "--timeout-s", "150", "--compile-timeout-s", "400", "--budget-s", "1400"],
+                   check=True, cwd=root, timeout=1500,
                    env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL)
     res = json.loads((tmp_path / "check_throughput.json").read_text())
     assert len(res["plain"]["step_s"]) == 12 and res["plain"]["tokens_per_s"] > 0
-    for arm, snapshots in (("deadpool_snapshot_off", False), ("deadpool_snapshot_on", True)):
+    assert res["compile_snapshot_on_vs_off_step_time"] > 0
+    for arm, snapshots in (("deadpool_snapshot_off", False), ("deadpool_snapshot_on", True),
+                           ("deadpool_snapshot_off_compile", False),
+                           ("deadpool_snapshot_on_compile", True)):
         r = res[arm]
         assert not r["timed_out"], r["tail"]
         assert len(r["step_s"]) == 12 and r["settled_tokens_per_s"] > 0, r["tail"]

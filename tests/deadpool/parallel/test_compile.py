@@ -81,3 +81,24 @@ def test_compiled_tensor_parallel_stage_matches_eager_with_collectives_outside()
         torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
         for n, gr in grads.items():
             torch.testing.assert_close(gr, eager_grads[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_checkpointed_compiled_blocks_give_the_gradients_of_compiled_blocks():
+    """``activation_checkpointing=full|selective`` under ``compile=true``: the compiled block
+    recomputed in backward (full), or selective left to inductor's partitioner, gives bitwise the
+    gradients of the compiled block without checkpointing."""
+    from deadpool.model import build_model
+
+    cfg = dict(vocab_size=512, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_mult=4,
+               max_seq_len=256)
+    x = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for mode in ("none", "full", "selective"):
+        m = build_model(cfg, 1, activation_checkpointing=mode)
+        dp_compile.compile_blocks(m)
+        m(x[:, :-1], x[:, 1:]).backward()
+        grads[mode] = {n: p.grad for n, p in m.named_parameters()}
+    for mode in ("full", "selective"):
+        for n, g in grads["none"].items():
+            assert torch.equal(grads[mode][n], g), (mode, n)

@@ -128,16 +128,15 @@ def test_gpu_throughput_check_runs_end_to_end_on_cpu(tmp_path):
     subprocess.run([sys.executable, str(root / "experiments" / "gpu" / "check_throughput.py"),
                     str(tmp_path), "--device", "cpu", "--model", "tiny", "--batch-size", "2",
                     "--seq-len", "32", "--steps", "12", "--warmup", "2", "--settled", "4",
-                    "--arms", "deadpool_on_compile,deadpool_off_compile,plain,deadpool_off,deadpool_on",
-                    # CPU inductor compiles of a loaded machine: minutes (a GPU's: ~1 min)
-                    "--timeout-s", "150", "--compile-timeout-s", "400", "--budget-s", "1400"],
-                   check=True, cwd=root, timeout=1500,
+                    # one compiled arm (its plumbing; compiled training itself is tested in
+                    # test_compile): a CPU inductor compile costs minutes of the suite per arm
+                    "--arms", "deadpool_on_compile,plain,deadpool_off,deadpool_on",
+                    "--timeout-s", "150", "--compile-timeout-s", "400", "--budget-s", "900"],
+                   check=True, cwd=root, timeout=1000,
                    env=dict(os.environ, PYTHONPATH=str(root)), stdout=subprocess.DEVNULL)
     res = json.loads((tmp_path / "check_throughput.json").read_text())
     assert len(res["plain"]["step_s"]) == 12 and res["plain"]["tokens_per_s"] > 0
-    assert res["compile_snapshot_on_vs_off_step_time"] > 0
     for arm, snapshots in (("deadpool_snapshot_off", False), ("deadpool_snapshot_on", True),
-                           ("deadpool_snapshot_off_compile", False),
                            ("deadpool_snapshot_on_compile", True)):
         r = res[arm]
         assert not r["timed_out"], r["tail"]

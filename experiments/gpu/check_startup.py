@@ -26,6 +26,7 @@ Before the job (``init_probe``, unless ``--no-init-probe``): the rank's stage bu
 process on the device from the meta device (``stage_build_on_device_s``, the initialisation
 drawn there), and whether a chunk of a parameter drawn on the device has the CPU's bits
 (``init_bits_equal_cpu``: the draw is meant not to depend on the device, deadpool/init_rng.py).
+Its seconds (``probe_s``) are taken from ``--timeout-s``, so the check keeps its bound.
 """
 
 from __future__ import annotations
@@ -113,7 +114,11 @@ def main() -> None:
         return
     out["env"] = env_info()
     if not args.no_init_probe:
+        t_probe = time.monotonic()
         out["init_probe"] = init_probe(args)
+        # the probe's seconds come out of the job's bound (the session's step bounds the whole)
+        out["init_probe"]["probe_s"] = round(time.monotonic() - t_probe, 2)
+        args.timeout_s = max(30.0, args.timeout_s - out["init_probe"]["probe_s"])
         print(f"init probe: {json.dumps(out['init_probe'])}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "job"

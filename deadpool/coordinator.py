@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deadpool import reports
+from deadpool import drain, reports
 from deadpool.agent.node import NODES_CHANGED, node_key
 from deadpool.errors import JobFailed
 from deadpool.groups import keepable_keys
@@ -171,7 +171,7 @@ class Coordinator:
         so each is created at 0 once. Each value read serves one ``counter`` call; any later call
         asks the store itself, so a value is never older than the loop that read it."""
         keys = Keys(self.gen)
-        names = [keys.num_errors, keys.finished_count]
+        names = [keys.num_errors, keys.finished_count, drain.HINT]
         if self.events is not None:
             names.append(NODES_CHANGED)
         try:

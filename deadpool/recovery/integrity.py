@@ -53,6 +53,7 @@ from deadpool.protocol import Seal, wake_coordinator
 from deadpool.recovery import timeline
 from deadpool.recovery.spike import SpikeRule, add_skip, position
 
+POLL_S = 0.1  # the coordinator looks for a rank's report at most this often
 SKIPS_KEY = "integrity/skips"  # the job's skip list (sealed JSON), rewritten by the coordinator
 
 
@@ -218,7 +219,12 @@ def flip_param_bit(opt) -> None:
 def poll(coord) -> tuple[dict[int, str], float] | None:
     """A rank's report of corruption or a spike in the current generation: ``(failed, t)``
     (the named ranks, detected by ``corruption``; none for a spike or a dp-2 dispute), else
-    None. One store request while nothing is reported."""
+    None. One store request per ``POLL_S`` while nothing is reported (the loop turns every
+    10 ms: a check per turn would be most of the coordinator's steady requests)."""
+    now = time.monotonic()
+    if now - getattr(coord, "integrity_polled", float("-inf")) < POLL_S:
+        return None
+    coord.integrity_polled = now
     listed = reports.peek(coord.store, reports.index_of(report_key(coord.gen, 0)))
     if not listed:  # the one request of a turn with nothing reported (no O(ranks) work either)
         return None

@@ -110,12 +110,12 @@ def test_each_entry_point_lists_only_its_own_config_groups():
 
 
 def test_the_readmes_3d_example_has_no_placement_warning(tmp_path):
-    """The README's own 3D command must compose to a layout ``check_placement`` finds sound."""
+    """The 3D command in docs/runtime.md must compose to a sound layout (``check_placement``)."""
     import shlex
 
     from deadpool.policies import check_placement
     from deadpool.topology import ParallelDims
-    readme = (Path(CONF_DIR).parent / "README.md").read_text()
+    readme = (Path(CONF_DIR).parent / "docs" / "runtime.md").read_text()
     lines = readme.split("    # 3D: 8 ranks", 1)[1].splitlines()
     start = next(i for i, ln in enumerate(lines) if "python -m deadpool.train" in ln)
     cmd = []

@@ -361,7 +361,7 @@ def test_cpu_run_too_big_for_this_machine_is_refused(tmp_path):
 def test_readme_shows_the_current_tables():
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text()
     assert table() in readme
     measured = measured_table()  # builds the runtime's stages and optimizers, measures them
     assert measured in readme
@@ -428,5 +428,5 @@ def test_readme_shows_the_zero2_rows():
 
     from deadpool.memory import issue_rows, zero2_table
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text()
     assert issue_rows() in readme and zero2_table() in readme

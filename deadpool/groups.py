@@ -36,11 +36,24 @@ def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
         if c["pp"] > 0:
             (kf, rf), (kb, rb) = pair(c["pp"] - 1)
             out += [("pp_recv_fwd", kf, rf, False), ("pp_send_bwd", kb, rb, False)]
+        if dims.virtual_stages > 1 and c["pp"] in (0, dims.pp - 1):  # interleaved: wrap-around
+            (kf, rf), (kb, rb) = wrap_pair(dims, c["dp"], c["tp"])
+            out += ([("pp_send_wrap_fwd", kf, rf, False), ("pp_recv_wrap_bwd", kb, rb, False)]
+                    if c["pp"] == dims.pp - 1 else
+                    [("pp_recv_wrap_fwd", kf, rf, False), ("pp_send_wrap_bwd", kb, rb, False)])
     for j, (buddy, ward) in enumerate(zip(topo.buddies(), topo.wards())):
         if buddy != rank:  # one 2-rank group per holder (ft.replicas) and per ward
             out.append((repl_name("out", j), f"repl/{rank}-{buddy}", [rank, buddy], True))
             out.append((repl_name("in", j), f"repl/{ward}-{rank}", [ward, rank], True))
     return sorted(out, key=lambda g: g[1])
+
+
+def wrap_pair(dims: ParallelDims, dp: int, tp: int):
+    """Interleaved 1F1B's groups from the last stage back to the first (model chunk ``c`` of the
+    last rank feeds chunk ``c + 1`` of rank 0): ``(key, ranks)`` for activations and for their
+    gradients, apart from the stage-to-stage pairs so that each group carries one direction."""
+    a, b = dims.rank_of(dims.pp - 1, dp, tp), dims.rank_of(0, dp, tp)
+    return (f"ppwf/{a}-{b}", [a, b]), (f"ppwb/{b}-{a}", [b, a])
 
 
 def repl_name(direction: str, j: int) -> str:
@@ -64,6 +77,11 @@ def all_groups(dims: ParallelDims, buddy_policy: str, replicas: int = 1) -> dict
             for tp in range(dims.tp):
                 a, b = dims.rank_of(s, dp, tp), dims.rank_of(s + 1, dp, tp)
                 out[f"ppf/{a}-{b}"], out[f"ppb/{b}-{a}"] = [a, b], [b, a]
+    if dims.virtual_stages > 1:
+        for dp in range(dims.dp):
+            for tp in range(dims.tp):
+                for key, ranks in wrap_pair(dims, dp, tp):
+                    out[key] = ranks
     for r, bs in enumerate(buddies_table(dims, buddy_policy, replicas)):
         for b in bs:
             if b != r:

@@ -31,6 +31,7 @@ class ParallelDims:
     ranks_per_node: int = 1
     zero: int = 1  # ZeRO stage: 0 off, 1 the optimizer state sharded over dp, 2 the gradients too
     nodes_per_rack: int = 1  # nodes behind one rack switch (a failure domain of its own)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved 1F1B; 1: plain 1F1B)
 
     @classmethod
     def from_config(cls, parallel: dict) -> "ParallelDims":
@@ -39,13 +40,24 @@ class ParallelDims:
         tp = int(parallel.get("tp", 1))
         return cls(int(parallel["dp"]), tp, int(parallel.get("pp", 1)),
                    int(parallel.get("ranks_per_node", tp)), zero_stage(parallel.get("zero", True)),
-                   int(parallel.get("nodes_per_rack", 1)))
+                   int(parallel.get("nodes_per_rack", 1)),
+                   int(1 if parallel.get("virtual_stages") is None else parallel["virtual_stages"]))
+
+    @classmethod
+    def from_layout(cls, layout: dict) -> "ParallelDims":
+        """The degrees a checkpoint recorded (``layout``), one tensor-parallel group per node."""
+        tp = int(layout.get("tp", 1))
+        return cls(int(layout["dp"]), tp, int(layout.get("pp", 1)), ranks_per_node=tp,
+                   virtual_stages=int(layout.get("virtual_stages", 1)))
 
     def __post_init__(self):
         zero_stage(self.zero)
-        for axis in ("dp", "tp", "pp", "ranks_per_node", "nodes_per_rack"):
+        for axis in ("dp", "tp", "pp", "ranks_per_node", "nodes_per_rack", "virtual_stages"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"parallel.{axis} must be >= 1, got {getattr(self, axis)}")
+        if self.virtual_stages > 1 and self.pp < 2:
+            raise ValueError(f"parallel.virtual_stages={self.virtual_stages} interleaves pipeline "
+                             f"stages: it needs parallel.pp >= 2, got pp={self.pp}")
         if self.world_size > self.ranks_per_node and self.world_size % self.ranks_per_node:
             raise ValueError(
                 f"world size {self.world_size} (dp*tp*pp) is not a multiple of "
@@ -59,8 +71,12 @@ class ParallelDims:
 
     @property
     def layout(self) -> dict[str, int]:
-        """The degrees a checkpoint records (meta.json), so a job at another width can load it."""
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        """The degrees a checkpoint records (meta.json), so a job at another width can load it
+        (``virtual_stages`` only when interleaved: which layers a rank holds depends on it)."""
+        out = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        if self.virtual_stages > 1:
+            out["virtual_stages"] = self.virtual_stages
+        return out
 
     @property
     def optimizer_sharded(self) -> bool:
@@ -130,6 +146,25 @@ def layer_range(n_layers: int, pp: int, pp_rank: int) -> range:
     base, extra = divmod(n_layers, pp)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (pp_rank < extra))
+
+
+def layer_chunks(n_layers: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[range]:
+    """The layers of pipeline rank ``pp_rank`` as its ``virtual_stages`` model chunks, in order.
+    With one, ``[layer_range(...)]``. With ``v`` (interleaved 1F1B, Megatron's layout) the model
+    is cut into ``pp * v`` equal chunks and chunk ``c`` of rank ``s`` is model chunk ``c * pp + s``
+    (``n_layers`` must divide evenly)::
+
+        n_layers 8, pp 2, v 2:   rank 0: [0, 1] [4, 5]    rank 1: [2, 3] [6, 7]
+    """
+    if virtual_stages == 1:
+        return [layer_range(n_layers, pp, pp_rank)]
+    n = pp * virtual_stages
+    if n_layers % n:
+        raise ValueError(f"model.n_layers={n_layers} is not divisible by parallel.pp * "
+                         f"parallel.virtual_stages = {pp} * {virtual_stages} (equal model chunks)")
+    size = n_layers // n
+    return [range((c * pp + pp_rank) * size, (c * pp + pp_rank + 1) * size)
+            for c in range(virtual_stages)]
 
 
 @dataclass(frozen=True)

@@ -131,13 +131,13 @@ class Trainer:
         if coords == self.coords and dims == self.dims and (self.drawn or not init):
             return 0.0
         t0 = time.perf_counter()
-        cfg, ft = self.cfg, self.cfg["ft"]
+        cfg, ft, v = self.cfg, self.cfg["ft"], dims.virtual_stages  # v: interleaved 1F1B chunks
         if self.engine is not None:
             self.engine.close()
         self.stage = build_stage(cfg["model"], cfg["seed"], pp_rank=coords["pp"], pp=dims.pp,
                                  tp_rank=coords["tp"], tp=dims.tp, device=self.device, init=init,
                                  activation_checkpointing=cfg.get("activation_checkpointing", "none"),
-                                 weights=initial_weights(cfg["model"]) if init else None)
+                                 weights=initial_weights(cfg["model"]) if init else None, virtual_stages=v)
         # bf16: the model (parameters and rotary tables) is cast before the optimizer copies
         # the fp32 master weights from it, as Megatron does (so a spare's and a peer's initial
         # master shard are the same function of the seed)

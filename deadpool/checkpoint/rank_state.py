@@ -130,7 +130,8 @@ def load(trainer, dims: ParallelDims, step_dir, rank: int) -> None:
     from a data-parallel peer's directory of the same step (``shared_from`` in its header)."""
     step_dir = latest_step_dir(step_dir)
     layout = read_meta(step_dir).get("layout")
-    if layout is not None and (int(layout["tp"]), int(layout["pp"])) != (dims.tp, dims.pp):
+    if layout is not None and (int(layout["tp"]), int(layout["pp"]), int(
+            layout.get("virtual_stages", 1))) != (dims.tp, dims.pp, dims.virtual_stages):
         load_relayout(trainer, dims, step_dir, rank, layout)  # tp or pp changed (and dp, maybe)
         return
     if layout is not None and int(layout["dp"]) != dims.dp:

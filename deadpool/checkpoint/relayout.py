@@ -1,4 +1,4 @@
-"""Resume at another parallel layout: dp, tp and pp may all change.
+"""Resume at another parallel layout: dp, tp, pp and the virtual stages may all change.
 
 A checkpoint holds, per rank, its (pp, tp) stage's parameters as one flat buffer (in the stage's
 ``named_parameters()`` order, padded for ZeRO-1) and its optimizer state: the fp32 ``master``
@@ -35,12 +35,15 @@ from deadpool.topology import ParallelDims
 KINDS = ("params", "master", "exp_avg", "exp_avg_sq")  # buffers parallel to the parameters
 
 
-def stage_params(mcfg, pp_rank: int, pp: int, tp_rank: int, tp: int) -> list[tuple[str, torch.Size]]:
-    """(name, local shape) of a stage's parameters, in ``named_parameters()`` order."""
+def stage_params(mcfg, pp_rank: int, pp: int, tp_rank: int, tp: int,
+                 virtual_stages: int = 1) -> list[tuple[str, torch.Size]]:
+    """(name, local shape) of a stage's parameters, in ``named_parameters()`` order (a chunked
+    stage's blocks are its chunks' layers: which ones depends on ``virtual_stages``)."""
     from deadpool.parallel.stage import StageModel
 
     with torch.device("meta"):
-        stage = StageModel(mcfg, pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+        stage = StageModel(mcfg, pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp,
+                           virtual_stages=virtual_stages)
     return [(n, p.shape) for n, p in stage.named_parameters()]
 
 
@@ -72,11 +75,12 @@ def full_tensors(step_dir: Path, old: ParallelDims, mcfg, names) -> tuple[dict, 
     full: dict[str, dict[str, torch.Tensor]] = {}
     step = None
     for pp_rank in range(old.pp):
-        if not names & {n for n, _ in stage_params(mcfg, pp_rank, old.pp, 0, old.tp)}:
+        if not names & {n for n, _ in stage_params(mcfg, pp_rank, old.pp, 0, old.tp,
+                                                   old.virtual_stages)}:
             continue  # a rank reads only the old stages it needs
         pieces: dict[str, dict[str, list]] = {}
         for tp_rank in range(old.tp):
-            params = stage_params(mcfg, pp_rank, old.pp, tp_rank, old.tp)
+            params = stage_params(mcfg, pp_rank, old.pp, tp_rank, old.tp, old.virtual_stages)
             numel = sum(s.numel() for _, s in params)
             st = whole_stage(step_dir, old, pp_rank, tp_rank, numel)
             step = st["step"] if step is None else step
@@ -102,7 +106,7 @@ def relayout_state(step_dir: Path, old: ParallelDims, new: ParallelDims, rank: i
     from deadpool.parallel.tensor.layers import shard
 
     c = new.coords(rank)
-    params = stage_params(mcfg, c["pp"], new.pp, c["tp"], new.tp)
+    params = stage_params(mcfg, c["pp"], new.pp, c["tp"], new.tp, new.virtual_stages)
     full, step = full_tensors(step_dir, old, mcfg, [n for n, _ in params])
     stage = {kind: torch.cat([shard(n, by_name[n], c["tp"], new.tp, model_cfg=mcfg).reshape(-1)
                               for n, _ in params])
@@ -117,8 +121,7 @@ def load_relayout(trainer, dims: ParallelDims, step_dir: Path, rank: int, layout
     (``rank_state.load``'s case for it)."""
     from deadpool.model import model_config
 
-    old = ParallelDims(int(layout["dp"]), int(layout["tp"]), int(layout["pp"]),
-                       ranks_per_node=int(layout["tp"]))
+    old = ParallelDims.from_layout(layout)
     new = relayout_state(step_dir, old, dims, rank, model_config(trainer.cfg["model"]),
                          trainer.opt.shard)
     for name, t in trainer.state_dict().items():

@@ -72,8 +72,7 @@ def load_source(src, job: Path | None = None) -> tuple[dict, ParallelDims, dict[
         raise ExportError(f"{src}: neither a run directory with final/ nor a checkpoint ({e})") from None
     meta = checkpoint.read_meta(step_dir)
     layout = meta.get("layout") or cfg["parallel"]
-    dims = ParallelDims(int(layout["dp"]), int(layout["tp"]), int(layout["pp"]),
-                        ranks_per_node=int(layout["tp"]))
+    dims = ParallelDims.from_layout(layout)
     if dims.world_size != int(meta["world_size"]):
         raise ExportError(f"{step_dir}: meta.json's layout {layout} does not match its world size "
                           f"{meta['world_size']}")
@@ -104,10 +103,13 @@ class StageStates(dict):
         return (self[r] for r in range(self.dims.world_size))
 
 
-def stage_params(cfg, pp_rank: int, pp: int, tp_rank: int, tp: int) -> list[tuple[str, torch.Size]]:
-    """(name, local shape) of a stage's parameters, in ``named_parameters()`` order."""
+def stage_params(cfg, pp_rank: int, pp: int, tp_rank: int, tp: int,
+                 virtual_stages: int = 1) -> list[tuple[str, torch.Size]]:
+    """(name, local shape) of a stage's parameters, in ``named_parameters()`` order (a chunked
+    stage's: its chunks' layers, ``virtual_stages``)."""
     with torch.device("meta"):
-        stage = StageModel(model_config(cfg), pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+        stage = StageModel(model_config(cfg), pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp,
+                           virtual_stages=virtual_stages)
     return [(n, p.shape) for n, p in stage.named_parameters()]
 
 
@@ -145,7 +147,7 @@ def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
 def iter_full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
                          source: str = "params"):
     """``(name, full parameter)`` one at a time, in ``GPT.named_parameters()`` order (stage by
-    stage): only the parameter being assembled is held, the ranks' buffers are read in place
+    stage; under interleaving a stage's layers are not contiguous, so not strictly GPT's order): only the parameter being assembled is held, the ranks' buffers are read in place
     (memory-mapped ``final/`` files; a checkpoint's ranks one stage at a time, ``StageStates``)."""
     mcfg = model_config(model_cfg)
     with torch.device("meta"):
@@ -156,7 +158,8 @@ def iter_full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
     for pp_rank in range(dims.pp):
         flats = [stage_flat(dims, states, pp_rank, tp_rank, source) for tp_rank in range(dims.tp)]
         offsets = [0] * dims.tp
-        names = [stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp) for tp_rank in range(dims.tp)]
+        names = [stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp, dims.virtual_stages)
+                 for tp_rank in range(dims.tp)]
         for (flat, holder), stage in zip(flats, names):
             need = sum(shape.numel() for _, shape in stage)
             # ZeRO-1 pads the flat buffer to a multiple of dp; more left over is another model

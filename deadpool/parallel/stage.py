@@ -5,6 +5,11 @@ possible, earlier stages take the extra layer: the last stage also carries the h
 the first only an embedding lookup). The first stage adds the vocabulary-parallel embedding; the
 last the final norm, the vocabulary-parallel head and the vocabulary-parallel cross-entropy.
 
+Under interleaved 1F1B (``virtual_stages`` v > 1) a rank holds v model chunks instead, chunk
+``c`` being model chunk ``c * pp + pp_rank`` (``topology.layer_chunks``); ``forward(chunk=c)``
+runs one of them. The embedding still sits on rank 0 (its chunk 0) and the head on the last rank
+(its chunk v - 1), so ``is_first`` / ``is_last`` keep their meaning for the rank.
+
 Parameter names are the single-process model's (``deadpool.model.GPT``): blocks live in a
 ``ModuleDict`` keyed by their *global* index, so stage 1 of a 4-layer, 2-stage model holds
 ``blocks.2.*`` and ``blocks.3.*``. Each parameter is ``layers.shard(name, full, tp_rank, tp)`` of
@@ -30,18 +35,20 @@ from deadpool.model import (GPT, RMSNorm, check_activation_checkpointing, init_v
 from deadpool.parallel.tensor.layers import (ColumnParallelLinear, ParallelBlock,
                                              VocabParallelEmbedding, shard)
 from deadpool.parallel.tensor.ops import copy_to_tp, vocab_parallel_cross_entropy
-from deadpool.topology import layer_range
+from deadpool.topology import layer_chunks, layer_range  # noqa: F401 (layer_range re-exported)
 
 
 class StageModel(nn.Module):
     def __init__(self, cfg, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
-                 activation_checkpointing: str = "none"):
+                 activation_checkpointing: str = "none", virtual_stages: int = 1):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = check_activation_checkpointing(activation_checkpointing)
         self.pp_rank, self.pp, self.tp_rank, self.tp = pp_rank, pp, tp_rank, tp
+        self.virtual_stages = virtual_stages
         self.is_first, self.is_last = pp_rank == 0, pp_rank == pp - 1
-        self.layers = layer_range(cfg.n_layers, pp, pp_rank)
+        self.chunks = layer_chunks(cfg.n_layers, pp, pp_rank, virtual_stages)
+        self.layers = [i for chunk in self.chunks for i in chunk]
         if self.is_first:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp_rank, tp)
         self.blocks = nn.ModuleDict({str(i): ParallelBlock(cfg, tp, activation_checkpointing)
@@ -58,18 +65,28 @@ class StageModel(nn.Module):
         """Shape of the activation passed between stages (what a non-first stage receives)."""
         return (micro_batch_size, seq_len, self.cfg.d_model)
 
-    def forward(self, inp: torch.Tensor, comm, targets: torch.Tensor | None = None):
-        """``inp``: token ids ``(b, t)`` on the first stage, else the activation ``(b, t, d)``.
+    def chunk_is_first(self, chunk: int) -> bool:
+        """Model chunk 0: it starts from token ids (the embedding)."""
+        return self.is_first and chunk == 0
 
-        Returns the activation ``(b, t, d)``; on the last stage the mean cross-entropy over its
+    def chunk_is_last(self, chunk: int) -> bool:
+        """The model's last chunk: it ends in the head and the loss."""
+        return self.is_last and chunk == self.virtual_stages - 1
+
+    def forward(self, inp: torch.Tensor, comm, targets: torch.Tensor | None = None,
+                chunk: int = 0):
+        """``inp``: token ids ``(b, t)`` on the first chunk, else the activation ``(b, t, d)``.
+
+        Returns the activation ``(b, t, d)``; on the last chunk the mean cross-entropy over its
         ``b * t`` tokens (or, without ``targets``, this rank's logits slice ``(b, t, vocab/tp)``).
+        ``chunk``: which of the rank's ``virtual_stages`` chunks runs (0 when not interleaved).
         """
         t = inp.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
-        x = self.embed(inp, comm) if self.is_first else inp
-        for block in self.blocks.values():
-            x = run_block(block, self.activation_checkpointing, x, cos, sin, comm)
-        if not self.is_last:
+        x = self.embed(inp, comm) if self.chunk_is_first(chunk) else inp
+        for i in self.chunks[chunk]:
+            x = run_block(self.blocks[str(i)], self.activation_checkpointing, x, cos, sin, comm)
+        if not self.chunk_is_last(chunk):
             return x
         logits = self.head(copy_to_tp(self.norm(x), comm))
         if targets is None:
@@ -79,14 +96,16 @@ class StageModel(nn.Module):
         return losses.mean()
 
 
-def check_layout(cfg, pp: int, tp: int) -> None:
-    """Raise ``ValueError`` unless the model splits evenly over tp and has a layer per stage."""
+def check_layout(cfg, pp: int, tp: int, virtual_stages: int = 1) -> None:
+    """Raise ``ValueError`` unless the model splits evenly over tp and has a layer per stage
+    (under interleaving: ``n_layers`` divisible by ``pp * virtual_stages``)."""
     for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads),
                     ("vocab_size", cfg.vocab_size), ("ffn hidden size", cfg.ffn_hidden)):
         if n % tp:
             raise ValueError(f"model {what}={n} is not divisible by tp={tp}")
     if cfg.n_layers < pp:
         raise ValueError(f"model n_layers={cfg.n_layers} is fewer than pp={pp} stages")
+    layer_chunks(cfg.n_layers, pp, 0, virtual_stages)  # raises when chunks would be unequal
 
 
 def empty_stage(cfg, device, **kw) -> StageModel:
@@ -123,7 +142,7 @@ def shard_segments(name: str, full_shape, tp_rank: int, tp: int, model_cfg) -> t
 
 def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp: int,
                 device="cpu", init: bool = True, activation_checkpointing: str = "none",
-                weights=None) -> StageModel:
+                weights=None, virtual_stages: int = 1) -> StageModel:
     """This rank's stage, with parameters equal (bitwise) to the matching slices of
     ``deadpool.model.build_model(model_cfg, seed)``. Draws only the elements it holds, on
     ``device`` (the values are meant not to depend on the device: ``deadpool.init_rng``).
@@ -131,13 +150,15 @@ def build_stage(model_cfg, seed: int, *, pp_rank: int, pp: int, tp_rank: int, tp
     ``init=False``: parameters are allocated but not drawn (a spare whose state will arrive by
     transfer: drawing the init it overwrites would lengthen every hot-swap).
 
+    ``virtual_stages``: the rank's model chunks under interleaved 1F1B (``StageModel``).
+
     ``weights``: ``(name, tp_rank, tp) -> slice``, the initial values read instead of drawn
     (``model.init_from``: ``export.hf_import.stage_loader``); each must have its parameter's
     shape."""
     cfg = model_config(model_cfg)
-    check_layout(cfg, pp, tp)
+    check_layout(cfg, pp, tp, virtual_stages)
     kw = dict(pp_rank=pp_rank, pp=pp, tp_rank=tp_rank, tp=tp,
-              activation_checkpointing=activation_checkpointing)
+              activation_checkpointing=activation_checkpointing, virtual_stages=virtual_stages)
     if not init:
         return empty_stage(cfg, device, **kw)
     if weights is not None:  # read on the CPU slice by slice (no full parameter), then moved

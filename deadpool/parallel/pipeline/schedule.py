@@ -1,5 +1,8 @@
 """The 1F1B pipeline schedule (one forward, one backward) for one data-parallel rank's batch.
 
+A stage holding several model chunks (``parallel.virtual_stages`` > 1) runs the interleaved
+variant instead (``interleaved.py``), behind the same two entry points.
+
 Stage ``s`` of ``pp`` first runs ``pp - s - 1`` warm-up forwards (so that the last stage can start
 its first backward as soon as its first forward is done), then alternates one forward and one
 backward (steady phase), then drains the remaining backwards (cool-down). At most ``pp - s``
@@ -25,34 +28,8 @@ from collections import deque
 
 import torch
 
-
-def _peer(comm, group: str) -> int:
-    me = comm.topo.rank
-    return next(r for r in comm.group_ranks[group] if r != me)
-
-
-class _Sends:
-    """Posted sends (work, tensor): the tensor is kept alive until its send is complete."""
-
-    def __init__(self, comm):
-        self.comm, self.pending = comm, []
-
-    def post(self, t: torch.Tensor, group: str) -> None:
-        t = t.detach().contiguous()
-        self.pending.append((self.comm.broadcast_async(t, group, self.comm.topo.rank), t))
-        # reap finished sends (wait() on a completed work returns at once or raises its error)
-        still = []
-        for work, buf in self.pending:
-            if work.is_completed():
-                self.comm.wait(work)
-            else:
-                still.append((work, buf))
-        self.pending = still
-
-    def wait_all(self) -> None:
-        for work, _ in self.pending:
-            self.comm.wait(work)
-        self.pending = []
+from deadpool.parallel.pipeline.interleaved import run_forward_interleaved, run_interleaved
+from deadpool.parallel.pipeline.p2p import Sends as _Sends, recv as _recv
 
 
 def host_scalar(t: torch.Tensor) -> float:
@@ -72,12 +49,6 @@ def host_scalar(t: torch.Tensor) -> float:
     return float(out)
 
 
-def _recv(comm, group: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
-    buf = torch.empty(shape, dtype=dtype, device=device)
-    comm.wait(comm.broadcast_async(buf, group, _peer(comm, group)))
-    return buf
-
-
 def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_microbatches: int,
              hook=None, loss_div: int | None = None,
              act_dtype: torch.dtype | None = None) -> torch.Tensor | None:
@@ -93,6 +64,9 @@ def run_1f1b(stage, comm, tokens: torch.Tensor, targets: torch.Tensor, num_micro
     ``act_dtype``: the dtype of the activations and input gradients between stages, hence of
     the receive buffers (default: the parameters'; bf16 under ``precision=bf16``).
     """
+    if getattr(stage, "virtual_stages", 1) > 1:  # chunked stage: interleaved 1F1B
+        return run_interleaved(stage, comm, tokens, targets, num_microbatches, hook, loss_div,
+                               act_dtype)
     m = num_microbatches
     div = m if loss_div is None else loss_div
     b, t = tokens.shape
@@ -155,6 +129,9 @@ def run_forward(stage, comm, tokens: torch.Tensor, targets: torch.Tensor,
     be called under ``torch.no_grad()`` by every rank of the pipeline at the same point of the
     schedule (it uses the same groups as ``run_1f1b``). Returns the mean loss over micro-batches
     on the last stage, ``None`` elsewhere; abortable like ``run_1f1b``. ``act_dtype`` as there."""
+    if getattr(stage, "virtual_stages", 1) > 1:  # chunked stage: interleaved order
+        loss = run_forward_interleaved(stage, comm, tokens, targets, num_microbatches, act_dtype)
+        return None if loss is None else host_scalar(loss)
     m = num_microbatches
     b, t = tokens.shape
     if m < 1 or b % m:

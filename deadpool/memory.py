@@ -5,7 +5,7 @@ largest total: the first holds the embedding and the most micro-batches in fligh
 the LM head and the logits), what training keeps resident, and per node what DeadPool's snapshot
 engine adds in host memory. ``check_fits(cfg)`` refuses a job that cannot fit before any process
 starts (``deadpool.job.validate`` calls it). ``python -m deadpool.memory`` prints the table of
-the LLaMA-shaped models on A100 nodes that README.md shows; ``--measured`` the tables that check
+the LLaMA-shaped models on A100 nodes (docs/memory.md); ``--measured`` the tables that check
 the counts against the runtime's own objects; ``--json <job overrides>`` one job's worst rank
 (``memory_tables.py``).
 

@@ -1,8 +1,8 @@
 """The memory estimator's tables and command line (``python -m deadpool.memory``).
 
-``table()``: the LLaMA-shaped models on A100 nodes (README). ``measured_table()``: the counts
+``table()``: LLaMA-shaped models on A100 nodes (docs/memory.md). ``measured_table()``: the counts
 against the runtime's own objects on the CPU (``measure``), ZeRO-1 and ZeRO-2. ``issue_rows()``:
-Llama 3 8B and 70B on 64 nodes of 8 H100s, ZeRO-1 against ZeRO-2 (README). ``job_terms``: the
+Llama 3 8B and 70B on 64 nodes of 8 H100s, ZeRO-1 vs ZeRO-2 (docs/memory.md). ``job_terms``: the
 worst rank's terms of a job given as its Hydra overrides (``--json``)::
 
   python -m deadpool.memory                      # the A100 table
@@ -20,7 +20,7 @@ from deadpool.memory import (GiB, PRECISIONS, _gb, estimate, estimate_job, saved
                              stage_params, state_bytes)
 from deadpool.model import model_config
 
-# -- the README table (A100) ---------------------------------------------------------------------------
+# -- the docs/memory.md table (A100) -------------------------------------------------------------------
 
 # usable memory of the GPUs as torch reports it (A100-SXM4 40 GB / 80 GB)
 A100_GB = {"40g": 39.4, "80g": 79.1}

@@ -1,7 +1,7 @@
 """A CPU stand-in for torch 2.13's ``ProcessGroupNCCL``, for the runtime's NCCL path.
 
 The data moves over a real gloo group underneath; on top, the fake behaves as NCCL does where
-DeadPool's correctness depends on it (torch 2.13, NCCL 2.2x; see the NCCL section of README.md):
+DeadPool's correctness depends on it (torch 2.13, NCCL 2.2x; see docs/gpu.md):
 
 - ``abort()`` makes every op in flight on the group complete at once, with junk in its output
   (an aborted kernel exits early): ``is_completed()`` turns true and ``wait()`` returns normally;

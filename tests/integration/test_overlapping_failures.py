@@ -11,6 +11,8 @@ run of the same layout and seed. (The planner is checked for every pair in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from deadpool.job import run_job
@@ -27,19 +29,12 @@ LAYOUTS = {  # name -> (parallel overrides, the two ranks killed together)
     "dp2xtp2xpp2": (["parallel=dp2_tp2_pp2"], (1, 3)),
 }
 quiet = lambda *a, **k: None  # noqa: E731
-_references: dict = {}
 
 
-def reference(layout: str, precision: str, tmp_path_factory):
-    """The failure-free run of a layout, once per module."""
-    key = (layout, precision)
-    if key not in _references:
-        run_dir = tmp_path_factory.mktemp(f"ref_{layout}_{precision}")
-        s = run_job(compose_train(COMMON + LAYOUTS[layout][0] + [f"precision={precision}",
-                                                                 "faults=none"], run_dir), log=quiet)
-        assert s["outcome"] == "completed" and not s["recoveries"]
-        _references[key] = run_dir
-    return _references[key]
+def reference(layout: str, precision: str, failure_free) -> Path:
+    """The failure-free run of a layout, once per session (tests/conftest.py: test_replicas' 3D
+    cases share the fp32 dp2 x tp2 x pp2 one)."""
+    return failure_free(COMMON + LAYOUTS[layout][0] + [f"precision={precision}"])[0]
 
 
 def kills(*evs: str) -> str:
@@ -50,8 +45,7 @@ def kills(*evs: str) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_two_ranks_killed_together_end_bitwise_equal(layout, precision, tmp_path,
-                                                     tmp_path_factory):
+def test_two_ranks_killed_together_end_bitwise_equal(layout, precision, tmp_path, failure_free):
     par, (a, b) = LAYOUTS[layout]
     ev = kills(f"rank:{a},step:5,phase:optimizer,kind:kill",
                f"rank:{b},step:5,phase:optimizer,kind:kill")
@@ -61,14 +55,14 @@ def test_two_ranks_killed_together_end_bitwise_equal(layout, precision, tmp_path
     last = s["recoveries"][-1]["sources"]
     if layout != "dp4":  # both data-parallel copies gone: parameters from the shard replicas
         assert "parameters from the master shards" in last[str(a)], last
-    equal, why = compare_final_states(tmp_path, reference(layout, precision, tmp_path_factory))
+    equal, why = compare_final_states(tmp_path, reference(layout, precision, failure_free))
     assert equal, why
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_rank_killed_in_the_parameter_gather_and_its_peer_during_the_recovery(
-        tmp_path, tmp_path_factory):
+        tmp_path, failure_free):
     """dp2 x tp2 x pp2: rank 1 dies inside the ZeRO parameter all-gather (its peer 3 is left
     mid-update and rolls back); 3 then dies while it sends 1's parameters to the spare. The
     next plan has neither copy of the (pp 0, tp 1) shard and rebuilds both from the shards'
@@ -81,5 +75,5 @@ def test_a_rank_killed_in_the_parameter_gather_and_its_peer_during_the_recovery(
     assert first["1"].endswith("+ parameters from rank 3"), first
     assert "parameters from the master shards" in last["1"], last
     assert "parameters from the master shards" in last["3"], last
-    equal, why = compare_final_states(tmp_path, reference("dp2xtp2xpp2", "fp32", tmp_path_factory))
+    equal, why = compare_final_states(tmp_path, reference("dp2xtp2xpp2", "fp32", failure_free))
     assert equal, why

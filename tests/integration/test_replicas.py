@@ -82,43 +82,42 @@ def test_a_buddy_killed_while_serving_its_ward_fails_over_to_the_second_buddy(re
     assert summary["final_digest"] == reference[1]["final_digest"]
 
 
+# dp2 x tp2 x pp2 on four 2-rank nodes, k = 2; its failure-free run is test_overlapping_failures'
+# (the same resolved config: run once per session, tests/conftest.py)
+BASE_3D = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=8", "ft.num_spares=2", "ft.replicas=2",
+           "ft.persist_interval_steps=0", "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
+
+
 @pytest.mark.slow
-def test_3d_a_rank_and_its_buddy_on_another_node_killed_together_end_bitwise_equal(tmp_path):
+def test_3d_a_rank_and_its_buddy_on_another_node_killed_together_end_bitwise_equal(
+        tmp_path, failure_free):
     # dp2 x tp2 x pp2 on four 2-rank nodes: rank 2 (stage 0, node 1) has its replicas on rank 4
     # (stage 1, node 2) and rank 6 (node 3); ranks 2 and 4 die together, rank 2's shard comes
     # from rank 6 and its parameters from its data-parallel peer 0. (Rank 0 with its first
     # buddy 2, the two data-parallel copies of one model shard, is
     # tests/integration/test_overlapping_failures.py's case: parameters from the shard replicas.)
-    base = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=10", "ft.num_spares=2",
-            "ft.replicas=2", "ft.persist_interval_steps=0", "ft.replication_chunk_mb=0.5",
-            "log_every_steps=0"]
-    ref = run_job(compose_train(base + ["faults=none"], tmp_path / "ref"), log=quiet)
-    assert ref["outcome"] == "completed" and not ref["recoveries"]
+    ref, _ = failure_free(BASE_3D)
     ev = ("faults.events=[{rank:2,step:5,phase:optimizer,kind:kill},"
           "{rank:4,step:5,phase:optimizer,kind:kill}]")
-    summary = run_job(compose_train(base + [ev], tmp_path / "run"), log=quiet)
+    summary = run_job(compose_train(BASE_3D + [ev], tmp_path / "run"), log=quiet)
     assert summary["outcome"] == "completed", summary["message"]
     assert ranks_lost(summary) == {2, 4}
     assert sources_of(summary, 2)[-1] == "replica from rank 6 + parameters from rank 0", \
         summary["recoveries"]
-    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    equal, why = compare_final_states(tmp_path / "run", ref)
     assert equal, why
 
 
 @pytest.mark.slow
-def test_3d_a_buddy_killed_while_serving_fails_over_to_the_second_buddy(tmp_path):
+def test_3d_a_buddy_killed_while_serving_fails_over_to_the_second_buddy(tmp_path, failure_free):
     # dp2 x tp2 x pp2 on four 2-rank nodes, k = 2: rank 2 (stage 0, node 1) dies mid-step; its
     # first buddy, rank 4 (stage 1, node 2), dies while it sends 2's shard to the spare. The
     # next plan takes 2's shard from its second buddy, rank 6 (node 3), and its parameters
     # from its data-parallel peer 0; rank 4's from its first buddy 6 and its peer 6
-    base = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=10", "ft.num_spares=2",
-            "ft.replicas=2", "ft.persist_interval_steps=0", "ft.replication_chunk_mb=0.5",
-            "log_every_steps=0"]
-    ref = run_job(compose_train(base + ["faults=none"], tmp_path / "ref"), log=quiet)
-    assert ref["outcome"] == "completed" and not ref["recoveries"]
+    ref, _ = failure_free(BASE_3D)
     ev = ("faults.events=[{rank:2,step:5,phase:mid_step,kind:kill},"
           "{rank:4,step:0,phase:transfer,kind:kill}]")
-    summary = run_job(compose_train(base + [ev], tmp_path / "run"), log=quiet)
+    summary = run_job(compose_train(BASE_3D + [ev], tmp_path / "run"), log=quiet)
     assert summary["outcome"] == "completed", summary["message"]
     first = summary["recoveries"][0]
     assert first["failed_rank"] == 2 and first["sources"]["2"].startswith("replica from rank 4")
@@ -127,5 +126,5 @@ def test_3d_a_buddy_killed_while_serving_fails_over_to_the_second_buddy(tmp_path
         summary["recoveries"]
     assert sources_of(summary, 4)[-1] == "replica from rank 6 + parameters from rank 6", \
         summary["recoveries"]
-    equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    equal, why = compare_final_states(tmp_path / "run", ref)
     assert equal, why

@@ -139,18 +139,42 @@ def saved_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, tokens: int,
 
 
 def stage_activations(model_cfg, tp: int, pp: int, pp_rank: int, *, micro_bs: int, seq_len: int,
-                      microbatches: int, act_bytes: int, mode: str = "none") -> int:
+                      microbatches: int, act_bytes: int, mode: str = "none",
+                      virtual_stages: int = 1) -> int:
     """Bytes of activations kept for backward on stage ``pp_rank`` at the 1F1B peak: the saved
     activations of each micro-batch in flight (``saved_activations``), plus, on a non-last stage,
     each one's output (held by the schedule until its backward); under ``full`` checkpointing
-    one block's activations alive while it is recomputed."""
+    one block's activations alive while it is recomputed. Interleaved (``virtual_stages`` > 1):
+    per chunk, the micro-batches the schedule holds at its peak (``interleaved.in_flight``)."""
     m = model_config(model_cfg)
     tokens = micro_bs * seq_len
+    if virtual_stages > 1:
+        return _interleaved_activations(m, tp, pp, pp_rank, tokens, microbatches, act_bytes, mode,
+                                        virtual_stages)
     in_flight = min(pp - pp_rank, microbatches)
     per_micro = saved_activations(m, tp, pp, pp_rank, tokens=tokens, act_bytes=act_bytes, mode=mode)
     if pp_rank < pp - 1:
         per_micro += tokens * m.d_model * act_bytes
     total = in_flight * per_micro
+    if mode == "full":
+        total += layer_activations(m, tp, tokens, act_bytes, "none")
+    return total
+
+
+def _interleaved_activations(m, tp, pp, pp_rank, tokens, microbatches, act_bytes, mode, v):
+    from deadpool.parallel.pipeline.interleaved import in_flight
+
+    live = in_flight(pp, v, int(microbatches), pp_rank)
+    per_chunk = stage_layers(m.n_layers, pp, pp_rank) // v * layer_activations(m, tp, tokens,
+                                                                                 act_bytes, mode)
+    whole = saved_activations(m, tp, pp, pp_rank, tokens=tokens, act_bytes=act_bytes, mode=mode)
+    ends = whole - stage_layers(m.n_layers, pp, pp_rank) * layer_activations(m, tp, tokens,
+                                                                               act_bytes, mode)
+    total = sum(live) * (per_chunk + tokens * m.d_model * act_bytes)  # blocks and each output
+    if pp_rank == pp - 1:  # the model's last chunk sends no output but keeps the head's
+        total += live[-1] * (ends - tokens * m.d_model * act_bytes)
+    elif pp_rank == 0:
+        total += live[0] * ends
     if mode == "full":
         total += layer_activations(m, tp, tokens, act_bytes, "none")
     return total
@@ -222,7 +246,8 @@ def estimate(model_cfg, parallel_cfg, *, batch_size: int, seq_len: int, microbat
                              grad_inbox, dims.zero, bucket_bytes),
                "activations": stage_activations(model_cfg, tp, pp, s, micro_bs=micro_bs,
                                                 seq_len=seq_len, microbatches=int(microbatches),
-                                                act_bytes=act_bytes, mode=activation_checkpointing),
+                                                act_bytes=act_bytes, mode=activation_checkpointing,
+                                                virtual_stages=dims.virtual_stages),
                "overhead": int(overhead_gb * GiB)}
         gpu["total"] = sum(gpu.values())
         if best is None or gpu["total"] > best[1]["total"]:

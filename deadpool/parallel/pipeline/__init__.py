@@ -1,17 +1,21 @@
-"""Pipeline parallelism: the 1F1B schedule (``schedule.run_1f1b``) over the 2-rank stage groups.
+"""Pipeline parallelism: 1F1B (``schedule.run_1f1b``) over the 2-rank stage groups, and its
+interleaved variant (``interleaved.py``) when ``parallel.virtual_stages`` v > 1.
 
-The micro-batches per step default to the fewest keeping 1F1B's bubble ``(pp - 1) / (m + pp - 1)``
+The micro-batches per step default to the fewest keeping the bubble ``(pp - 1) / (v m + pp - 1)``
 at most 10 % as far as the batch allows (``deadpool.settings.num_microbatches``).
 
-Not built: Megatron's interleaved schedule (``v`` virtual stages per rank, each rank holding
-``v`` non-contiguous chunks of layers, bubble ``(pp - 1) / (v m + pp - 1)``). Its parameter
-names would stay the single-process model's (``stage.py``), so snapshots and checkpoints would
-follow; what it needs is the chunked stage (``topology.layer_range`` over ``pp * v`` chunks,
-chunk ``c`` of rank ``s`` being model chunk ``c * pp + s``), a wrap-around pair of groups from
-the last stage to the first (``groups.py``: the ring's activation and gradient of chunk
-``c`` -> ``c + 1``), the schedule itself (each rank's blocking receives ordered so that no
-cycle forms with posted sends), its evaluation counterpart and a hot-swap test against its
-failure-free run.
+Interleaved 1F1B is Megatron's: each rank holds v non-contiguous chunks of layers (chunk ``c`` of
+rank ``s`` is model chunk ``c * pp + s``: ``topology.layer_chunks``, ``stage.StageModel``), the
+last rank hands activations back to rank 0 over a wrap-around pair of groups
+(``groups.wrap_pair``), and ``m`` must be a multiple of ``pp``. Parameter names stay the
+single-process model's, so snapshots, replicas and hot swaps carry chunked stages unchanged;
+checkpoints record v in their layout and are re-laid out across it (``checkpoint.relayout``),
+and export consolidates them (``export.consolidate``). Losses and gradients are bitwise 1F1B's on
+the same micro-batches. ``p2p.py`` holds the point-to-point messages both schedules use.
+
+Not done: ``deadpool.memory``'s estimate still assumes plain 1F1B's activations in flight
+(interleaving keeps up to ``(pp - 1) * 2 + (v - 1) * pp + 1`` chunk-sized micro-batches on rank 0,
+about ``1 + (pp - 1) / (v pp)`` times 1F1B's ``pp`` stage-sized ones), and the simulator knows no v.
 """
 
 from deadpool.parallel.pipeline.schedule import run_1f1b  # noqa: F401

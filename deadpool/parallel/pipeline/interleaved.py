@@ -51,6 +51,17 @@ def order(pp: int, v: int, m: int, pp_rank: int) -> list[tuple[str, str, int, in
     return out
 
 
+def in_flight(pp: int, v: int, m: int, pp_rank: int) -> list[int]:
+    """Per chunk, the micro-batches whose activations rank ``pp_rank`` holds (forward done,
+    backward not yet) when it holds the most (its memory peak; ``deadpool.memory``)."""
+    live, best = [0] * v, [0] * v
+    for _, kind, c, _ in order(pp, v, m, pp_rank):
+        live[c] += 1 if kind == "F" else -1
+        if sum(live) > sum(best):
+            best = list(live)
+    return best
+
+
 def _fwd_groups(stage) -> tuple[str, str]:
     """(receive, send) groups of the activations: from the previous virtual stage, to the next
     (rank 0 receives from, and the last rank sends to, the wrap-around pair)."""

@@ -187,3 +187,72 @@ def test_settings_refuse_what_interleaving_cannot_run_and_print_the_bubble():
     assert "(pp-1)/(v m) = 8.3%" in note
     assert num_microbatches(cfg(v=1, batch=18)) == 9  # v = 1: unchanged
     assert "virtual" not in microbatch_note(cfg(v=1, batch=18))
+
+
+def test_a_checkpoint_written_interleaved_resumes_at_another_v_and_pp(tmp_path):
+    """Written at dp2 x pp2 with v = 2 (rank pp 0 holds layers 0 and 2), re-laid out for v = 1
+    (layers 0 and 1: same sizes, other tensors, so reading the files as they are would be
+    silently wrong) and for pp 4, each rank gets what that layout would have written; and the
+    other way round. The reference cuts the whole tensors itself (``_rank_state``)."""
+    from deadpool import checkpoint
+    from deadpool.checkpoint.relayout import relayout_state, stage_params
+    from deadpool.checkpoint.unique import unique_part
+    from deadpool.parallel.tensor.layers import shard
+    from tests.deadpool.checkpoint.test_relayout import MODEL, _full
+
+    def rank_state(full, dims, rank):
+        c = dims.coords(rank)
+        names = [n for n, _ in stage_params(MODEL, c["pp"], dims.pp, c["tp"], dims.tp,
+                                            dims.virtual_stages)]
+        out = {}
+        for kind, by_name in full.items():
+            flat = torch.cat([shard(n, by_name[n], c["tp"], dims.tp, model_cfg=MODEL).reshape(-1)
+                              for n in names])
+            padded = torch.zeros(-(-flat.numel() // dims.dp) * dims.dp, dtype=flat.dtype)
+            padded[:flat.numel()] = flat
+            n = padded.numel() // dims.dp
+            out[kind] = padded if kind == "params" else padded[c["dp"] * n:(c["dp"] + 1) * n]
+        out["step"] = torch.tensor(7.0)
+        return out
+
+    full = _full(False)
+    v2 = ParallelDims(2, 1, 2, ranks_per_node=1, virtual_stages=2)
+    for old, new in [(v2, ParallelDims(2, 1, 2, ranks_per_node=1)),
+                     (v2, ParallelDims(1, 1, 4, ranks_per_node=1)),
+                     (ParallelDims(2, 1, 2, ranks_per_node=1), v2)]:
+        root = tmp_path / f"{old.layout}".replace(" ", "")
+        for r in range(old.world_size):
+            st, hdr = unique_part(rank_state(full, old, r), {"step": 5}, ("params",), old.layout, r)
+            checkpoint.save_rank_state(root, 5, r, st, hdr, layout=old.layout,
+                                       world_size=old.world_size)
+        checkpoint.write_meta(root, 5, old.world_size, "periodic", layout=old.layout)
+        assert checkpoint.read_meta(root / "step_5")["layout"] == old.layout
+        assert ParallelDims.from_layout(old.layout) == ParallelDims(
+            old.dp, old.tp, old.pp, ranks_per_node=old.tp, virtual_stages=old.virtual_stages)
+        for r in range(new.world_size):
+            got = relayout_state(root / "step_5", old, new, r, MODEL, shard_optimizer=True)
+            want = rank_state(full, new, r)
+            want["master"] = want["params"][new.coords(r)["dp"] * (want["params"].numel() // new.dp):][
+                :want["params"].numel() // new.dp]
+            for k in want:
+                assert torch.equal(got[k], want[k]), (old.layout, new.layout, r, k)
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 2, 8), (2, 2, 4), (4, 3, 12), (2, 4, 2)])
+def test_memory_counts_the_chunks_the_schedule_holds_at_its_peak(pp, v, m):
+    """Rank s holds Megatron's warm-up + 1 chunk-sized micro-batches at its peak (capped at all
+    v m of them), against 1F1B's pp - s stage-sized ones: rank 0's activations grow by about
+    (pp - 1) / (v pp), and the memory estimate follows."""
+    from deadpool.memory import stage_activations
+    from deadpool.parallel.pipeline.interleaved import in_flight
+
+    for s in range(pp):
+        live = in_flight(pp, v, m, s)
+        assert sum(live) == min((pp - s - 1) * 2 + (v - 1) * pp + 1, v * m), (s, live)
+    model = dict(TINY, n_layers=pp * v * 2)
+    kw = dict(micro_bs=1, seq_len=8, microbatches=m, act_bytes=4)
+    plain = stage_activations(model, 1, pp, 0, **kw)
+    inter = stage_activations(model, 1, pp, 0, **kw, virtual_stages=v)
+    assert inter != plain
+    if m >= 2 * pp:  # a full warm-up: more than 1F1B's pp micro-batches of the whole stage
+        assert inter > plain

@@ -188,7 +188,8 @@ def newest_step(*logs: Path) -> int:
 def reference(tmp_path_factory):
     """The failure-free run both tests compare with (local launcher, same seed and layout)."""
     run_dir = tmp_path_factory.mktemp("reference")
-    ref = compose_config(OVERRIDES + ["parallel.dp=4", "ft.num_spares=1"], run_dir)
+    ref = compose_config(OVERRIDES + ["parallel.dp=4", "ft.num_spares=1", "launcher.fork_workers=true"],
+                         run_dir)  # (forked: nothing reads its processes' command lines)
     assert run_job(ref, log=lambda *a, **k: None)["outcome"] == "completed"
     return run_dir
 
@@ -289,7 +290,8 @@ def test_walltime_signal_writes_the_state_requeues_and_the_job_resumes_bitwise(s
            "DEADPOOL_STORE_HOST": "127.0.0.1", "REQUEUE": "1"}
     out = tmp_path / "slurm-%j.out"
     p = subprocess.run(["sbatch", "--parsable", "--ntasks=5", "--requeue", "--open-mode=append",
-                        f"--output={out}", f"--chdir={ROOT}", str(JOB), *OVERRIDES],
+                        f"--output={out}", f"--chdir={ROOT}", str(JOB), *OVERRIDES,
+                        "launcher.fork_workers=true"],  # (no process looked up: the agents fork)
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     job_id = p.stdout.strip().split(";")[0]

@@ -86,6 +86,7 @@ def test_zero2_verify_against_failure_free_says_equal(tmp_path):
     p = subprocess.run([sys.executable, "-m", "deadpool.train", "model=tiny",
                         "parallel=dp2_tp2_pp2", "parallel.zero=2", "num_steps=8",
                         "log_every_steps=0", "ft.num_spares=1", "verify_against_failure_free=true",
+                        "launcher.fork_workers=true",  # (a new interpreter each: test_hotswap's)
                         "faults.events=[{rank: 2, step: 4, phase: backward, kind: kill}]",
                         f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=400)
     assert p.returncode == 0 and "failure-free run of the same seed: EQUAL" in p.stdout, p.stdout

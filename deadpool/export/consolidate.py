@@ -146,54 +146,70 @@ def full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
 
 def iter_full_parameters(model_cfg, dims: ParallelDims, states: dict[int, dict],
                          source: str = "params"):
-    """``(name, full parameter)`` one at a time, in ``GPT.named_parameters()`` order (stage by
-    stage; under interleaving a stage's layers are not contiguous, so not strictly GPT's order): only the parameter being assembled is held, the ranks' buffers are read in place
-    (memory-mapped ``final/`` files; a checkpoint's ranks one stage at a time, ``StageStates``)."""
+    """``(name, full parameter)`` one at a time, in ``GPT.named_parameters()`` order: only the
+    parameter being assembled is held, the ranks' buffers are read in place (memory-mapped
+    ``final/`` files; a checkpoint's ranks one stage at a time, ``StageStates``). Stage by stage
+    without interleaving; with ``virtual_stages`` v a rank's layers are not contiguous, so its
+    stage is visited v times (a checkpoint's ranks read again each time)."""
     mcfg = model_config(model_cfg)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in GPT(mcfg).named_parameters()}
     # a shard() that splits q/k/v by the config's head counts (grouped-query attention) takes it
     extra = {"model_cfg": mcfg} if "model_cfg" in inspect.signature(shard).parameters else {}
-    done = set()
+    where: dict[str, tuple[int, list[tuple[int, int]]]] = {}  # name -> (pp, [(offset, n)] per tp)
+    need: dict[tuple[int, int], int] = {}  # (pp, tp) -> elements of that stage's parameters
     for pp_rank in range(dims.pp):
-        flats = [stage_flat(dims, states, pp_rank, tp_rank, source) for tp_rank in range(dims.tp)]
-        offsets = [0] * dims.tp
-        names = [stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp, dims.virtual_stages)
-                 for tp_rank in range(dims.tp)]
-        for (flat, holder), stage in zip(flats, names):
-            need = sum(shape.numel() for _, shape in stage)
-            # ZeRO-1 pads the flat buffer to a multiple of dp; more left over is another model
-            if not 0 <= flat.numel() - need < max(dims.dp, 64):
-                raise ExportError(f"rank {holder}: params holds {flat.numel()} elements, its stage "
-                                  f"{need} (the model config does not match the state)")
-        for i, (name, _) in enumerate(names[0]):
-            full = written = None
+        for tp_rank in range(dims.tp):
+            off = 0
+            for name, shape in stage_params(mcfg, pp_rank, dims.pp, tp_rank, dims.tp,
+                                            dims.virtual_stages):
+                where.setdefault(name, (pp_rank, []))[1].append((off, shape.numel()))
+                off += shape.numel()
+            need[pp_rank, tp_rank] = off
+    unknown = sorted(set(where) - set(shapes))
+    if unknown:
+        raise ExportError(f"stages hold parameters the model has not: {unknown}")
+    held, flats = None, []
+    for name in [n for n in shapes if n in where]:
+        pp_rank, pieces = where[name]
+        if pp_rank != held:
+            flats = [stage_flat(dims, states, pp_rank, tp_rank, source)
+                     for tp_rank in range(dims.tp)]
             for tp_rank, (flat, holder) in enumerate(flats):
-                n = names[tp_rank][i][1].numel()
-                off = offsets[tp_rank]
-                local = flat[off:off + n]
-                offsets[tp_rank] = off + n
-                if full is None:
-                    full = torch.empty(shapes[name], dtype=flat.dtype)
-                    written = torch.zeros(shapes[name].numel(), dtype=torch.bool)
-                index = torch.arange(shapes[name].numel()).view(shapes[name])
-                where = shard(name, index, tp_rank, dims.tp, **extra).reshape(-1)
-                del index
-                if where.numel() != n:
-                    raise ExportError(f"{name}: rank {holder} holds {n} elements, the sharding "
-                                      f"code says {where.numel()}")
-                dst = full.view(-1)
-                again = written[where]
-                if again.any() and not torch.equal(dst[where][again], local[again]):
-                    raise ExportError(f"{name}: replicated copies differ between tensor-parallel "
-                                      f"ranks (rank {holder})")
-                dst[where] = local
-                written[where] = True
-            if not written.all():
-                raise ExportError(f"parameters not (fully) covered by the shards: {[name]}")
-            done.add(name)
-            yield name, full
-            del full, written
-    missing = sorted(set(shapes) - done)
+                # ZeRO-1 pads the flat buffer to a multiple of dp; more left over is another model
+                if not 0 <= flat.numel() - need[pp_rank, tp_rank] < max(dims.dp, 64):
+                    raise ExportError(f"rank {holder}: params holds {flat.numel()} elements, its "
+                                      f"stage {need[pp_rank, tp_rank]} (the model config does "
+                                      "not match the state)")
+            held = pp_rank
+        yield name, _assemble(name, shapes[name], flats, pieces, dims.tp, extra)
+    missing = sorted(set(shapes) - set(where))
     if missing:
         raise ExportError(f"parameters not (fully) covered by the shards: {missing}")
+
+
+def _assemble(name: str, shape, flats, pieces, tp: int, extra: dict) -> torch.Tensor:
+    """One whole parameter from its tensor-parallel slices (``pieces``: (offset, numel) in each
+    tp rank's flat buffer), each element written once (replicated ones: equal on every rank)."""
+    full = written = None
+    for tp_rank, ((flat, holder), (off, n)) in enumerate(zip(flats, pieces)):
+        local = flat[off:off + n]
+        if full is None:
+            full = torch.empty(shape, dtype=flat.dtype)
+            written = torch.zeros(shape.numel(), dtype=torch.bool)
+        index = torch.arange(shape.numel()).view(shape)
+        where = shard(name, index, tp_rank, tp, **extra).reshape(-1)
+        del index
+        if where.numel() != n:
+            raise ExportError(f"{name}: rank {holder} holds {n} elements, the sharding "
+                              f"code says {where.numel()}")
+        dst = full.view(-1)
+        again = written[where]
+        if again.any() and not torch.equal(dst[where][again], local[again]):
+            raise ExportError(f"{name}: replicated copies differ between tensor-parallel "
+                              f"ranks (rank {holder})")
+        dst[where] = local
+        written[where] = True
+    if not written.all():
+        raise ExportError(f"parameters not (fully) covered by the shards: {[name]}")
+    return full

@@ -15,7 +15,10 @@ times the stage-to-stage messages and more activations in flight on the first ra
 Same arithmetic as 1F1B on the same micro-batches: every micro-batch's forward runs the same
 blocks in the same order, and each parameter's gradient accumulates its micro-batches in
 ascending order (a chunk's backwards come in micro-batch order), so losses and gradients are
-bitwise 1F1B's (tested). Deadlock freedom: the only blocking ops are receives, made just before
+bitwise 1F1B's (tested), and so is training without ``grad_clip``. With it, the global gradient
+norm sums per-rank partial sums over another grouping of the parameters (rank 0 holds layers 0
+and 2, not 0 and 1), so the norm and the clipped updates differ from 1F1B's by rounding
+(measured: relative 1e-8 to 3e-7 in the norm over 6 tiny steps, logged losses equal). Deadlock freedom: the only blocking ops are receives, made just before
 the op that needs them; each group carries its messages in the order both ends take them (the
 order of ``k`` is the same on every rank, and ``c -> c + 1`` preserves it), and the dependency
 order is acyclic (``order`` is checked by simulation in the tests).

@@ -20,7 +20,7 @@ import pytest
 from deadpool.job import run_job
 from deadpool.launcher import job_processes
 from deadpool.report import compare_final_states, load_final_rank
-from tests.conftest import compose_train
+from tests.conftest import FORKED, compose_train
 
 # dp4 with ZeRO-1 (the default) and replicas of the unique region only: every rank's optimizer
 # shard is its own, so a state sent to the wrong rank ends unequal to the failure-free run (with
@@ -164,7 +164,7 @@ def test_a_corrupted_replica_is_detected_and_another_source_used(reference, tmp_
 @pytest.mark.slow
 def test_coordinator_death_workers_save_and_exit_and_the_resume_is_bitwise_equal(reference, tmp_path):
     run_dir = tmp_path / "lost"
-    cmd = [sys.executable, "-m", "deadpool.train", *BASE, "num_steps=20", "ft.num_spares=1",
+    cmd = [sys.executable, "-m", "deadpool.train", *FORKED, *BASE, "num_steps=20", "ft.num_spares=1",
            "ft.coordinator_timeout_s=2", "log_every_steps=1", f"hydra.run.dir={run_dir}"]
     p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in p.stdout:  # kill the coordinator (the launcher process) mid-training

@@ -207,20 +207,24 @@ class Trainer:
     @property
     def dirty(self) -> bool:
         """The live state is torn and must not be resumed from: inside the optimizer step (the
-        shard updated, the parameter all-gather maybe cut by an abort), or, with
-        ``parallel.overlap_param_gather``, until the step's last parameter bucket has arrived
-        (in the next forward) and, stream-ordered, a host sync has seen it complete."""
+        shard updated, the all-gather maybe cut by an abort), or, with overlap_param_gather, until
+        the last parameter bucket arrived (next forward) and a host sync saw it complete."""
         return self._updating or (self.opt is not None and self.opt.param_gather_pending)
 
     def settle_params(self, comm) -> None:
-        """Must be called before anything but the forward reads the parameters (snapshot,
-        checkpoint, evaluation, the end of training): waits for the overlapped parameter
-        all-gather (abortable) and, stream-ordered, confirms it with a host sync. A no-op when
-        nothing is pending."""
+        """Before anything but the forward reads the parameters (snapshot, checkpoint, evaluation,
+        the end): wait for the overlapped all-gather (abortable) and, stream-ordered, confirm it
+        with a host sync. A no-op when nothing is pending."""
         if self.opt.param_gather_pending:
             self.opt.wait_param_gather()
             comm.sync()
             self.opt.synced()
+
+    def snapshot_due(self, step: int) -> bool:
+        """Every rank snapshots the same steps: the agreed interval, and the persist steps."""
+        return self.snapshots_on and (
+            (self.schedule.due(step) and (not self.ab_block or (step // self.ab_block) % 2 == 0))
+            or bool(self.engine.persist_every and step % self.engine.persist_every == 0))
 
     def header(self) -> dict:
         """JSON-serialisable metadata stored with every snapshot and checkpoint."""
@@ -340,17 +344,14 @@ class Trainer:
             # NCCL: the step's host sync (collectives were ordered on the stream); it raises
             # Aborted if the generation was aborted before the step was seen complete, so a
             # gather cut by an abort never counts as clean. gloo: nothing to wait for.
+            self.guard.post_compare(self, comm, self.snapshot_due(self.step + 1))  # on the sync
             comm.sync()
             self.opt.synced()
             self.step += 1
             self._updating = False
             loss = None if loss is None else host_scalar(loss)
             self.guard.after_step(self, comm, s, loss, norm)  # a spike: roll back, skip
-            # every rank snapshots the same steps: the agreed interval, and the persist steps
-            took = self.snapshots_on and (
-                (self.schedule.due(self.step)
-                 and (not self.ab_block or (self.step // self.ab_block) % 2 == 0))
-                or bool(self.engine.persist_every and self.step % self.engine.persist_every == 0))
+            took = self.snapshot_due(self.step)
             if took:
                 self.settle_params(comm)  # the snapshot copies the parameters
                 self.guard.at_snapshot(self, comm)  # peers compare the previous one
@@ -439,9 +440,8 @@ class Trainer:
         return self.persist_auto and step == self.YOUNG_DALY_PROBE_STEP
 
     def persist(self, step: int, wait: bool = False) -> None:
-        """Write this rank's live state to disk as the checkpoint of ``step``
-        (``rank_state.save_live``; ``ft.persist_async``, the default, writes off this thread).
-        ``wait``: block until the write is on disk (to measure it)."""
+        """This rank's live state to disk as the checkpoint of ``step`` (``rank_state.save_live``;
+        ``ft.persist_async`` writes off this thread). ``wait``: until on disk (to measure it)."""
         ft = self.cfg["ft"]
         rank_state.save_live(self, ft["checkpoint_dir"], step, self.dims,
                              asynchronous=ft.get("persist_async", True), wait=wait)

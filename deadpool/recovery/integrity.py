@@ -98,6 +98,7 @@ class Guard:
         self.disputed: dict[int, int] = {}  # step -> own shared checksum the peers disputed
         self.flip = self.spike = False  # armed faults (faults.py: corrupt in the step, spike)
         self.check_s = 0.0              # time spent comparing (metrics: integrity_check_s)
+        self.pending = None             # (all-reduce result, step): posted before the step's sync
         injector.on_flip = lambda: setattr(self, "flip", True)
         injector.on_spike = lambda: setattr(self, "spike", True)
 
@@ -106,7 +107,7 @@ class Guard:
 
     def start(self, comm, step: int) -> None:
         """A generation starts at ``step`` (restored or live): nothing of it compared yet."""
-        self.prev, self.agreed = None, step
+        self.prev, self.agreed, self.pending = None, step, None
         if comm.store.check([SKIPS_KEY]):  # one request per rank and generation
             text = self.seal.open(SKIPS_KEY, comm.store.get(SKIPS_KEY))
             for p in json.loads(text) if text else []:
@@ -117,29 +118,42 @@ class Guard:
         self.rule.reset()
 
     # -- silent data corruption --------------------------------------------------------------------
-    def at_snapshot(self, tr, comm) -> None:
-        """Compare the previous snapshot's parameter checksum over dp; apply an armed flip to
-        the state about to be snapshotted. Every rank of a group calls it at the same steps."""
+    def post_compare(self, tr, comm, snapshot_next: bool) -> None:
+        """Before the step's host sync, when the step ends in a snapshot: post the dp all-reduce
+        of the previous snapshot's checksum, so the step's one sync also completes it (on NCCL a
+        sync of its own per snapshot would cost the host a stall). Every rank of a group calls
+        it at the same steps."""
         t0 = time.perf_counter()
-        if self.compare and self.prev is not None and comm.has("dp"):
-            self._compare(tr, comm, self.prev)
+        self.pending = None
+        if snapshot_next and self.compare and self.prev is not None and comm.has("dp"):
+            self.pending = (*self._post(tr, comm, self.prev), self.prev)
         self.check_s = time.perf_counter() - t0
+
+    def at_snapshot(self, tr, comm) -> None:
+        """After the step's sync: judge the comparison ``post_compare`` posted; apply an armed
+        flip to the state about to be snapshotted."""
+        t0 = time.perf_counter()
+        if self.pending is not None:
+            (t, mine, step), self.pending = self.pending, None
+            self._judge(tr, comm, step, mine, t.cpu().tolist())
+        self.check_s += time.perf_counter() - t0
         if self.flip:
             self.flip = False
             flip_param_bit(tr.opt)
         self.prev = tr.step
 
-    def _compare(self, tr, comm, step: int) -> None:
+    def _post(self, tr, comm, step: int) -> tuple[torch.Tensor, int | None]:
         ranks = comm.group_ranks["dp"]
-        me = ranks.index(comm.topo.rank)
         mine = own_crc(tr.engine, step)
         t = torch.zeros(len(ranks), 2, dtype=torch.int64)
         if mine is not None:
-            t[me] = torch.tensor([1, _signed(mine)])
+            t[ranks.index(comm.topo.rank)] = torch.tensor([1, _signed(mine)])
         t = t.to(tr.device)
         comm.allreduce(t, "dp")
-        comm.sync()
-        rows = t.cpu().tolist()
+        return t, mine
+
+    def _judge(self, tr, comm, step: int, mine: int | None, rows: list) -> None:
+        ranks = comm.group_ranks["dp"]
         crcs = [c if ok else None for ok, c in rows]
         agree, culprits = judge(crcs)
         if step in self.disputed:  # the replay of a disputed step: does it differ from itself?

@@ -358,7 +358,7 @@ def test_the_gpu_check_script_runs_its_dry_run_on_cpu(tmp_path):
 
 def test_the_throughput_check_composes_its_deadpool_arms_on_cpu(tmp_path):
     """experiments/gpu/check_throughput.py (GPU check 4) --dry-run: the DeadPool arms' overrides
-    compose, one rank in bf16 with snapshots off and on."""
+    compose, one rank in bf16 with snapshots off and on, eager and compiled."""
     import json
     import subprocess
     import sys
@@ -369,6 +369,9 @@ def test_the_throughput_check_composes_its_deadpool_arms_on_cpu(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     plan = json.loads((tmp_path / "check_throughput.json").read_text())
-    assert plan["composed"] == {"off": {"snapshot": False, "precision": "bf16", "dp": 1},
-                                "on": {"snapshot": True, "precision": "bf16", "dp": 1}}
+    arm = {"snapshot": False, "compile": False, "precision": "bf16", "dp": 1}
+    assert plan["composed"] == {
+        "deadpool_off": arm, "deadpool_on": dict(arm, snapshot=True),
+        "deadpool_off_compile": dict(arm, compile=True),
+        "deadpool_on_compile": dict(arm, snapshot=True, compile=True)}
     assert 8e9 < plan["flops_per_token_approx"] < 1e10  # ~6 x 1.4 B + attention

@@ -69,15 +69,22 @@ def test_a_buddy_killed_while_serving_its_ward_fails_over_to_the_second_buddy(re
     # test_hotswap's unrecoverable case, with two replicas: rank 1 dies mid-step, rank 2 (its
     # first buddy) dies while the recovery moves rank 1's shard off it; the next plan takes the
     # shard from rank 3, the second buddy
+    # Which buddy serves depends on timing: the first buddy serves when it holds the newest
+    # step's replica; under load its copy can still be incomplete when rank 1 dies, and the plan
+    # rightly takes the second buddy's at once (no failover to test). Such a run is repeated once.
     ev = ("faults.events=[{rank:1,step:12,phase:mid_step,kind:kill},"
           "{rank:2,step:0,phase:transfer,kind:kill}]")
-    summary = run_job(compose_train(BASE + [ev], tmp_path), log=quiet)
-    assert summary["outcome"] == "completed", summary["message"]
-    first = summary["recoveries"][0]
+    for attempt in range(2):
+        run_dir = tmp_path / f"run{attempt}"
+        summary = run_job(compose_train(BASE + [ev], run_dir), log=quiet)
+        assert summary["outcome"] == "completed", summary["message"]
+        first = summary["recoveries"][0]
+        if first["sources"]["1"].startswith("replica from rank 2"):
+            break
     assert first["failed_rank"] == 1 and first["sources"]["1"].startswith("replica from rank 2")
     assert 2 in ranks_lost(summary)
     assert sources_of(summary, 1)[-1].startswith("replica from rank 3"), summary["recoveries"]
-    equal, why = compare_final_states(tmp_path, reference[0])
+    equal, why = compare_final_states(run_dir, reference[0])
     assert equal, why
     assert summary["final_digest"] == reference[1]["final_digest"]
 

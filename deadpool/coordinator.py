@@ -231,7 +231,7 @@ class Coordinator:
         self._nodes_hint, self._last_read = hint, self._tick
         nodes = self.launcher.nodes
         got = reports.read(self.store, self.seal, {n: node_key(n) for n in nodes},
-                           on_forged=lambda n: detect._forged(self, f"record of node {n}"))
+                           on_forged=lambda n: detect.forged(self, f"record of node {n}"))
         for node, text in got.items():
             self.live.observe_node(node, text)
         if self.live.max_step > self.job_step:
@@ -489,11 +489,11 @@ class Coordinator:
         if self._finished is None or self._finished[0] != self.gen:
             self._finished = (self.gen, Reports(
                 self.store, self.seal, keys.finished, range(self.dims.world_size),
-                on_forged=lambda r: detect._forged(self, f"finish report of rank {r}")))
+                on_forged=lambda r: detect.forged(self, f"finish report of rank {r}")))
         done = self._finished[1]
         done.poll()
         if not done.complete:
-            detect._forged(self, f"finish counter of generation {self.gen} ahead of the reports")
+            detect.forged(self, f"finish counter of generation {self.gen} ahead of the reports")
         return done.complete
 
     def _print_progress(self, force: bool = False) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from deadpool import auth
 from deadpool.protocol import Seal, wake_coordinator
+from deadpool.recovery.detect import forged
 
 HINT = "job/num_drains"  # a wake-up hint (unsealed): requests 1..n may exist
 
@@ -77,9 +78,7 @@ class Requests:
             self.seen += 1
             text = coord.seal.open(key, coord.store.get(key))
             if text is None:
-                if "drain request" not in coord.forgeries:
-                    coord.forgeries.add("drain request")
-                    coord.log("[coordinator] drain request without the job's secret: ignored")
+                forged(coord, "drain request")
                 continue
             out.append((self.seen, int(json.loads(text)["node"])))
         return out

@@ -31,6 +31,7 @@ import time
 
 from deadpool.launcher import sigkill
 from deadpool.protocol import wake_coordinator
+from deadpool.recovery.detect import forged
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REQUEST_KEY = "job/stop_request"  # sealed: an agent's signal ({"signal", "node"})
@@ -134,9 +135,7 @@ class Stopper:
             return
         text = coord.seal.open(REQUEST_KEY, coord.store.get(REQUEST_KEY))
         if text is None:
-            if "stop request" not in coord.forgeries:
-                coord.forgeries.add("stop request")
-                coord.log("[coordinator] stop request without the job's secret: ignored")
+            forged(coord, "stop request")
             return
         req = json.loads(text)
         self.request(f"{req['signal']} to node {req['node']}'s agent",

@@ -91,7 +91,7 @@ def abort_and_fence(coord, failed: dict[int, str], reason: str | None = None) ->
 def _crash_reports(coord, slots: dict[int, int]) -> dict[int, str]:
     """rank -> the crash report its process sealed before exiting (``crash/<slot>``)."""
     return reports.read_posted(coord.store, coord.seal, {r: Keys.crash(s) for r, s in slots.items()},
-                        on_forged=lambda r: _forged(coord, f"crash report for rank {r}"))
+                        on_forged=lambda r: forged(coord, f"crash report for rank {r}"))
 
 
 def _collective_error(coord, keys: Keys) -> bool:
@@ -109,19 +109,19 @@ def _collective_error(coord, keys: Keys) -> bool:
     if n > 0:
         errors = reports.read_posted(coord.store, coord.seal,
                               {r: keys.error(r) for r in coord.members.ranks},
-                              on_forged=lambda r: _forged(coord, f"error report for rank {r}"))
+                              on_forged=lambda r: forged(coord, f"error report for rank {r}"))
         for rank, text in sorted(errors.items()):
             if (keys.g, rank) not in coord.errors_logged:
                 coord.errors_logged.add((keys.g, rank))
                 coord.log(f"[coordinator] gen {coord.gen}: rank {rank} reports: {summarize(text)}")
         confirmed = confirmed or bool(errors)
         if not confirmed:
-            _forged(coord, f"error counter of generation {keys.g} bumped with no report")
+            forged(coord, f"error counter of generation {keys.g} bumped with no report")
     coord.error_hint = (keys.g, n, confirmed)
     return confirmed
 
 
-def _forged(coord, what: str) -> None:
+def forged(coord, what: str) -> None:
     """Log, once per kind of message, that one without the job's secret was ignored."""
     if what not in coord.forgeries:
         coord.forgeries.add(what)
@@ -153,7 +153,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
     deadline = time.monotonic() + float(coord.ft["status_timeout_s"])
     statuses: dict[int, RankStatus] = {}
     pending = coord.rank_reports(keys, "status", [r for r in ranks if r not in failed],
-                                 lambda who: _forged(coord, f"status for {who}"))
+                                 lambda who: forged(coord, f"status for {who}"))
     by_slot = {s: r for r, s in ranks.items()}
     while True:
         coord.read_heartbeats()
@@ -197,7 +197,7 @@ def collect_bad_sources(coord, keys: Keys) -> list[dict]:
     found = []
     got = reports.read_posted(coord.store, coord.seal,
                        {r: keys.bad_source(r) for r in range(coord.dims.world_size)},
-                       on_forged=lambda r: _forged(coord, f"bad-source report of rank {r}"))
+                       on_forged=lambda r: forged(coord, f"bad-source report of rank {r}"))
     for rank in sorted(got):
         b = json.loads(got[rank])
         coord.bad.add((int(b["holder"]), int(b["owner"]), int(b["step"])))
@@ -213,7 +213,7 @@ def collect_faults(coord, dead: set[int]) -> dict[int, dict]:
     faults = {}
     got = reports.read_posted(coord.store, coord.seal,
                        {r: Keys.fault(s) for r, s in coord.members.ranks.items()},
-                       on_forged=lambda r: _forged(coord, f"fault record of rank {r}"))
+                       on_forged=lambda r: forged(coord, f"fault record of rank {r}"))
     for rank in sorted((r for r in coord.members.ranks if r in got), key=lambda r: r not in dead):
         f = json.loads(got[rank])
         if f["t"] > coord.fault_t and (rank in dead or not faults):

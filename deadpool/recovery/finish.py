@@ -54,7 +54,7 @@ def collect_finals(coord) -> None:
     raise ``JobFailed`` naming the ranks whose writers failed (the module's table)."""
     world = coord.dims.world_size
     got = Reports(coord.store, coord.seal, Keys.final, range(world),
-                  on_forged=lambda r: detect._forged(coord, f"final state of rank {r}"))
+                  on_forged=lambda r: detect.forged(coord, f"final state of rank {r}"))
     bound = stall_bound_s(coord)
     wait = FinalWait(range(world), stall_s=bound)
     poll = 0

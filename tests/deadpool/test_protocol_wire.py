@@ -2,6 +2,7 @@
 random layouts and recoveries, a delta never decoded against the wrong membership, and the sizes
 and costs at 16,384 ranks."""
 
+import json
 import random
 import time
 
@@ -209,13 +210,13 @@ def test_at_16k_ranks_one_rank_swapped_to_a_spare_is_a_delta_of_a_few_hundred_by
                 reason=f"rank {failed} exited (SIGKILL)", t_written=time.time(), keep_groups=keep)
     full, delta = measure("16k, one rank to a spare (keep: every group but its own)",
                           plan, prev, groups)
-    assert len(delta) < 2_000 and len(full) > 500_000
+    assert len(delta) < 2_000 and len(full) > 100 * len(delta)
     # against the universe a recovery keeps from (no replication groups), as groups_to_keep does
     universe = keepable(BIG)
     plan.keep_groups = sorted(k for k in universe if failed not in groups[k])
     full, delta = measure("16k, one rank to a spare (keep: keepable groups but its own)",
                           plan, prev, universe)
-    assert len(delta) < 2_000 and len(full) > 500_000
+    assert len(delta) < 2_000 and len(full) > 100 * len(delta)
 
 
 def test_at_16k_ranks_every_rank_rolling_back_locally_is_a_small_delta():
@@ -226,4 +227,23 @@ def test_at_16k_ranks_every_rank_rolling_back_locally_is_a_small_delta():
                 reason="every rank rolls back to step 1200", t_written=time.time(),
                 keep_groups=[])  # NCCL: every group rebuilt
     full, delta = measure("16k, every rank rolls back locally", plan, prev, universe)
-    assert len(delta) < 2_000 and len(full) > 500_000
+    assert len(delta) < 2_000 and len(full) < 2_000  # (wire 1's full form: ~1 MB)
+
+
+def test_a_jobs_first_plan_in_full_is_a_few_hundred_bytes_at_16k_ranks():
+    """Every node agent reads plan 0 in full at start-up: 2,048 of them at 16,384 ranks."""
+    plan = first_plan(BIG.world_size, generation=0)
+    text = encode_plan(plan, None)
+    assert len(text) < 1_000, len(text)
+    assert decode_plan(text, None) == plan
+    swapped = Plan(1, "train", {**plan.assignments, 9_301: BIG.world_size + 3}, 5,
+                   sources={r: Source("live", r) for r in plan.assignments}, keep_groups=[])
+    assert decode_plan(encode_plan(swapped, None), None) == swapped  # three runs
+    assert len(encode_plan(swapped, None)) < 1_000
+
+
+def test_wire_1s_full_form_is_still_read():
+    plan = next_plan(random.Random(3), first_plan(8), ParallelDims(dp=2, tp=2, pp=2,
+                                                                   ranks_per_node=2), [], 8)
+    old = {"wire": 1, "form": "full", **json.loads(plan.to_json())}  # every entry listed
+    assert decode_plan(json.dumps(old), None) == plan

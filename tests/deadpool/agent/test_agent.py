@@ -347,14 +347,19 @@ def test_plans_go_out_as_deltas_and_a_reader_without_the_base_gets_the_full_form
     p0 = _plan(0, world)
     p1 = _plan(1, {**world, 7: 64})
     p1.sources[7] = Source("replica", 9, shared_from=6)
-    assert publish_plan(store, seal, p0, None) > 1000
+    publish_plan(store, seal, p0, None)  # the first plan: in full under both keys
+    assert _form(seal, store, Keys.plan(0)) == _form(seal, store, Keys.plan_full(0)) == "full"
     small = publish_plan(store, seal, p1, p0)
-    assert small < 400
+    assert small < 400 and _form(seal, store, Keys.plan(1)) == "delta"
     assert fetch_plan(store, seal, 1, p0) == (p1, seal.unwrap(Keys.plan(1), store.get(Keys.plan(1))))
     plan, text = fetch_plan(store, seal, 1, None)  # a process holding no plan: the full form
-    assert plan == p1 and len(text) > 1000
+    assert plan == p1 and json.loads(text)["form"] == "full"
     plan, _ = fetch_plan(store, seal, 1, _plan(0, {0: 5}))  # another base: the full form too
     assert plan == p1
+
+
+def _form(seal, store, key) -> str:
+    return json.loads(seal.unwrap(key, store.get(key)))["form"]
 
 
 def test_reports_go_through_the_agent_one_sealed_key_per_node_and_kind(tmp_path):

@@ -69,8 +69,14 @@ first one that does not survive are not run.
 
 Writes ``DIR/table.csv`` (``ranks, protocol, store_ops_per_s_per_rank, exit_detect_s,
 node_detect_s, plan_everywhere_s, coordinator_cpu_frac, detect_to_plan_s, recovery_store_ops,
-dilation, survived``; ``detect_to_plan_s`` is divided by D, as the statuses come at the
-fake processes' dilated pace) and
+statuses_in_s, plan_after_statuses_s, node_react_ms, coordinator_recovery_cpu_s, dilation,
+survived``; ``detect_to_plan_s`` as measured, not divided by D: the nodes' reactions to the
+abort are CPU, not periods. Under node agents it is split into ``statuses_in_s`` (detection ->
+the last node's statuses sent on: every fake node's reaction, which this machine runs one after
+another on its cores and a cluster on every node at once), ``plan_after_statuses_s`` (the rest:
+the coordinator's last poll, planning, the plan), ``node_react_ms`` (one node's reaction, its
+ranks' status files and its agent sending them, mean CPU) and ``coordinator_recovery_cpu_s``
+(the coordinator thread's CPU from detection to plan)) and
 ``DIR/runs.json``. Not modelled in either protocol: the progress line, group rendezvous and
 transfers.
 """

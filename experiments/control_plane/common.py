@@ -10,20 +10,21 @@ STEP = 10  # the step every fake rank is at
 VOTE_EVERY = 16  # snapshots between snapshot-interval votes (snapshot.schedule's default every)
 MAX_GEN = 3
 # per thread, in the shared stats array: requests, max lag, window seen, slots announced (start-up
-# progress), then per generation (latest plan read time, number of processes that read it)
-OPS, LAG, WIN, BUILT = 0, 1, 2, 3
-FIELDS = 4 + 2 * MAX_GEN
+# progress), the nodes' reactions to aborts (when the latest ended, time.time(); their CPU in all;
+# how many), then per generation (latest plan read time, number of processes that read it)
+OPS, LAG, WIN, BUILT, REACT_T, REACT_CPU, REACT_N = 0, 1, 2, 3, 4, 5, 6
+FIELDS = 7 + 2 * MAX_GEN
 ALIVE, DEAD, SILENT = 0, 1, 2
 
 
 def plan_read_t(g: int) -> int:
     """Offset in a thread's stats of generation ``g``'s latest plan read time."""
-    return 4 + 2 * g
+    return 7 + 2 * g
 
 
 def plan_reads(g: int) -> int:
     """Offset in a thread's stats of how many of its processes read plan ``g``."""
-    return 5 + 2 * g
+    return 8 + 2 * g
 
 
 def note_plan_read(stats, base: int, g: int, n: int = 1) -> None:

@@ -73,19 +73,23 @@ class BenchCoordinator(Coordinator):
         self.plans: dict[int, float] = {}
         self.to_plan: dict[int, tuple[float, int]] = {}  # generation -> (seconds, requests)
         self.to_plan_by_method: dict[int, dict[str, int]] = {}
-        self._found: tuple[float, int, dict] | None = None
+        self.to_plan_cpu: dict[int, float] = {}  # generation -> the coordinator thread's CPU (s)
+        self.found_wall: dict[int, float] = {}  # generation -> detection, time.time()
+        self._found: tuple[float, int, dict, float] | None = None
 
     def recover(self, failed, t_detect):
         self.detected.append((dict(failed), t_detect))
+        self.found_wall[self.gen + 1] = time.time()
         self._found = (time.monotonic(), self.store.requests,  # (failures() just returned)
-                       dict(self.store.by_method))
+                       dict(self.store.by_method), time.thread_time())
         super().recover(failed, t_detect)
 
     def write_plan(self, p):
         super().write_plan(p)
         self.plans[p.generation] = p.t_written
         if self._found is not None:
-            t, n, by = self._found
+            t, n, by, cpu = self._found
+            self.to_plan_cpu[p.generation] = time.thread_time() - cpu
             self.to_plan[p.generation] = (time.monotonic() - t, self.store.requests - n)
             self.to_plan_by_method[p.generation] = {
                 k: v - by.get(k, 0) for k, v in self.store.by_method.items() if v > by.get(k, 0)}

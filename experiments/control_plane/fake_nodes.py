@@ -15,8 +15,9 @@ from deadpool import auth
 from deadpool.policies import buddy_table
 from deadpool.protocol import Keys, RankStatus, Seal
 from deadpool.topology import ParallelDims
-from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, OPS, SILENT,
-                                              STEP, VOTE_EVERY, WIN, CountedOps, note_plan_read)
+from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, OPS, REACT_CPU,
+                                              REACT_N, REACT_T, SILENT, STEP, VOTE_EVERY, WIN,
+                                              CountedOps, note_plan_read)
 
 
 class FakeNodes:
@@ -137,6 +138,7 @@ class FakeNodes:
         if what == "abort":  # each process writes its status next to the board
             from deadpool.agent.client import write_report
 
+            cpu = time.thread_time()
             for s in self._alive(node):
                 r = by_slot.get(s)
                 if r is not None and agent.ranks_gen[s] == g:
@@ -145,6 +147,11 @@ class FakeNodes:
                                  status.to_json(), seal=self.seal)
                     agent.ranks_gen[s] = None
             agent.check_reports()  # (the agent's rounds thread: within a few ms)
+            # what one node spent reacting (on a real node, its own CPU), and when its reports
+            # were out (this machine runs every node's reaction on its 2 cores, one after another)
+            self.stats[self.base + REACT_CPU] += time.thread_time() - cpu
+            self.stats[self.base + REACT_N] += 1
+            self.stats[self.base + REACT_T] = max(self.stats[self.base + REACT_T], time.time())
             return
         n = 0  # (the processes decode the same text the agent decoded: its plan is theirs)
         for s in self._alive(node):
@@ -168,7 +175,11 @@ class FakeNodes:
                         if ex in slots and self.flags[ex] == ALIVE:
                             self.flags[ex] = DEAD
                             self.agents[node].on_exit(ex, -9)  # its agent's waitpid returns
-                while self.reacts and self.reacts[0][0] <= now:
+                # one node's reaction per turn, between the agents' ticks: a real agent's record
+                # thread does not wait for its ranks' reports, so 128 nodes' reactions queued on
+                # this thread must not hold every record back (they did: the coordinator then saw
+                # 5,800 silent ranks at 16,384 and declared them failed)
+                if self.reacts and self.reacts[0][0] <= now:
                     _, node, what, g = heapq.heappop(self.reacts)
                     self.react(node, what, g)
                 due, node = self.heap[0]
@@ -185,7 +196,9 @@ class FakeNodes:
             self.stats[self.base + OPS] = self.store.ops
             self.stats[self.base + LAG] = self.lag
             self.stats[self.base + WIN] = self.win
-            time.sleep(min(0.002, max(0.0, self.heap[0][0] - time.monotonic())) if self.heap else 0)
+            if not (self.reacts and self.reacts[0][0] <= time.monotonic()):
+                time.sleep(min(0.002, max(0.0, self.heap[0][0] - time.monotonic())) if self.heap
+                           else 0)
 
 
 _BY_SLOT: dict[int, tuple[object, dict]] = {}
@@ -206,13 +219,17 @@ def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags
                        threads, window, exit_req, stop):
     from deadpool.protocol_wire import decode_plan
 
-    cache = {}
+    cache, lock = {}, threading.Lock()
 
-    def decode(text, prev, keys=None):  # one decode per process and text (a real node decodes
-        key = (text, None if prev is None else prev.generation)  # its own, on its own CPU)
-        if key not in cache:
-            cache[key] = decode_plan(text, prev, keys)
-        return cache[key]
+    def decode(text, prev, keys=None):
+        """One decode per process and text (a real node decodes its own, on its own CPU): the
+        first thread to ask decodes under the lock, the node agents asking meanwhile wait for
+        it (without the lock, 1,024 agents' threads decoded the 16,384-rank plan 0 at once)."""
+        key = (text, None if prev is None else prev.generation)
+        with lock:
+            if key not in cache:
+                cache[key] = decode_plan(text, prev, keys)
+            return cache[key]
 
     root = Path(tempfile.mkdtemp(prefix="bench_cp_nodes_", dir="/dev/shm"
                                  if Path("/dev/shm").is_dir() else None))

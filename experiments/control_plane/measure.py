@@ -13,8 +13,9 @@ from deadpool import auth
 from deadpool.agent.events import EventLog
 from deadpool.protocol import Keys, Seal
 from deadpool.watchdog import NodeLiveness
-from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, OPS, SILENT, WIN,
-                                              Counted, plan_read_t, plan_reads)
+from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, OPS, REACT_CPU,
+                                              REACT_N, REACT_T, SILENT, WIN, Counted,
+                                              plan_read_t, plan_reads)
 from experiments.control_plane.coordinator_side import (BenchAgents, BenchCoordinator, Launcher,
                                                         Stop, config, thread_cpu)
 from experiments.control_plane.fake_nodes import fake_nodes_process
@@ -138,6 +139,21 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
     def fake_ops():
         return sum(stats[t * FIELDS + OPS] for t in range(nthreads))
 
+    def total(field):
+        return sum(stats[t * FIELDS + field] for t in range(nthreads))
+
+    def recovery_parts(g, react0):
+        """Where detection -> plan ``g`` went: the nodes' reactions (statuses written, sent on by
+        their agents), which this machine runs one after another on its 2 cores and a cluster runs
+        on every node at once, and the coordinator's own work (its thread's CPU)."""
+        cpu, n = total(REACT_CPU) - react0[0], total(REACT_N) - react0[1]
+        t_last = max(stats[t * FIELDS + REACT_T] for t in range(nthreads))
+        statuses_in = t_last - coord.found_wall[g]
+        return {"statuses_in_s": statuses_in,
+                "plan_after_statuses_s": coord.to_plan[g][0] - statuses_in,
+                "node_react_ms": cpu / max(1, n) * 1e3, "nodes_reacted": int(n),
+                "coordinator_recovery_cpu_s": coord.to_plan_cpu[g]}
+
     def lag():
         return max(stats[t * FIELDS + LAG] for t in range(nthreads)
                    if stats[t * FIELDS + WIN] == window.value)
@@ -183,7 +199,7 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
             return out
         # exit: rank 1's process exits
         log("[bench] steady state measured; rank 1's process exits", flush=True)
-        t_exit = time.time()
+        t_exit, react0 = time.time(), (total(REACT_CPU), total(REACT_N))
         if protocol == "new":
             exit_req.value = coord.members.ranks[1]  # its agent's waitpid returns
         else:
@@ -196,11 +212,13 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         out["exit_detect_s"] = coord.detected[0][1] - t_exit
         out["exit_detected_by"] = coord.detected[0][0]
         out["plan_everywhere_s"] = (last_read(1) - coord.plans[1]) / D
-        # detection -> plan: the abort, the survivors' statuses (through their agents: period
-        # driven, so divided by D like the plan reads), reports, faults, planning, the plan
-        out["detect_to_plan_measured_s"], out["recovery_store_ops"] = coord.to_plan[1]
-        out["detect_to_plan_s"] = coord.to_plan[1][0] / D
+        # detection -> plan: the abort, the survivors' statuses (through their agents), reports,
+        # faults, planning, the plan; as measured, not divided by D (the nodes' reactions are CPU,
+        # not periods), then where it went
+        out["detect_to_plan_s"], out["recovery_store_ops"] = coord.to_plan[1]
         out["recovery_store_ops_by_method"] = coord.to_plan_by_method[1]
+        if protocol == "new":
+            out.update(recovery_parts(1, react0))
         out["plan_bytes"] = len(store.get(Keys.plan(1) if protocol == "new" else Keys.plan_full(1)))
         time.sleep(1.0 * D)
         # a node goes silent (no exit seen)
@@ -210,7 +228,7 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
                              "(more ranks declared failed than spares: the fakes fell behind)")
             return out
         node = [coord.members.ranks[r] for r in range(n - rpn, n)]  # the last node
-        t_node = time.time()
+        t_node, react0 = time.time(), (total(REACT_CPU), total(REACT_N))
         for s in node:
             flags[s] = SILENT
         if "node" not in args.phases:
@@ -222,8 +240,10 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         out["node_detect_s"] = (coord.detected[1][1] - t_node) / D
         out["node_detected_by"] = coord.detected[1][0]
         out["plan_everywhere_node_s"] = (last_read(2) - coord.plans[2]) / D
-        out["detect_to_plan_node_s"] = coord.to_plan[2][0] / D
+        out["detect_to_plan_node_s"] = coord.to_plan[2][0]
         out["recovery_store_ops_node"] = coord.to_plan[2][1]
+        if protocol == "new":
+            out.update({k + "_node": v for k, v in recovery_parts(2, react0).items()})
         out["survived"] = "failed" not in out
         return out
     finally:

@@ -13,6 +13,7 @@ from experiments.control_plane.measure import run_size
 
 COLUMNS = ["ranks", "protocol", "store_ops_per_s_per_rank", "exit_detect_s", "node_detect_s",
            "plan_everywhere_s", "coordinator_cpu_frac", "detect_to_plan_s", "recovery_store_ops",
+           "statuses_in_s", "plan_after_statuses_s", "node_react_ms", "coordinator_recovery_cpu_s",
            "dilation", "survived"]
 
 

@@ -159,3 +159,16 @@ def test_a_start_up_wait_polls_within_its_budget_and_finds_every_join(tmp_path):
     late = reports.Reports(store, JOB, Keys.spare_ready, range(n + 1), budget=1)
     store.set(Keys.spare_ready(n), JOB.wrap(Keys.spare_ready(n), "1.0"))
     assert len(late.settle()) == n + 1 and late.complete  # one exact read names none missing
+
+
+def test_a_rank_status_round_trips_every_field():
+    """Its JSON is written field by field (no deep copy): a field added to ``RankStatus`` and
+    not written fails here."""
+    import dataclasses
+
+    from deadpool.protocol import RankStatus
+
+    st = RankStatus(5, 9, 12, [10, 12], {4: [12], 6: [10]}, groups={"dp/pp0-tp0": [3, 3]},
+                    crcs={"own/12": [1, 2, 3]})
+    assert set(json.loads(st.to_json())) == {f.name for f in dataclasses.fields(RankStatus)}
+    assert RankStatus.from_json(st.to_json()) == st

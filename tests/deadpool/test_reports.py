@@ -113,6 +113,32 @@ def test_node_reports_poll_only_the_nodes_that_posted(tmp_path):
     assert n == 1
 
 
+def test_node_reports_polls_cost_what_changed_not_the_ranks(tmp_path):
+    """A recovery's status wait polls every 2 ms: at 16,384 ranks, asking each missing rank's
+    node again on every poll was most of the coordinator's CPU. Each rank's node is asked once;
+    a rank declared failed or a node's reports taken change only their own entries."""
+    asked = []
+
+    def node_of(r):
+        asked.append(r)
+        return r // 8
+
+    keys = Keys(4)
+    store = dist.HashStore()
+    pending = reports.NodeReports(store, JOB, lambda n: keys.node_report("status", n),
+                                  range(4096), node_of)
+    for _ in range(20):
+        pending.poll()
+    reports.post(store, JOB, keys.node_report("status", 7),
+                 json.dumps({str(r): f"s{r}" for r in range(56, 64)}))
+    pending.forget([9, 10])
+    for _ in range(20):
+        pending.poll()
+    assert sorted(pending.got) == list(range(56, 64))
+    assert pending.missing == [r for r in range(4096) if r not in {9, 10, *range(56, 64)}]
+    assert len(asked) == 4096, len(asked)
+
+
 def test_a_forged_index_entry_or_value_steers_nothing(tmp_path):
     """A client without the secret lists absent keys, and a forged value, in the index: the
     real reports are still found (the list is probed), the forgery is refused and reported."""

@@ -31,16 +31,16 @@ import time
 from dataclasses import dataclass
 
 from deadpool import drain, reports
-from deadpool.agent.node import NODES_CHANGED, node_key
 from deadpool.errors import JobFailed
 from deadpool.groups import keepable_keys
 from deadpool.policies import SPARE_POLICIES, make_policy
-from deadpool.protocol import (Keys, Plan, RecoveryRecord, Seal, Source, announce_abort,
-                               finished_key)
+from deadpool.protocol import (NODES_CHANGED, Keys, Plan, RecoveryRecord, Seal, Source, announce_abort,
+                               finished_key, node_key)
 from deadpool.protocol_wire import publish_plan
-from deadpool.recovery import (detect, elastic, fallbacks, finish, integrity, migrate, plan,
+from deadpool.recovery import (detect, disk, elastic, fallbacks, finish, integrity, migrate, plan,
                                preempt, timeline)
 from deadpool.reports import Reports
+from deadpool.settings import layout_cfg
 from deadpool.strategies import strategy_of
 from deadpool.topology import ParallelDims
 from deadpool.watchdog import Liveness
@@ -138,7 +138,7 @@ class Coordinator:
         """The generations from the next plan on run at ``layout`` (an in-place shrink or
         regrow, ``recovery.elastic``)."""
         self.layout = layout
-        self._set_cfg(elastic.layout_cfg(self.configured, layout))
+        self._set_cfg(layout_cfg(self.configured, layout))
 
     @property
     def gen(self) -> int:
@@ -387,7 +387,7 @@ class Coordinator:
         rec = integrity.open_record(self, failed, faults, decision, t_detect, bad)
         lost = {d: self.members.ranks.pop(d) for d in failed}  # rank -> the slot it held
         if decision.resume_step is None:
-            decision = fallbacks.from_disk(self, decision, rec)
+            decision = disk.from_disk(self, decision, rec)
             if decision is None:
                 return
         if fallbacks.stalled(self, decision, rec, t_detect):

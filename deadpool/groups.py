@@ -9,6 +9,7 @@ at 16k ranks an O(N^2) step takes minutes).
 from __future__ import annotations
 
 from deadpool.policies import buddies_table
+from deadpool.settings import layout_cfg
 from deadpool.topology import ParallelDims, Topology
 
 
@@ -108,8 +109,6 @@ def reusable_groups(counts: dict[int, dict[str, list[int]]], members: dict[str, 
 def layout_group_keys(cfg: dict, layout: dict) -> list[str]:
     """``keepable_keys`` of the configured job ``cfg`` at a plan's ``layout`` (``Plan.layout``:
     an in-place elastic width; empty at the configured one)."""
-    from deadpool.recovery.elastic import layout_cfg  # (recovery imports this module)
-
     c = layout_cfg(cfg, layout)
     return keepable_keys(ParallelDims.from_config(c["parallel"]), c["ft"]["buddy_policy"])
 

@@ -31,7 +31,7 @@ from deadpool.memory import check_fits
 from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.policies import buddies_table, check_placement, max_replicas
 from deadpool.protocol import Seal
-from deadpool.recovery import preempt
+from deadpool.recovery import disk, preempt
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.topology import ParallelDims
 from deadpool.report import write_outputs
@@ -345,7 +345,7 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
         for s in slots:
             launcher.kill(s)
     except HardStop as e:  # a second signal: its handler killed every local process
-        coord.outcome, coord.message = "preempted", f"{e}; {preempt.resume_hint(coord)}"
+        coord.outcome, coord.message = "preempted", f"{e}; {disk.resume_hint(coord)}"
     finally:
         stop.running = False
         if presence is not None:

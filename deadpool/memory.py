@@ -56,9 +56,9 @@ from __future__ import annotations
 
 import os
 
-from deadpool.model import check_activation_checkpointing, model_config
+from deadpool.model import check_activation_checkpointing, model_config, stage_layers, stage_params
 from deadpool.settings import num_microbatches
-from deadpool.topology import ParallelDims, layer_range
+from deadpool.topology import ParallelDims
 
 GiB = 2**30
 
@@ -70,25 +70,6 @@ PRECISIONS = {
     "bf16": {"param": 2, "grad": 2, "optim": 12, "act": 2},
 }
 _STEP_BYTES = 4  # AdamW's fp32 step counter
-
-
-def stage_layers(n_layers: int, pp: int, pp_rank: int) -> int:
-    """Layers on pipeline stage ``pp_rank`` (``topology.layer_range``)."""
-    return len(layer_range(n_layers, pp, pp_rank))
-
-
-def stage_params(model_cfg, tp: int, pp: int, pp_rank: int) -> int:
-    """Parameters held by one rank of stage ``pp_rank`` (its tensor-parallel shard)."""
-    m = model_config(model_cfg)
-    d, f, v, kv = m.d_model, m.ffn_hidden, m.vocab_size, m.n_kv_heads * m.head_dim
-    # q + k + v + out, gate + up + down, split over tp; two norms, replicated
-    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) // tp + 2 * d
-    n = stage_layers(m.n_layers, pp, pp_rank) * per_layer
-    if pp_rank == 0:
-        n += v * d // tp            # embedding, vocabulary-parallel
-    if pp_rank == pp - 1:
-        n += v * d // tp + d        # LM head (untied) and final norm
-    return n
 
 
 def model_params(model_cfg) -> int:

@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 import sys
 
-from deadpool.memory import (GiB, PRECISIONS, _gb, estimate, estimate_job, saved_activations,
-                             stage_params, state_bytes)
-from deadpool.model import model_config
+from deadpool.memory import GiB, PRECISIONS, _gb, estimate, estimate_job, saved_activations, state_bytes
+from deadpool.model import model_config, stage_params
 
 # -- the docs/memory.md table (A100) -------------------------------------------------------------------
 
@@ -251,7 +250,7 @@ def job_terms(overrides: list[str]) -> dict:
     counts them: ``params_gb``, ``grads_gb``, ``optimizer_gb``, ``activations_gb``,
     ``overhead_gb``, ``total_gb``, with the stage, layout, ZeRO stage and host GB per node."""
     from deadpool.topology import ParallelDims
-    from deadpool.train import compose_config
+    from deadpool.launch.config import compose_config
 
     cfg = compose_config(list(overrides), "memory-estimate")  # nothing is written there
     est = estimate_job(cfg)

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from deadpool.init_rng import fill_normal_, param_key
+from deadpool.topology import layer_range
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
@@ -329,3 +330,23 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }
     return opt
+
+
+# what one rank of a dp x tp x pp layout holds (the memory estimator and the build watchdog)
+def stage_layers(n_layers: int, pp: int, pp_rank: int) -> int:
+    """Layers on pipeline stage ``pp_rank`` (``topology.layer_range``)."""
+    return len(layer_range(n_layers, pp, pp_rank))
+
+
+def stage_params(model_cfg, tp: int, pp: int, pp_rank: int) -> int:
+    """Parameters held by one rank of stage ``pp_rank`` (its tensor-parallel shard)."""
+    m = model_config(model_cfg)
+    d, f, v, kv = m.d_model, m.ffn_hidden, m.vocab_size, m.n_kv_heads * m.head_dim
+    # q + k + v + out, gate + up + down, split over tp; two norms, replicated
+    per_layer = (2 * d * d + 2 * d * kv + 3 * d * f) // tp + 2 * d
+    n = stage_layers(m.n_layers, pp, pp_rank) * per_layer
+    if pp_rank == 0:
+        n += v * d // tp            # embedding, vocabulary-parallel
+    if pp_rank == pp - 1:
+        n += v * d // tp + d        # LM head (untied) and final norm
+    return n

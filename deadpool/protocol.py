@@ -131,6 +131,20 @@ class Keys:
     COORD_WAKE = "coord/wake"  # set to wake the coordinator's loop (unsealed: it only wakes it)
 
 
+# under node agents: each agent's record of its node (sealed), and the hint that one changed
+NODES_CHANGED = "nodes/changed"  # a wake-up hint for the coordinator (unsealed: it only wakes)
+
+
+def node_key(node: int) -> str:
+    """The key of node ``node``'s agent record."""
+    return f"node/{node}"
+
+
+# a process started after the job began (an in-place regrow, recovery.elastic) waits for plans
+# from this generation on, as a warm spare; it never takes the job's first plan as its own start
+JOIN_GENERATION_ENV = "DEADPOOL_JOIN_GENERATION"
+
+
 def wake_coordinator(store) -> None:
     """Wake the coordinator's loop now (``agent.events.WakeListener``). Bump the hint it must
     see first (``nodes/changed``, the generation's error count): a wake-up carries nothing, the

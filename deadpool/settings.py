@@ -5,6 +5,15 @@ from __future__ import annotations
 import math
 
 
+def layout_cfg(cfg: dict, layout: dict) -> dict:
+    """``cfg`` (the job's configured one) at a generation's ``layout`` (``Plan.layout``: an
+    in-place elastic width, ``recovery.elastic``; empty at the configured one)."""
+    if not layout:
+        return cfg
+    par = dict(cfg["parallel"], dp=int(layout["dp"]), global_dp=int(layout["global_dp"]))
+    return dict(cfg, parallel=par, ft=dict(cfg["ft"], replicas=int(layout["replicas"])))
+
+
 BUBBLE_MAX = 0.1  # the idle share of 1F1B, (pp - 1) / (v m + pp - 1), that ``auto`` aims under
 
 

@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 
-from deadpool.launcher import sigkill
+from deadpool.launch.procs import sigkill
 from deadpool.protocol import wake_coordinator
 from deadpool.recovery.detect import forged
 

@@ -34,18 +34,6 @@ from deadpool.report import compare_final_states, print_report
 from deadpool.stop import Stopper
 
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-def compose_config(overrides: list[str], run_dir: str | Path) -> dict:
-    """The resolved config exactly as the entry point builds it, for scripts and tests."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, f"run_dir={run_dir}"])
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def to_plain(cfg: DictConfig) -> dict:
     d = OmegaConf.to_container(cfg, resolve=True)
     d.pop("hydra", None)

@@ -42,11 +42,11 @@ from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
 from deadpool.faults import FaultInjector
 from deadpool.groups import layout_group_keys
 from deadpool.heartbeat import Heartbeat
-from deadpool.protocol import Keys, Plan, RankTimings, Seal, now
+from deadpool.model import stage_params
+from deadpool.protocol import JOIN_GENERATION_ENV, Keys, Plan, RankTimings, Seal, now
 from deadpool.protocol_wire import BaseMismatch, decode_plan, fetch_plan, plan_skipped
-from deadpool.launcher import JOIN_GENERATION_ENV
-from deadpool.memory import stage_params
-from deadpool.recovery import elastic, restore
+from deadpool.recovery import restore
+from deadpool.settings import layout_cfg
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer
@@ -203,7 +203,7 @@ class Worker:
         if plan.layout == self.layout:
             return
         self.layout = plan.layout
-        cfg = elastic.layout_cfg(self.configured, plan.layout)
+        cfg = layout_cfg(self.configured, plan.layout)
         self.cfg["parallel"], self.cfg["ft"] = cfg["parallel"], cfg["ft"]  # the trainer's dict too
         self.ft = self.cfg["ft"]
         self.dims = ParallelDims.from_config(self.cfg["parallel"])

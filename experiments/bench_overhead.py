@@ -59,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deadpool.train import compose_config  # noqa: E402
+from deadpool.launch.config import compose_config  # noqa: E402
 from experiments.common import keep, metrics, run  # noqa: E402
 
 SETTINGS = {"2": ("dp2", 2, 0), "4+1": ("dp4", 4, 1)}  # name -> (parallel, ranks, spares)

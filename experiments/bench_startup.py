@@ -45,7 +45,7 @@ import json, sys, tempfile, time
 t0 = float(sys.argv[1])
 import torch
 from deadpool.parallel.stage import build_stage
-from deadpool.train import compose_config
+from deadpool.launch.config import compose_config
 t_import = time.time()
 cfg = compose_config([f"model={sys.argv[2]}"], tempfile.mkdtemp())["model"]
 tp = int(sys.argv[3])

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from deadpool.job import run_job
-from deadpool.train import compose_config
+from deadpool.launch.config import compose_config
 
 quiet = lambda *a, **k: None  # noqa: E731
 

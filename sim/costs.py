@@ -34,7 +34,7 @@ from typing import Mapping
 
 import numpy as np
 
-from sim import network, overhead
+from sim import host_copy, network, overhead
 from sim.layout import Layout
 
 CRASH, HANG, SDC = "crash", "hang", "sdc"
@@ -161,8 +161,8 @@ def snapshot_stall_s(layout: Layout, c: Mapping) -> float:
     """Training time one snapshot (no replication) costs: its measured share of a step, or its
     issue and contention parts (``sim.overhead``), plus a device-to-host copy that outlasts the
     forward+backward it overlaps with."""
-    d2h = overhead.copy_s(layout, c)
-    over = max(0.0, d2h - overhead.overlap_window_s(layout, c))
+    d2h = host_copy.copy_s(layout, c)
+    over = max(0.0, d2h - host_copy.overlap_window_s(layout, c))
     if overhead.from_parts(c):
         return overhead.host_side_s(layout, c, d2h) + over
     return float(c["snapshot_overhead_frac"]) * layout.step_time_s + over

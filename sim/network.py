@@ -34,6 +34,7 @@ import dataclasses
 import math
 from typing import Mapping
 
+from sim import host_copy
 from sim.layout import Layout
 
 GRAD_BYTES = 2.0  # bf16 gradients / parameters on the wire
@@ -96,8 +97,6 @@ def activation_bytes_per_node(layout: Layout) -> float:
 def plan(layout: Layout, c: Mapping, persist_interval_s: float | None = None) -> ReplicationPlan:
     """``persist_interval_s``: the strategy's disk checkpoints (their writes leave through the same
     NIC: one node's state per interval, averaged over steps)."""
-    from sim import overhead
-
     step = layout.step_time_s
     nic = layout.nic_gbps_per_node * 1e9
     k0 = max(1, int(c["snapshot_interval_steps"]))
@@ -109,8 +108,8 @@ def plan(layout: Layout, c: Mapping, persist_interval_s: float | None = None) ->
     rep_bytes = replicated_bytes_per_node(layout, str(c.get("replicate", "unique")),
                                           int(c.get("replicas", 1)))
     repl_s = rep_bytes / nic
-    d2h_s = overhead.copy_s(layout, c, rep_bytes)
-    chk_s = overhead.checksum_s(layout, c)
+    d2h_s = host_copy.copy_s(layout, c, rep_bytes)
+    chk_s = host_copy.checksum_s(layout, c)
     spare_s = max(step - busy_s, 0.0)
     mode = str(c.get("on_nic_overflow", "backpressure"))
     if mode not in ("backpressure", "widen"):
@@ -130,7 +129,7 @@ def plan(layout: Layout, c: Mapping, persist_interval_s: float | None = None) ->
     if mode == "widen" and chk_s > k * step:  # hashing must keep up with the snapshots
         k = math.ceil(chk_s / step)
     chk_extra = max(0.0, chk_s - k * step) / (k * step)  # backpressure: snapshot() waits for a slot
-    copy_extra = max(0.0, d2h_s - overhead.overlap_window_s(layout, c)) / (k * step)  # blocks the optimizer step
+    copy_extra = max(0.0, d2h_s - host_copy.overlap_window_s(layout, c)) / (k * step)  # blocks the optimizer step
     extra = nic_extra + chk_extra + copy_extra
     lag = max(lag, d2h_s + chk_s, float(c["replicate_lag_steps"]) * step)
     util = min(1.0, (k * busy_s + repl_s) / (k * step * (1.0 + extra)))

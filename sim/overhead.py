@@ -9,7 +9,7 @@ steps, ``k`` from ``sim.network``), with ``step`` the step time:
    (``snapshot_issue_s``); only ``snapshot_issue_exposed_frac`` of it shows in the step time,
    because the thread normally runs ahead of queued GPU work (1 for a loop that syncs the host
    every step);
-2. **copy not overlapped**: the device-to-host copy (``copy_s``: the host link's rate, or the
+2. **copy not overlapped**: the device-to-host copy (``host_copy.copy_s``: the host link's rate, or the
    node's host memory shared by all its GPUs' copies, checksum reads and replication traffic,
    whichever is slower) may only run while forward+backward do (``snapshot_overlap_frac`` of a
    step: parameters change at the next optimizer step); the rest blocks that step
@@ -36,6 +36,8 @@ import dataclasses
 import math
 from typing import Mapping
 
+from sim import network
+from sim.host_copy import overlap_window_s
 from sim.layout import Layout
 
 
@@ -59,35 +61,6 @@ def from_parts(c: Mapping) -> bool:
     return c.get("snapshot_overhead_frac") is None
 
 
-def overlap_window_s(layout: Layout, c: Mapping) -> float:
-    """Time a snapshot's copy may take without blocking the next optimizer step."""
-    return float(c.get("snapshot_overlap_frac", 1.0)) * layout.step_time_s
-
-
-def host_bytes_per_node(layout: Layout, replicated_bytes_per_node: float) -> float:
-    """Host-memory traffic of one snapshot on one node: the copies written, hashed (read) and
-    the replication sent (read) and received (written: the ward's replica)."""
-    local = layout.state_bytes_per_gpu * layout.gpus_per_node
-    return 2.0 * local + 2.0 * replicated_bytes_per_node
-
-
-def copy_s(layout: Layout, c: Mapping, replicated_bytes_per_node: float = 0.0) -> float:
-    """Device-to-host copy of one snapshot: per GPU at ``host_copy_gbps_per_gpu``, but no faster
-    than the node's host memory (``host_mem_gbps_per_node``, when given) carries every GPU's
-    copy plus hashing and replication."""
-    t = layout.state_bytes_per_gpu / (float(c["host_copy_gbps_per_gpu"]) * 1e9)
-    mem = c.get("host_mem_gbps_per_node")
-    if mem:
-        t = max(t, host_bytes_per_node(layout, replicated_bytes_per_node) / (float(mem) * 1e9))
-    return t
-
-
-def checksum_s(layout: Layout, c: Mapping) -> float:
-    """One rank hashing its whole snapshot (both regions: the runtime checks each)."""
-    g = c.get("checksum_gbps")
-    return layout.state_bytes_per_gpu / (float(g) * 1e9) if g else 0.0
-
-
 def host_side_s(layout: Layout, c: Mapping, copy: float) -> float:
     """Seconds one snapshot costs the step beside the copy overflow and the NIC: exposed issue
     time and the contention while the copy overlaps compute (0 for a measured total)."""
@@ -100,8 +73,6 @@ def host_side_s(layout: Layout, c: Mapping, copy: float) -> float:
 
 def parts(layout: Layout, c: Mapping) -> Parts:
     """The overhead of the shared snapshot engine at this layout, by part (fractions of a step)."""
-    from sim import network  # network imports this module
-
     net = network.plan(layout, c)
     per = net.interval_steps * layout.step_time_s
     if not from_parts(c):

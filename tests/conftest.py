@@ -33,7 +33,7 @@ def compose_train(overrides: list[str], run_dir: Path) -> dict:
     job's processes forked from their agents unless ``overrides`` say otherwise; a tiny pipelined
     job's micro-batches ``TEST_MICROBATCHES`` unless ``overrides`` name
     ``parallel.microbatches``."""
-    from deadpool.train import compose_config
+    from deadpool.launch.config import compose_config
 
     cfg = compose_config(FORKED + list(overrides), run_dir)
     par = cfg["parallel"]

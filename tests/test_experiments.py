@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import sim.config
 from deadpool.job import run_job
-from deadpool.train import compose_config
+from deadpool.launch.config import compose_config
 from sim.simulate import run_scenario
 from tests.conftest import FORKED
 

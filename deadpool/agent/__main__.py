@@ -53,7 +53,7 @@ from deadpool.agent.node import NodeAgent
 from deadpool.agent.presence import PROBE_S, PresenceClient
 from deadpool.agent.shm import UnsafeNodeDir, make_node_dir
 from deadpool.groups import layout_group_keys
-from deadpool.launcher import fork_worker, job_env, local_rank, sigkill, start_worker
+from deadpool.launch.procs import fork_worker, job_env, local_rank, sigkill, start_worker
 from deadpool.protocol import Seal
 from deadpool.stop import install_agent
 from deadpool.topology import ParallelDims

@@ -54,17 +54,12 @@ from deadpool import reports
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.agent.files import (CRASH, file_context, plan_file, read_file,  # noqa: F401
                                   read_report, report_file, write_whole)
-from deadpool.launcher import process_stopped
-from deadpool.protocol import Keys, Plan, Seal, wake_coordinator
+from deadpool.launch.procs import process_stopped
+from deadpool.protocol import NODES_CHANGED, Keys, Plan, Seal, node_key, wake_coordinator
 from deadpool.protocol_wire import fetch_plan
 from deadpool.watchdog import IDLE, PEER_WAIT, Liveness
 
-NODES_CHANGED = "nodes/changed"  # a wake-up hint for the coordinator (unsealed: it only wakes)
 KEEP_PLAN_FILES = 4
-
-
-def node_key(node: int) -> str:
-    return f"node/{node}"
 
 
 class NodeAgent:

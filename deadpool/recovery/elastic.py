@@ -43,16 +43,9 @@ from pathlib import Path
 from deadpool import checkpoint
 from deadpool.policies import max_replicas
 from deadpool.protocol import Keys, Plan, Source
+from deadpool.recovery.disk import from_disk, write_state
 from deadpool.reports import Reports
 from deadpool.topology import ParallelDims
-
-
-def layout_cfg(cfg: dict, layout: dict) -> dict:
-    """``cfg`` (the job's configured one) at a generation's ``layout`` (``Plan.layout``)."""
-    if not layout:
-        return cfg
-    par = dict(cfg["parallel"], dp=int(layout["dp"]), global_dp=int(layout["global_dp"]))
-    return dict(cfg, parallel=par, ft=dict(cfg["ft"], replicas=int(layout["replicas"])))
 
 
 def layout_at(cfg: dict, dp: int) -> dict:
@@ -98,8 +91,7 @@ def reshape(coord, generation: int, decision, rec, dp: int, keep_dp: list[int],
     staying), wait for it, then plan ``generation + 1`` ("train") at width ``dp`` with the kept
     data-parallel replicas renumbered and warm spares filling what is left. When the decision
     already reads every rank from a complete disk checkpoint (a failure inside a reshape left no
-    copy in memory: ``fallbacks.from_disk``), nothing is written and ``generation`` trains."""
-    from deadpool.recovery.fallbacks import from_disk, write_state  # (fallbacks imports us)
+    copy in memory: ``disk.from_disk``), nothing is written and ``generation`` trains."""
 
     old = coord.dims
     on_disk = {s.dir for s in decision.sources.values() if s.kind == "disk"}

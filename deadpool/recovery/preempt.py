@@ -7,7 +7,7 @@ The steps of a recovery that cannot go on (``fallbacks.checkpoint_and_stop``), w
     plan      the newest step every rank can reach from memory: its own state or snapshot, a
               data-parallel peer's, a buddy's replica (``plan.decide``)
     write     plan g+1 = checkpoint_and_stop: each rank, or the holder of its copy, writes that
-              step; meta.json once all have (``fallbacks.write_state``): a complete checkpoint
+              step; meta.json once all have (``disk.write_state``): a complete checkpoint
     end       job/stop: spares and agents leave; the summary says how to resume
 
 All of it within ``ft.stop_timeout_s`` of the request: status collection takes at most
@@ -24,7 +24,8 @@ from pathlib import Path
 from deadpool import checkpoint
 from deadpool.errors import JobFailed, WriterLost
 from deadpool.protocol import Keys, Plan
-from deadpool.recovery import detect, fallbacks, plan, timeline
+from deadpool.recovery import detect, plan, timeline
+from deadpool.recovery.disk import resume_hint, write_state
 
 
 class StoppedBeforeStart(JobFailed):
@@ -86,7 +87,7 @@ def save_and_stop(coord) -> None:
         return
     S = decision.resume_step
     try:
-        fallbacks.write_state(coord, g + 1, "checkpoint_and_stop", decision, f"stopped by {st.why}",
+        write_state(coord, g + 1, "checkpoint_and_stop", decision, f"stopped by {st.why}",
                               timeout_s=max(1.0, deadline - time.monotonic()))
     except WriterLost as e:
         coord.log(f"[coordinator] {e}")
@@ -106,12 +107,3 @@ def save_and_stop(coord) -> None:
     coord.log(f"[coordinator] {coord.message}")
 
 
-def resume_hint(coord) -> str:
-    """How to resume: from the newest complete checkpoint there is, or from step 0."""
-    roots = [r for r in (coord.ft["checkpoint_dir"], coord.ft.get("resume_from")) if r]
-    steps = [(s, r) for r in roots if (s := checkpoint.latest_complete_step(r)) is not None]
-    if not steps:
-        return "no complete checkpoint exists: a new run starts from step 0"
-    s, root = max(steps)
-    auto = "ft.resume_from=auto or " if root == coord.ft["checkpoint_dir"] else ""
-    return f"resume from the checkpoint of step {s} with {auto}ft.resume_from={root}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from deadpool.coordinator import Coordinator
 from deadpool.launcher import AgentLauncher
-from deadpool.train import compose_config
+from deadpool.launch.config import compose_config
 from experiments.control_plane.common import DEAD
 
 

@@ -60,7 +60,7 @@ def init_probe(args) -> dict:
 
     from deadpool.init_rng import fill_normal_, param_key
     from deadpool.parallel.stage import build_stage
-    from deadpool.train import compose_config
+    from deadpool.launch.config import compose_config
 
     cfg = compose_config([f"model={args.model}"], Path(tempfile.mkdtemp()))["model"]
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -104,7 +104,7 @@ def main() -> None:
     out = {"check": "start-up", "model": args.model, "target_s": TARGET_S,
            "overrides": overrides(args)}
     if args.dry_run:
-        from deadpool.train import compose_config
+        from deadpool.launch.config import compose_config
 
         c = compose_config(overrides(args), Path(tempfile.mkdtemp()))
         out["composed"] = {"dp": c["parallel"]["dp"], "num_spares": c["ft"]["num_spares"],

@@ -220,7 +220,7 @@ def ratios(out: dict) -> None:
 
 
 def compile_option(args) -> bool:
-    from deadpool.train import compose_config
+    from deadpool.launch.config import compose_config
 
     cfg = compose_config(deadpool_overrides(args, True), Path(tempfile.mkdtemp()))
     return "compile" in cfg
@@ -277,7 +277,7 @@ def main() -> None:
     path = Path(args.out) / f"{args.name}.json"
     out["runtime_compile_option"] = compile_option(args)
     if args.dry_run:
-        from deadpool.train import compose_config
+        from deadpool.launch.config import compose_config
 
         for a in (a for a in ARMS if a.startswith("deadpool")):  # the overrides compose
             c = compose_config(deadpool_overrides(args, a.startswith("deadpool_on"),

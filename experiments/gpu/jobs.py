@@ -156,7 +156,8 @@ def _record_warm(out_json: str, overrides: list[str]) -> int:
     slot's join announcement (its own wall-clock time at warm) as the coordinator reads it."""
     import deadpool.coordinator as coordinator
     from deadpool.protocol import Keys
-    from deadpool.train import compose_config, run
+    from deadpool.launch.config import compose_config
+    from deadpool.train import run
 
     warm: dict[int, dict] = {}
 

@@ -53,7 +53,7 @@ def job_overrides(name: str, steps: int, device: str = "cuda") -> list[str]:
 
 def dry_run(name: str, steps: int, out_dir: Path) -> dict:
     from deadpool.topology import ParallelDims
-    from deadpool.train import compose_config
+    from deadpool.launch.config import compose_config
 
     cfg = compose_config(job_overrides(name, steps), Path(out_dir) / "dry")
     assert cfg["backend"] == "nccl" and cfg["launcher"]["share_gpu"]

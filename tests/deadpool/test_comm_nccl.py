@@ -12,7 +12,7 @@ import pytest
 
 from deadpool.comm import Communicator
 from deadpool.errors import Aborted, CollectiveError
-from deadpool.launcher import local_rank
+from deadpool.launch.procs import local_rank
 from deadpool.protocol import Keys, Seal, announce_abort
 from deadpool.topology import ParallelDims, Topology
 from deadpool.trainer import Trainer

@@ -7,7 +7,7 @@ import pytest
 
 from deadpool.job import validate
 from deadpool.memory import MODELS
-from deadpool.train import CONF_DIR
+from deadpool.launch.config import CONF_DIR
 from tests.conftest import compose_train
 
 GROUPS = ["model", "parallel", "ft", "faults", "launcher", "data", "experiment"]

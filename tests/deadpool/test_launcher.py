@@ -55,7 +55,7 @@ def test_share_gpu_gives_each_process_its_own_nccl_host_and_loopback_sockets(tmp
 FORK_SCRIPT = r'''
 import json, os, signal, subprocess, sys, threading, time, types
 from pathlib import Path
-from deadpool.launcher import fork_main
+from deadpool.launch.procs import fork_main
 
 log = Path(sys.argv[1])
 held = os.open(sys.argv[1] + ".held", os.O_WRONLY | os.O_CREAT)  # a descriptor of the parent's

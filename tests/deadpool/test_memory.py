@@ -7,8 +7,8 @@ import torch
 
 from deadpool.job import validate
 from deadpool.memory import (A100_GB, MODELS, GiB, _load, check_fits, estimate, measured_table,
-                             model_params, saved_activations, stage_params, table)
-from deadpool.model import GPT, model_config
+                             model_params, saved_activations, table)
+from deadpool.model import GPT, model_config, stage_params
 from deadpool.parallel.stage import build_stage
 from tests.conftest import compose_train
 from tests.deadpool.helpers import run_threads

@@ -1,6 +1,6 @@
 """The first build's own progress bound: a stage's build is one long call, as long as its size."""
 
-from deadpool.memory import stage_params
+from deadpool.model import stage_params
 from deadpool.watchdog import Liveness, build_phase, phase_bound
 
 

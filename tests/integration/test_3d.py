@@ -127,7 +127,7 @@ GQA_FULL = ["model.n_kv_heads=2", "activation_checkpointing=full"]
 def test_gqa_with_full_checkpointing_hot_swaps_to_the_failure_free_state(reference_gqa, tmp_path):
     """Killed in backward (the last stage, its TP peer waiting in a recomputed all-reduce): the
     spare's run ends bitwise equal to the failure-free run of the same GQA model."""
-    from deadpool.memory import stage_params
+    from deadpool.model import stage_params
 
     ev = "faults.events=[{rank: 4, step: 5, phase: backward, kind: kill}]"
     summary = run_job(compose_train(BASE + GQA_FULL + [ev], tmp_path), log=quiet)

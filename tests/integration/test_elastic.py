@@ -132,7 +132,7 @@ class JoinerKiller:
     """A thread that SIGKILLs the process of ``slot`` of the job in ``run`` as soon as it exists
     (a regrow's joiner, still building its model: in its warm-up), once. The tests' processes
     are forks of their node agent (tests/conftest.py): its command line (naming the job file)
-    and its own process name ``dp-slot<slot>`` (``launcher.fork_worker``) tell it."""
+    and its own process name ``dp-slot<slot>`` (``launch.procs.fork_worker``) tell it."""
 
     def __init__(self, run, slot: int):
         self.job, self.name = str(run / "job.json").encode(), f"dp-slot{slot}"

@@ -32,7 +32,7 @@ import pytest
 
 from deadpool.job import run_job
 from deadpool.report import compare_final_states
-from deadpool.train import compose_config
+from deadpool.launch.config import compose_config
 
 # the module fixture may install and start Slurm (up to 900 s) inside the first test's timeout
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import sim.config
-from sim import costs, network, overhead
+from sim import costs, host_copy, network, overhead
 from sim.layout import Layout
 from sim.schedule import Checkpoints
 
@@ -58,8 +58,8 @@ def test_host_memory_shared_by_a_nodes_copies_limits_the_copy():
     lay = check1_layout(num_gpus=8, gpus_per_node=8)
     c = H100 | {"host_mem_gbps_per_node": 100.0}
     # 8 copies written and hashed: 2 x 8 x 17 GB through 100 GB/s, slower than 53 GB/s per GPU
-    assert overhead.copy_s(lay, c) == pytest.approx(2 * 8 * lay.state_bytes_per_gpu / 100e9)
-    assert overhead.copy_s(lay, c | {"host_mem_gbps_per_node": None}) == pytest.approx(lay.state_bytes_per_gpu / 53e9)
+    assert host_copy.copy_s(lay, c) == pytest.approx(2 * 8 * lay.state_bytes_per_gpu / 100e9)
+    assert host_copy.copy_s(lay, c | {"host_mem_gbps_per_node": None}) == pytest.approx(lay.state_bytes_per_gpu / 53e9)
 
 
 def test_checksum_backpressure_or_wider_interval():

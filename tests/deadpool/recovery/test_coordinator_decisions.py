@@ -10,7 +10,7 @@ import pytest
 from deadpool import reports
 from deadpool.protocol import Keys, RankStatus, RankTimings, Source
 from deadpool.protocol_wire import fetch_plan
-from deadpool.recovery import detect, fallbacks, plan, timeline
+from deadpool.recovery import detect, disk, fallbacks, plan, timeline
 from tests.deadpool.recovery.helpers import coordinator
 
 
@@ -145,7 +145,7 @@ def test_no_copy_in_memory_and_no_disk_checkpoint_stops_naming_the_lost_ranks(tm
     d = plan.RecoveryDecision(None, {}, 0, "no consistent copy of rank(s) [1] survives in memory",
                               [1])
     rec = timeline.open_record(coord, {1: "exit"}, {}, d, 1.0, [])
-    assert fallbacks.from_disk(coord, d, rec) is None
+    assert disk.from_disk(coord, d, rec) is None
     assert coord.outcome == "unrecoverable"
     assert "rank(s) [1]" in coord.message and "no complete disk checkpoint" in coord.message
     assert coord.recoveries[-1].outcome == "unrecoverable"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from deadpool.recovery.elastic import fill, layout_at, layout_cfg, renumber
+from deadpool.recovery.elastic import fill, layout_at, renumber
+from deadpool.settings import layout_cfg
 from deadpool.topology import ParallelDims
 
 CFG = {"parallel": {"dp": 4, "tp": 1, "pp": 1, "ranks_per_node": 1, "global_dp": None},

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from deadpool import auth, reports
 from deadpool.heartbeat import Heartbeat
 from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, Seal, Source
-from deadpool.recovery import detect, fallbacks, plan, timeline
+from deadpool.recovery import detect, disk, plan, timeline
 from deadpool.watchdog import Progress
 from deadpool.worker import Worker
 from tests.deadpool.recovery.helpers import coordinator
@@ -201,7 +201,7 @@ def test_a_bumped_checkpoint_counter_does_not_mark_the_checkpoint_written(tmp_pa
             store.add(keys.checkpointed_count(), 1)
     t = threading.Thread(target=ranks_write)
     t.start()
-    fallbacks.write_state(coord, 1, "checkpoint_and_stop", decision, "test")
+    disk.write_state(coord, 1, "checkpoint_and_stop", decision, "test")
     t.join()
     assert time.time() >= written["t"]  # it returned only after the real reports
 

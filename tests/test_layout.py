@@ -179,7 +179,6 @@ def test_no_import_circles():
     assert not found, "import circles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42 step 3: comm, coordinator and launcher are split")
 def test_no_module_past_the_line_limit():
     long = []
     for d in SIZED_DIRS:

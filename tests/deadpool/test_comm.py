@@ -133,13 +133,13 @@ def test_backend_auto_follows_the_device_and_gloo_may_carry_cuda_tensors():
 def test_abort_watchers_stop_before_the_interpreter_finalizes(monkeypatch):
     # a daemon watcher still inside the store client's C++ code at finalization takes the
     # process down ("terminate called without an active exception"): the atexit hook stops it
-    import deadpool.comm as comm_mod
+    import deadpool.rank.abort as abort_mod
 
-    monkeypatch.setattr(comm_mod, "_exiting", comm_mod.threading.Event())
+    monkeypatch.setattr(abort_mod, "_exiting", abort_mod.threading.Event())
     master = master_store()
     comm = Communicator.build(Topology(ParallelDims(dp=1), 0, 0), client(master.port), poll_s=0.01)
     del master  # the store server is gone: the watcher polls on, failing
     time.sleep(0.05)
     assert comm._watcher.is_alive()
-    comm_mod._stop_watchers()
+    abort_mod._stop_watchers()
     assert not comm._watcher.is_alive()

@@ -303,13 +303,13 @@ def test_local_ranks_map_processes_round_robin_onto_gpus():
 
 
 def test_a_process_with_too_many_stuck_helpers_stops_taking_ranks(monkeypatch):
-    import deadpool.comm as comm_mod
+    import deadpool.rank.abort as abort_mod
 
     stop = threading.Event()
-    stuck = [threading.Thread(target=stop.wait, daemon=True) for _ in range(comm_mod.MAX_ABANDONED_HELPERS)]
+    stuck = [threading.Thread(target=stop.wait, daemon=True) for _ in range(abort_mod.MAX_ABANDONED_HELPERS)]
     for t in stuck:
         t.start()
-    monkeypatch.setattr(comm_mod, "_abandoned", list(stuck))
+    monkeypatch.setattr(abort_mod, "_abandoned", list(stuck))
     master = master_store()
     try:
         with pytest.raises(RuntimeError, match="still stuck"):
@@ -318,7 +318,7 @@ def test_a_process_with_too_many_stuck_helpers_stops_taking_ranks(monkeypatch):
         stop.set()
     for t in stuck:
         t.join(1.0)
-    assert comm_mod.abandoned_helpers() == 0  # counted only while alive
+    assert abort_mod.abandoned_helpers() == 0  # counted only while alive
 
 
 def test_release_drops_the_parked_nccl_groups_once_their_aborts_are_done(monkeypatch):

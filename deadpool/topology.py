@@ -198,3 +198,9 @@ class Topology:
     def ward(self) -> int:
         """The first of ``wards`` (the inverse of ``buddy``: a permutation)."""
         return self.wards()[0]
+
+
+def repl_name(direction: str, j: int) -> str:
+    """The name of the replication group to the j-th buddy (``out``) or from the j-th ward
+    (``in``): ``repl_out``, ``repl_out1``, ... (the first keeps the name it had with one buddy)."""
+    return f"repl_{direction}" + (str(j) if j else "")

@@ -6,7 +6,7 @@ seed with ``faults=none`` and checks that the final states are bitwise equal.
 
 SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) stop the job: the newest step in memory goes to disk and it
 ends saying how to resume (``ft.resume_from=auto``); a second one stops it at once
-(``deadpool.stop``). Exit status: 0 completed, 1 failed or not equal, 2 bad config, 128 + the
+(``deadpool.launch.stop``). Exit status: 0 completed, 1 failed or not equal, 2 bad config, 128 + the
 signal's number when stopped by one.
 """
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states, print_report
-from deadpool.stop import Stopper
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states, print_report
+from deadpool.launch.stop import Stopper
 
 
 def to_plain(cfg: DictConfig) -> dict:

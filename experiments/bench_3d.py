@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deadpool.report import compare_final_states  # noqa: E402
+from deadpool.launch.report import compare_final_states  # noqa: E402
 from experiments.common import keep, run  # noqa: E402
 
 POSITIONS = {1: "first stage, TP peer (dp 0)", 4: "last stage (dp 0)", 6: "last stage, dp 1"}

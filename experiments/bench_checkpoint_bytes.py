@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deadpool import checkpoint  # noqa: E402
-from deadpool.job import run_job  # noqa: E402
 from deadpool.launch.config import compose_config  # noqa: E402
+from deadpool.launch.job import run_job  # noqa: E402
 
 LAYOUTS = {"dp4": (4, 1, 1), "dp2xtp2xpp2": (2, 2, 2)}
 

@@ -31,7 +31,7 @@ connections each, speaking the worker's store protocol (no torch, no training):
                                 also job/stop); an idle spare also reads job/step every 50 ms
     after an abort              post its sealed RankStatus (``reports.post``), then wait for
                                 the next plan
-    every --snapshot-every-s    a training rank's snapshot agreements (``deadpool.rounds``):
+    every --snapshot-every-s    a training rank's snapshot agreements (``deadpool.store.rounds``):
                                 its replicated step (an ``add`` on ``repl_done/<step>``), and
                                 every 16th an interval vote (2 adds, 2 reads)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.getcwd())  # the checkout being measured, not this file's
 
-from deadpool.job import run_job  # noqa: E402
 from deadpool.launch.config import compose_config  # noqa: E402
+from deadpool.launch.job import run_job  # noqa: E402
 
 WRITE_LINE = re.compile(r"\[rank (\d+)\] final state.* in ([0-9.]+) s")
 

@@ -7,8 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
-from deadpool.job import run_job
 from deadpool.launch.config import compose_config
+from deadpool.launch.job import run_job
 
 quiet = lambda *a, **k: None  # noqa: E731
 

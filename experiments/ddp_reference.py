@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deadpool.data import SyntheticCorpus  # noqa: E402
-from deadpool.lr_schedule import lr_at  # noqa: E402
 from deadpool.model import build_model  # noqa: E402
+from deadpool.rank.lr_schedule import lr_at  # noqa: E402
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deadpool.job import run_job  # noqa: E402
-from deadpool.report import compare_final_states  # noqa: E402
 from deadpool.launch.config import compose_config  # noqa: E402
+from deadpool.launch.job import run_job  # noqa: E402
+from deadpool.launch.report import compare_final_states  # noqa: E402
 
 quiet = lambda *a, **k: None  # noqa: E731
 

@@ -55,7 +55,7 @@ def failure_free(tmp_path_factory):
     any difference (a step count, a spare, a chunk size) gets its own."""
 
     def get(overrides: list[str]) -> tuple[Path, dict]:
-        from deadpool.job import run_job
+        from deadpool.launch.job import run_job
 
         overrides = list(overrides) + ["faults=none"]
         key = json.dumps(compose_train(overrides, "RUN_DIR"), sort_keys=True, default=str)

@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import sim.config
-from deadpool.job import run_job
 from deadpool.launch.config import compose_config
+from deadpool.launch.job import run_job
 from sim.simulate import run_scenario
 from tests.conftest import FORKED
 

@@ -4,7 +4,7 @@ and the tiny pipelined jobs' pinned micro-batches."""
 
 from __future__ import annotations
 
-import deadpool.job
+import deadpool.launch.job
 from tests import conftest
 from tests.conftest import compose_train
 
@@ -16,7 +16,7 @@ def test_one_run_per_resolved_config_and_any_difference_its_own(failure_free, mo
         runs.append(cfg)
         return {"outcome": "completed", "recoveries": [], "final_digest": len(runs)}
 
-    monkeypatch.setattr(deadpool.job, "run_job", fake_run_job)
+    monkeypatch.setattr(deadpool.launch.job, "run_job", fake_run_job)
     monkeypatch.setattr(conftest, "_FAILURE_FREE", {})
     base = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=8"]
     a_dir, a = failure_free(base)

@@ -16,8 +16,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH_PACKAGES = ("deadpool", "sim")
 SIZED_DIRS = ("deadpool", "sim", "experiments", "paper_figures")
@@ -173,7 +171,6 @@ def test_the_circle_finder_finds_a_circle_and_nothing_else():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42 step 4: memory <-> memory_tables (the estimator moves under launch/, its command line stays deadpool.memory)")
 def test_no_import_circles():
     found = circles(import_graph())
     assert not found, "import circles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
@@ -189,7 +186,6 @@ def test_no_module_past_the_line_limit():
     assert not long, f"modules over {MAX_LINES} lines:\n" + "\n".join(long)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42 step 4: the flat modules move into packages by role")
 def test_few_modules_at_the_top_of_deadpool():
     top = sorted(p.name for p in (ROOT / "deadpool").glob("*.py") if p.name != "__init__.py")
     assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules at the top of deadpool/: {top}"
@@ -201,7 +197,6 @@ def test_every_package_says_what_it_owns():
     assert not bare, f"package __init__.py without a docstring: {bare}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 42 step 4: the flat modules move into packages by role")
 def test_imports_run_down_the_layers():
     graph = import_graph()
     up = [f"  {m} ({layer(m)}) imports {t} ({layer(t)})" for m in sorted(graph) for t in sorted(graph[m])

@@ -17,12 +17,12 @@ one ``NodeAgent``:
     events    follow the coordinator's pushed events (blocking store waits); a failing event
               is retried, then the node leaves (``agent.loops.EventApplier``), never deaf
     rounds    woken by the board's doorbell (or every 0.1 s): the ranks' agreement words
-              (deadpool.rounds) and their reports
+              (deadpool.store.rounds) and their reports
     waiters   one per child: its exit is written at once (waitpid, milliseconds)
 
 It exits when every child has exited, after writing its last record. SIGTERM, SIGUSR1 or SIGINT
 (srun forwards a job's signals to its tasks) ask the coordinator to write the newest step in
-memory and stop the job; the agent ends with its processes (``deadpool.stop.install_agent``).
+memory and stop the job; the agent ends with its processes (``deadpool.launch.stop.install_agent``).
 """
 
 from __future__ import annotations
@@ -45,17 +45,18 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-from deadpool import auth, netif
 from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV, Doorbell, NodeBoard, waker_name
 from deadpool.agent.events import EventFollower
 from deadpool.agent.loops import EventApplier, store_reader
 from deadpool.agent.node import NodeAgent
 from deadpool.agent.presence import PROBE_S, PresenceClient
 from deadpool.agent.shm import UnsafeNodeDir, make_node_dir
-from deadpool.groups import layout_group_keys
 from deadpool.launch.procs import fork_worker, job_env, local_rank, sigkill, start_worker
-from deadpool.protocol import Seal
-from deadpool.stop import install_agent
+from deadpool.launch.stop import install_agent
+from deadpool.rank import netif
+from deadpool.rank.groups import layout_group_keys
+from deadpool.store import auth
+from deadpool.store.protocol import Seal
 from deadpool.topology import ParallelDims
 
 PR_SET_PDEATHSIG = 1
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
     threading.Thread(target=store_reader, args=(agent, open_store, stop, agent.coord_every_s * 2),
                      daemon=True, name="agent-reader").start()
 
-    def rounds():  # the ranks' agreements (deadpool.rounds): their words on the board, folded
+    def rounds():  # the ranks' agreements (deadpool.store.rounds): their words on the board, folded
         reports = None  # and written as soon as they move; their reports sent on, on a client
         while not stop.is_set():  # of this thread's (a post waits for its answer: never the
             try:  # record's client)

@@ -9,7 +9,7 @@ value did)::
                                plan generation (the newest plan the agent holds for its ranks),
                                flags (coordinator seen / lost, job done / stop), job step, the
                                agent's own beat; the job's protected step and its latest
-                               snapshot-interval decision (``deadpool.rounds``)
+                               snapshot-interval decision (``deadpool.store.rounds``)
     one record per local slot  (the rank writes) pid, beat, progress count, step, phase, its
                                newest replicated step, its latest interval vote and how many
                                reports it wrote (each a file next to the board, which the agent

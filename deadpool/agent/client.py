@@ -21,10 +21,10 @@ from pathlib import Path
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
                                   NODE_INDEX_ENV, Doorbell, NodeBoard, open_doorbell, ring,
                                   waker_name)
-from deadpool import auth, reports
 from deadpool.agent.files import CRASH, file_context, plan_file, read_file, report_file, write_whole
-from deadpool.protocol import Keys, Seal
-from deadpool.watchdog import Progress
+from deadpool.rank.watchdog import Progress
+from deadpool.store import auth, reports
+from deadpool.store.protocol import Keys, Seal
 
 
 def write_report(board, node_dir: Path, index: int, generation: int, kind: str, rank: int,

@@ -28,7 +28,7 @@ import threading
 import time
 from datetime import timedelta
 
-from deadpool.protocol import Keys, Seal, wake_coordinator
+from deadpool.store.protocol import Keys, Seal, wake_coordinator
 
 
 def event_key(i: int) -> str:

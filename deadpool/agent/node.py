@@ -25,7 +25,7 @@ or by the control-plane benchmark for thousands of simulated nodes::
                     milliseconds): written at once, and the coordinator woken
                     (``nodes/changed``, a hint it reads every loop, then ``coord/wake``)
     check_rounds()  when a rank rings the board's doorbell: the node's part of the ranks'
-                    agreements (``deadpool.rounds``: the newest step all its ranks replicated,
+                    agreements (``deadpool.store.rounds``: the newest step all its ranks replicated,
                     their snapshot-interval vote) changed -> written at once (the coordinator
                     reads it within half an interval); the results come back as ``protected``
                     / ``interval`` events for the board. And the reports its ranks wrote since
@@ -50,14 +50,14 @@ import threading
 import time
 from pathlib import Path
 
-from deadpool import reports
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.agent.files import (CRASH, file_context, plan_file, read_file,  # noqa: F401
                                   read_report, report_file, write_whole)
 from deadpool.launch.procs import process_stopped
-from deadpool.protocol import NODES_CHANGED, Keys, Plan, Seal, node_key, wake_coordinator
-from deadpool.protocol_wire import fetch_plan
-from deadpool.watchdog import IDLE, PEER_WAIT, Liveness
+from deadpool.rank.watchdog import IDLE, PEER_WAIT, Liveness
+from deadpool.store import reports
+from deadpool.store.protocol import NODES_CHANGED, Keys, Plan, Seal, node_key, wake_coordinator
+from deadpool.store.wire import fetch_plan
 
 KEEP_PLAN_FILES = 4
 
@@ -263,7 +263,7 @@ class NodeAgent:
     def _fold(self) -> tuple[list | None, list | None]:
         """This node's part of the agreements of generation ``plan_generation``: [g, the newest
         step every local rank replicated] once each has replicated one, and [g, step, the widest
-        interval] once each voted at that step (``deadpool.rounds``). None where not yet."""
+        interval] once each voted at that step (``deadpool.store.rounds``). None where not yet."""
         g = self.plan_generation
         ranks = [self.index[s] for s in sorted(self.assigned) if s not in self.exits]
         if not ranks:

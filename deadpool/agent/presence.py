@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 
-from deadpool import auth
+from deadpool.store import auth
 
 HELLO_MAX = 256  # bytes: a sealed node number
 HELLO_TIMEOUT_S = 10.0

@@ -13,7 +13,7 @@ The runtime writes a rank's state to disk in four situations, and reads it back 
     load               a rank's state from a step directory, written at this layout or another
                        (an elastic job: ZeRO-1 state re-cut; another tp or pp: ``relayout``)
 
-``trainer`` is the rank's ``deadpool.trainer.Trainer`` (its engine, optimizer and header).
+``trainer`` is the rank's ``deadpool.rank.trainer.Trainer`` (its engine, optimizer and header).
 """
 
 from __future__ import annotations

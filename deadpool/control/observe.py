@@ -1,6 +1,6 @@
 """What the coordinator reads from the store each turn of its loop, and its own heartbeat.
 
-``Observer`` holds these parts of ``deadpool.coordinator.Coordinator`` (which extends it): the
+``Observer`` holds these parts of ``deadpool.control.coordinator.Coordinator`` (which extends it): the
 loop's tick and the ``coord/hb`` heartbeat it keeps alive (``_beat``), the wake-up counters read
 in one request (``read_counters``, ``counter``), every process's heartbeat or, under node
 agents, every node's record (``read_heartbeats``), the ranks' agreements pushed back to the
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 
-from deadpool import drain, reports
-from deadpool.protocol import NODES_CHANGED, Keys, node_key
+from deadpool.control import drain
 from deadpool.recovery import detect
+from deadpool.store import reports
+from deadpool.store.protocol import NODES_CHANGED, Keys, node_key
 
 
 class Observer:
@@ -116,7 +117,7 @@ class Observer:
         self._agree()
 
     def _agree(self) -> None:
-        """The ranks' agreements under node agents (``deadpool.rounds``): once every node
+        """The ranks' agreements under node agents (``deadpool.store.rounds``): once every node
         holding a rank of the generation reported its part, push the result to the agents. O(nodes)
         per read of the records."""
         g = self.gen

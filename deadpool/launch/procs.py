@@ -1,7 +1,7 @@
 """Starting one process of a job: its environment, a new interpreter or a fork, and a kill.
 
 What the launchers (``deadpool.launch.launcher``) and the node agents (``deadpool.agent``) both
-do to a single process: ``start_worker`` runs ``python -m deadpool.worker`` for a slot,
+do to a single process: ``start_worker`` runs ``python -m deadpool.rank.worker`` for a slot,
 ``fork_worker`` forks the calling process into one instead (``launcher.fork_workers``),
 ``sigkill`` and ``process_stopped`` fence and inspect it. Nothing here knows about nodes, plans
 or the coordinator.
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from deadpool import auth, nccl_env
+from deadpool.rank import nccl_env
+from deadpool.store import auth
 
 PR_SET_NAME = 15  # prctl(2)
 
@@ -57,7 +58,7 @@ def start_worker(run_dir: Path, job_json: Path, slot: int, env: dict, share_gpu:
     its node: ``agent.__main__.child_env``)."""
     log, local_env = _worker_log_env(run_dir, slot, env, share_gpu, keep_local_rank)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deadpool.worker", "--job", str(job_json), "--slot", str(slot)],
+        [sys.executable, "-m", "deadpool.rank.worker", "--job", str(job_json), "--slot", str(slot)],
         stdout=open(log, "a"), stderr=subprocess.STDOUT, env=local_env,
         start_new_session=preexec_fn is None, preexec_fn=preexec_fn)
     return proc, log
@@ -76,12 +77,12 @@ def fork_worker(run_dir: Path, job_json: Path, slot: int, env: dict, share_gpu: 
                 preexec_fn=None, keep_local_rank: bool = False,
                 t_exec: float | None = None) -> tuple["ForkedProcess", Path]:
     """``start_worker`` without a new interpreter (``launcher.fork_workers``): a node agent forks
-    itself, torch and ``deadpool.worker`` already imported, and the child runs the worker's
+    itself, torch and ``deadpool.rank.worker`` already imported, and the child runs the worker's
     ``main`` in the environment, session and log ``start_worker`` would give it. A node saves
     one interpreter start and torch import (~2 s of CPU each here) per process. ``t_exec``: when
     the forking process itself started (the child's start-up counts from there, as an exec'd
     one's counts from its interpreter's start)."""
-    from deadpool import worker
+    from deadpool.rank import worker
 
     log, local_env = _worker_log_env(run_dir, slot, env, share_gpu, keep_local_rank)
     argv = ["--job", str(job_json), "--slot", str(slot)]

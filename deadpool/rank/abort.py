@@ -12,7 +12,7 @@ helper thread through ``run_abortable``; the calling thread polls the flag and a
 on abort (abandoned helpers are counted and bounded: ``abandoned_helpers``). Every wait is
 bounded by elapsed time (``timeout_s``), never by parsing error text.
 
-``Abortable`` holds these parts of the communicator (``deadpool.comm.Communicator`` extends it:
+``Abortable`` holds these parts of the communicator (``deadpool.rank.comm.Communicator`` extends it:
 the watcher, the abort flag, device-group aborts, ``run_abortable``, ``park``); it uses the
 communicator's state (``groups``, ``store``, ``keys``, ``_abort_reason``, ...) and its
 ``report_error``.
@@ -25,8 +25,8 @@ import threading
 import time
 import weakref
 
-from deadpool.auth import AuthError
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost, PassThrough
+from deadpool.store.auth import AuthError
 
 # helper threads left running after an abort or a timeout (a rendezvous or NCCL init stuck on a
 # dead peer); a process that has this many alive stops taking ranks (``Communicator.build``)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import time
 
-from deadpool import reports
-from deadpool.protocol import Keys, RankStatus
 from deadpool.recovery.report_text import summarize
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, RankStatus
 
 
 def failures(coord) -> tuple[dict[int, str], float] | None:

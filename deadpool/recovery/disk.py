@@ -14,9 +14,10 @@ Used by ``recovery.fallbacks``, ``recovery.elastic`` and ``recovery.preempt``; i
 
 from __future__ import annotations
 
-from deadpool import checkpoint, reports
+from deadpool import checkpoint
 from deadpool.errors import WriterLost
-from deadpool.protocol import Keys, Plan, RecoveryRecord, Source
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, Plan, RecoveryRecord, Source
 from deadpool.threads import wait_until
 
 

@@ -42,9 +42,9 @@ from pathlib import Path
 
 from deadpool import checkpoint
 from deadpool.policies import max_replicas
-from deadpool.protocol import Keys, Plan, Source
 from deadpool.recovery.disk import from_disk, write_state
-from deadpool.reports import Reports
+from deadpool.store.protocol import Keys, Plan, Source
+from deadpool.store.reports import Reports
 from deadpool.topology import ParallelDims
 
 

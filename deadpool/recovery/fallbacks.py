@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import time
 
-from deadpool import checkpoint, reports
+from deadpool import checkpoint
 from deadpool.errors import WriterLost
-from deadpool.protocol import UNSET, Keys, Plan, RecoveryRecord
 from deadpool.recovery import detect, elastic, plan, timeline
 from deadpool.recovery.disk import from_disk, resume_hint, stop, write_state
+from deadpool.store import reports
+from deadpool.store.protocol import UNSET, Keys, Plan, RecoveryRecord
 
 
 def no_recovery(coord, failed: dict[int, str], t_detect: float) -> None:

@@ -25,9 +25,9 @@ import time
 
 from deadpool.checkpoint.final import FinalWait
 from deadpool.errors import JobFailed
-from deadpool.protocol import Keys
 from deadpool.recovery import detect
-from deadpool.reports import Reports
+from deadpool.store.protocol import Keys
+from deadpool.store.reports import Reports
 
 POLL_S = 0.01
 

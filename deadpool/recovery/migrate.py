@@ -3,7 +3,7 @@
 Two reasons start one, each named in the record's ``detected_by``::
 
     straggler   a rank's own compute is slower than its stage position's peers
-                (``deadpool.straggler``; ``ft.straggler.action=migrate``, else reported once)
+                (``deadpool.rank.straggler``; ``ft.straggler.action=migrate``, else reported once)
     drain       an operator drains a node (``python -m deadpool.drain``)
 
 It is the failure protocol (``deadpool.recovery``) entered without a failure, at a step boundary::
@@ -34,10 +34,10 @@ from __future__ import annotations
 import math
 import time
 
-from deadpool import straggler
-from deadpool.drain import Requests
-from deadpool.protocol import Keys, Plan
+from deadpool.control.drain import Requests
+from deadpool.rank import straggler
 from deadpool.recovery import detect, plan, timeline
+from deadpool.store.protocol import Keys, Plan
 
 PAUSE_MOVE_S = 3.0  # not every rank holds at the pause this long after it was pushed: move it
 

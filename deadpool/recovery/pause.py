@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from deadpool.straggler import pack_paused
+from deadpool.rank.straggler import pack_paused
 
 
 def hold_at_pause(tr, comm) -> None:

@@ -43,10 +43,10 @@ import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
-from deadpool.comm import resolve_backend
-from deadpool.groups import all_groups, reusable_groups
-from deadpool.protocol import RankStatus, Source
+from deadpool.rank.comm import resolve_backend
+from deadpool.rank.groups import all_groups, reusable_groups
 from deadpool.recovery import detect
+from deadpool.store.protocol import RankStatus, Source
 from deadpool.topology import Topology
 
 SOURCE_KINDS = ("peer", "replica")

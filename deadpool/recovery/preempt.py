@@ -1,4 +1,4 @@
-"""A stop on request (walltime, preemption, Ctrl-C: ``deadpool.stop``), coordinator side.
+"""A stop on request (walltime, preemption, Ctrl-C: ``deadpool.launch.stop``), coordinator side.
 
 The steps of a recovery that cannot go on (``fallbacks.checkpoint_and_stop``), without a failure:
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 from deadpool import checkpoint
 from deadpool.errors import JobFailed, WriterLost
-from deadpool.protocol import Keys, Plan
 from deadpool.recovery import detect, plan, timeline
 from deadpool.recovery.disk import resume_hint, write_state
+from deadpool.store.protocol import Keys, Plan
 
 
 class StoppedBeforeStart(JobFailed):

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 
-from deadpool import reports
 from deadpool.checkpoint import rank_state
-from deadpool.comm import Communicator
 from deadpool.errors import CollectiveError, CorruptState
-from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, now
+from deadpool.rank.comm import Communicator
 from deadpool.snapshot import masters
 from deadpool.snapshot.transfer import held_checksums, outgoing
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, Plan, RankStatus, RankTimings, now
 
 
 def report_status(worker, plan: Plan, rank: int, comm: Communicator | None) -> None:

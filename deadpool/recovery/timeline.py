@@ -25,9 +25,9 @@ import json
 import os
 from pathlib import Path
 
-from deadpool.protocol import UNSET, Keys, RankTimings, RecoveryRecord
-from deadpool.reports import Reports
-from deadpool.tensorboard_log import RECOVERIES_FILE, recovery_board
+from deadpool.rank.tensorboard_log import RECOVERIES_FILE, recovery_board
+from deadpool.store.protocol import UNSET, Keys, RankTimings, RecoveryRecord
+from deadpool.store.reports import Reports
 
 INTERRUPTED = "interrupted by another failure"
 

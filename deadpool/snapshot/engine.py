@@ -29,7 +29,6 @@ import time
 import torch
 
 from deadpool.errors import CorruptState
-from deadpool.rounds import rounds_for
 from deadpool.snapshot.buffers import Replica, Slot
 from deadpool.snapshot.layout import (StateLayout, checksum, decode_header, encode_header,
                                       region_crcs)
@@ -37,6 +36,7 @@ from deadpool.snapshot.persist import persist_snapshot
 from deadpool.snapshot.replication import Replicator
 from deadpool.snapshot.ring import RingAllocator, device_copy, device_wait
 from deadpool.snapshot.transfer import check_header
+from deadpool.store.rounds import rounds_for
 from deadpool.threads import lower_thread_priority
 from deadpool.topology import replica_region
 
@@ -88,7 +88,7 @@ class SnapshotEngine:
         self._repl: Replicator | None = None
         self.num_buddies = 1  # ft.replicas: holders of this rank's replica (from the topology)
         self._protected = -1          # newest step known protected in the current generation
-        self.rounds = None            # this generation's agreements (deadpool.rounds)
+        self.rounds = None            # this generation's agreements (deadpool.store.rounds)
         # timings of the latest snapshot / replication (seconds), read by the trainer's metrics
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0

@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from deadpool import reports
-from deadpool.groups import repl_name
-from deadpool.rounds import rounds_for
 from deadpool.snapshot.held import keep_received
 from deadpool.snapshot.wire import blocking, post_sends, recv_state
+from deadpool.store import reports
+from deadpool.store.rounds import rounds_for
 from deadpool.threads import lower_thread_priority
+from deadpool.topology import repl_name
 
 
 class Replicator(threading.Thread):
@@ -41,7 +41,7 @@ class Replicator(threading.Thread):
         self.stopped = False
         self.store_factory = store_factory
         self.protected_reported = False
-        self.rounds = None  # this thread's (deadpool.rounds; on the store, its own client)
+        self.rounds = None  # this thread's (deadpool.store.rounds; on the store, its own client)
         # fresh receive buffers per generation (an abandoned receive may still write into the
         # old ones), sized by what the ward sends: its stage may differ from this rank's
         self.recv_pool: list[torch.Tensor] = []

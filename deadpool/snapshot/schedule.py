@@ -94,7 +94,7 @@ class SnapshotSchedule:
         self._pending: float = 0.0  # elapsed time of the oldest unfinished cycle (a lower bound)
         # (observation, time, active) of the last `history` measured steps: the paired cost's input
         self._hist: deque = deque(maxlen=history)
-        self._rounds = None  # the generation's agreements (deadpool.rounds): votes and decisions
+        self._rounds = None  # the generation's agreements (deadpool.store.rounds): votes and decisions
         self._voted: set[int] = set()
 
     def start(self, rounds) -> None:

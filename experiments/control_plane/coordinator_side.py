@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from deadpool.coordinator import Coordinator
-from deadpool.launcher import AgentLauncher
+from deadpool.control.coordinator import Coordinator
 from deadpool.launch.config import compose_config
+from deadpool.launch.launcher import AgentLauncher
 from experiments.control_plane.common import DEAD
 
 

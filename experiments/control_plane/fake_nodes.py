@@ -11,9 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-from deadpool import auth
 from deadpool.policies import buddy_table
-from deadpool.protocol import Keys, RankStatus, Seal
+from deadpool.store import auth
+from deadpool.store.protocol import Keys, RankStatus, Seal
 from deadpool.topology import ParallelDims
 from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, OPS, REACT_CPU,
                                               REACT_N, REACT_T, SILENT, STEP, VOTE_EVERY, WIN,
@@ -33,7 +33,7 @@ class FakeNodes:
                  base, window, exit_req, root: Path, decode):
         from deadpool.agent.board import NodeBoard
         from deadpool.agent.node import NodeAgent
-        from deadpool.groups import keepable_keys
+        from deadpool.rank.groups import keepable_keys
 
         self.host, self.port, self.secret = host, port, secret
         self.seal, self.flags, self.stats, self.base = Seal(secret), flags, stats, base
@@ -217,7 +217,7 @@ def _by_slot(plan) -> dict:
 
 def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags, stats, first,
                        threads, window, exit_req, stop):
-    from deadpool.protocol_wire import decode_plan
+    from deadpool.store.wire import decode_plan
 
     cache, lock = {}, threading.Lock()
 

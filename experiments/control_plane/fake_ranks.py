@@ -7,10 +7,10 @@ import heapq
 import threading
 import time
 
-from deadpool import auth, reports
 from deadpool.policies import buddy_table
-from deadpool.protocol import Keys, Plan, RankStatus, Seal
-from deadpool.protocol_wire import decode_plan
+from deadpool.store import auth, reports
+from deadpool.store.protocol import Keys, Plan, RankStatus, Seal
+from deadpool.store.wire import decode_plan
 from deadpool.topology import ParallelDims
 from experiments.control_plane.common import (ALIVE, BUILT, FIELDS, LAG, OPS, STEP, VOTE_EVERY,
                                               WIN, note_plan_read)

@@ -9,10 +9,10 @@ import threading
 import time
 from pathlib import Path
 
-from deadpool import auth
 from deadpool.agent.events import EventLog
-from deadpool.protocol import Keys, Seal
-from deadpool.watchdog import NodeLiveness
+from deadpool.rank.watchdog import NodeLiveness
+from deadpool.store import auth
+from deadpool.store.protocol import Keys, Seal
 from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, OPS, REACT_CPU,
                                               REACT_N, REACT_T, SILENT, WIN, Counted,
                                               plan_read_t, plan_reads)

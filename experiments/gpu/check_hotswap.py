@@ -13,7 +13,7 @@ i.e. 4 workers + 1 warm spare sharing one GPU, gradient all-reduce on gloo over 
 all-reduce); the spare restores the dead rank's CUDA state from its buddy's replica (peers are
 excluded as sources so that the replica path is what is exercised); the entry point then re-runs
 the same seed without faults and compares every rank's final state tensor by tensor
-(``deadpool.report.compare_final_states``, as tests/integration/test_hotswap.py does). This
+(``deadpool.launch.report.compare_final_states``, as tests/integration/test_hotswap.py does). This
 script re-checks that comparison, samples nvidia-smi during the run (how many processes held a
 CUDA context and how much memory), and writes OUT_DIR/<name>.json with the recovery breakdown.
 ``--no-deterministic`` is the control: the same without deterministic algorithms.
@@ -68,7 +68,7 @@ class GpuSampler(threading.Thread):
 
 def tensor_compare(run_a: Path, run_b: Path) -> dict:
     """Per-rank count of tensors and bytes compared, and how many differ."""
-    from deadpool.report import final_ranks, load_final_rank
+    from deadpool.launch.report import final_ranks, load_final_rank
 
     out = {}
     for r in final_ranks(run_a):
@@ -138,7 +138,7 @@ def main() -> None:
         if f.exists():
             res[key] = json.loads(f.read_text())
     if (run_dir / "final").exists() and (ref_dir / "final").exists():
-        from deadpool.report import compare_final_states
+        from deadpool.launch.report import compare_final_states
 
         equal, why = compare_final_states(run_dir, ref_dir)
         res["bitwise_equal"] = equal

@@ -9,7 +9,7 @@ One process, one GPU. Each cycle ("generation" g) mirrors what a DeadPool rank d
    TCPStore; the communicator is connected eagerly (timed: group creation);
 2. collectives (all-reduce, broadcast, all-gather) checked for their values;
 3. a collective left pending (queued behind a GPU sleep kernel) while the main thread waits on it
-   by polling ``is_completed()`` (as ``deadpool.comm.Communicator.wait`` does on NCCL); a watcher
+   by polling ``is_completed()`` (as ``deadpool.rank.comm.Communicator.wait`` does on NCCL); a watcher
    thread calls the group's ``abort()`` (timed: abort call; and how and when the main thread got
    out of its wait);
 4. the group is dropped; GPU memory (``torch.cuda.memory_allocated/reserved``, ``mem_get_info``,

@@ -6,7 +6,7 @@ hot-swaps on NCCL ending bitwise equal to a failure-free run.
 
 Several NCCL ranks share the GPU the way ``launcher.share_gpu=true`` runs them: each process has
 its own ``NCCL_HOSTID`` (NCCL then treats the ranks as separate hosts and connects them over its
-socket transport on loopback) and the runtime's NCCL environment (``deadpool.nccl_env``). Socket
+socket transport on loopback) and the runtime's NCCL environment (``deadpool.rank.nccl_env``). Socket
 transport is slow: these are correctness and recovery-timing checks, never throughput.
 
 S0  2 and 9 processes form a NCCL group and all-reduce correctly; the control (2 processes
@@ -62,7 +62,7 @@ HERE = Path(__file__).resolve()
 def proc_env(slot: int, share: bool = True) -> dict[str, str]:
     """A worker process's environment: the runtime's NCCL settings, plus (``share``) a host id of
     its own so that several NCCL ranks may share the GPU."""
-    from deadpool import nccl_env
+    from deadpool.rank import nccl_env
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     env.update(nccl_env.nccl_env(deterministic=False, environ=env)[0])
@@ -286,7 +286,7 @@ def worker_s2(store, slot: int, generations: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from common import gpu_used_by_pid
-    from deadpool.comm import Communicator
+    from deadpool.rank.comm import Communicator
     from deadpool.topology import ParallelDims, Topology
 
     dims = ParallelDims(dp=2, tp=2, ranks_per_node=4)
@@ -334,7 +334,7 @@ def run_s2(args) -> dict:
 # -- entry ------------------------------------------------------------------------------------
 def dry_run(args, scenarios) -> dict:
     """What would run, checked without a GPU: environments and job configs."""
-    from deadpool import nccl_env
+    from deadpool.rank import nccl_env
 
     plan = {"dry_run": True, "scenarios": scenarios, "env": env_info(),
             "worker_env": {k: v for k, v in proc_env(0).items()

@@ -3,7 +3,7 @@
     python experiments/gpu/check_shard_snapshot.py OUT_DIR [--layout llama65b_a100_80g]
         [--model llama_65b] [--slots 2] [--rounds 3]
 
-One rank of the layout (the worst pipeline stage, from ``deadpool.memory.estimate``) holds its
+One rank of the layout (the worst pipeline stage, from ``deadpool.launch.memory.estimate``) holds its
 stage's parameters (shared with its data-parallel peers) and its AdamW shard (unique). The state
 is allocated on the GPU at those sizes (values are random: what is measured is bandwidth, not
 training), handed to ``SnapshotEngine`` with the runtime's regions (``replicate=unique``), and
@@ -28,7 +28,7 @@ from common import ROOT, env_info, write_json  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from deadpool.memory import estimate  # noqa: E402
+from deadpool.launch.memory import estimate  # noqa: E402
 from deadpool.snapshot import SnapshotEngine, checksum  # noqa: E402
 
 

@@ -38,7 +38,7 @@ Ratios: each arm's ``vs_plain`` (tokens/s over the plain compiled arm's; the iss
 Medians are over the same step numbers in every arm: steps after ``--warmup``, and the last
 ``--settled`` (the adaptive schedule's vote of step 32 rules from 40: steps 41-56 by default).
 Tokens/s = batch x seq_len / median step. MFU = tokens/s x FLOPs per token / peak, FLOPs per
-token = ``deadpool.mfu.flops_per_token``: 6 x parameters without the input embedding + 12 x
+token = ``deadpool.rank.mfu.flops_per_token``: 6 x parameters without the input embedding + 12 x
 layers x d_model x seq_len, as the runtime's metrics count it (runs before 2026-11-28 counted
 the embedding too: 6 x 1.416e9 rather than 6 x 1.35e9 for gpt_1b, MFU 5 % higher).
 ``--peak-tflops``: dense bf16 of an H100 SXM (989.4). Writes OUT_DIR/NAME.json (default
@@ -86,7 +86,7 @@ def count_params(cfg: dict) -> int:
 
 
 def flops_per_token(cfg: dict, seq_len: int) -> float:
-    from deadpool.mfu import flops_per_token as runtime_flops_per_token
+    from deadpool.rank.mfu import flops_per_token as runtime_flops_per_token
 
     return float(runtime_flops_per_token(cfg, seq_len))
 

@@ -84,7 +84,7 @@ def stop_job(p: subprocess.Popen, run_dir: Path, wait_s: float = 30.0) -> dict:
     """SIGKILL the job's coordinator (its process group); its agents and their processes die
     with it (parent-death signals). Wait until no process names the job's file any more (the
     next arm must find the GPU and the pinned host memory free); SIGKILL any still there."""
-    from deadpool.launcher import job_processes
+    from deadpool.launch.launcher import job_processes
 
     t0 = time.monotonic()
     if p.poll() is None:
@@ -154,9 +154,9 @@ def run_bounded(cmd: list[str], run_dir: Path, last_step: int, timeout_s: float,
 def _record_warm(out_json: str, overrides: list[str]) -> int:
     """Run the job in this process (as ``python -m deadpool.train`` does), recording each
     slot's join announcement (its own wall-clock time at warm) as the coordinator reads it."""
-    import deadpool.coordinator as coordinator
-    from deadpool.protocol import Keys
+    import deadpool.control.coordinator as coordinator
     from deadpool.launch.config import compose_config
+    from deadpool.store.protocol import Keys
     from deadpool.train import run
 
     warm: dict[int, dict] = {}

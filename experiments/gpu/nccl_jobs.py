@@ -52,8 +52,8 @@ def job_overrides(name: str, steps: int, device: str = "cuda") -> list[str]:
 
 
 def dry_run(name: str, steps: int, out_dir: Path) -> dict:
-    from deadpool.topology import ParallelDims
     from deadpool.launch.config import compose_config
+    from deadpool.topology import ParallelDims
 
     cfg = compose_config(job_overrides(name, steps), Path(out_dir) / "dry")
     assert cfg["backend"] == "nccl" and cfg["launcher"]["share_gpu"]
@@ -101,7 +101,7 @@ def block_swap(res: dict, run_dir: Path, rpn: int = 2) -> dict:
 def run_job(name: str, args, out_dir: Path) -> dict:
     from check_hotswap import tensor_compare
 
-    from deadpool.report import compare_final_states
+    from deadpool.launch.report import compare_final_states
 
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / f"run_{name.lower()}"

@@ -17,7 +17,7 @@
 #   The ranks talk to their agent through shared memory in /dev/shm on the node; only the agents
 #   talk to the store. An agent's death is the loss of its node: its ranks die with it.
 # - Without agents (launcher.agents=false on the command line): one srun task per process runs
-#   `python -m deadpool.worker`, and every task talks to the store itself.
+#   `python -m deadpool.rank.worker`, and every task talks to the store itself.
 # Either way there are RANKS_PER_NODE processes on every node that trains (ranks and spares, one
 # per GPU or CPU rank): the first NUM_WORKERS = processes - NUM_SPARES train, the others wait as
 # warm spares (a whole node of them takes a lost node's ranks together).
@@ -118,13 +118,13 @@ echo "[deadpool_job] job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): co
 
 # A fresh secret for this job, readable by this user only, in the run dir (a shared file system):
 # the coordinator and every task read it from DEADPOOL_JOB_SECRET_FILE; it keeps every other
-# process on the cluster out of the coordinator's store (deadpool/auth.py). rm first: a truncated
+# process on the cluster out of the coordinator's store (deadpool/store/auth.py). rm first: a truncated
 # old file would keep its old permissions.
 mkdir -p "${RUN_DIR}"
 export DEADPOOL_JOB_SECRET_FILE="$(cd "${RUN_DIR}" && pwd)/job.secret"
 unset DEADPOOL_JOB_SECRET
 rm -f "${DEADPOOL_JOB_SECRET_FILE}" "${RUN_DIR}/job.json"
-(umask 077; "$PY" -c 'from deadpool.auth import new_secret; print(new_secret())' > "${DEADPOOL_JOB_SECRET_FILE}")
+(umask 077; "$PY" -c 'from deadpool.store.auth import new_secret; print(new_secret())' > "${DEADPOOL_JOB_SECRET_FILE}")
 
 # walltime / preemption: USR1 is forwarded, TERM only waited through (see the header)
 STOP_SIGNAL=
@@ -177,7 +177,7 @@ if [ "${AGENTS}" = 1 ]; then
 else
     # one process per task; the coordinator decides who trains and who waits as a spare
     srun "${STEP_ARGS[@]}" --nodes="${TRAIN_HOSTS}" --ntasks="${NUM_PROCS}" --cpus-per-task="${CPUS_PER_RANK}" \
-        ${SRUN_ARGS} "$PY" -m deadpool.worker --job "${RUN_DIR}/job.json" --slot-from-env &
+        ${SRUN_ARGS} "$PY" -m deadpool.rank.worker --job "${RUN_DIR}/job.json" --slot-from-env &
 fi
 SRUN=$!
 

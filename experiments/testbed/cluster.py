@@ -61,7 +61,7 @@ class ClusterJob:
         return env
 
     def start(self, timeout_s: float = 60.0) -> "ClusterJob":
-        from deadpool.auth import new_secret
+        from deadpool.store.auth import new_secret
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.secret_file = self.run_dir / "job.secret"

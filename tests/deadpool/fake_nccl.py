@@ -19,7 +19,7 @@ blocks the host on the device on real NCCL, i.e. an event recorded to be waited 
 issuing thread asking its own work whether it completed (a poll loop), waiting on it with a
 timeout (torch's timed wait blocks the host) or synchronising it. A plain ``wait()`` is a stream
 wait and is not counted.
-``install(monkeypatch, script)`` puts both into ``deadpool.comm``; ``script`` decides per posted
+``install(monkeypatch, script)`` puts both into ``deadpool.rank.comm``; ``script`` decides per posted
 op whether it stalls (never completes, as when a peer dies inside it) or fails.
 """
 
@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import deadpool.comm as comm_mod
+import deadpool.rank.comm as comm_mod
 
 # every fake group made, kept referenced: a gloo group deleted with an op in flight blocks
 KEEP: list = []
@@ -242,6 +242,6 @@ def allow_on_cpu(monkeypatch) -> None:
         return "nccl" if backend == "nccl" else real(device, backend)
 
     import deadpool.recovery.plan as plan_mod
-    import deadpool.worker as worker_mod
+    import deadpool.rank.worker as worker_mod
     for mod in (comm_mod, plan_mod, worker_mod):
         monkeypatch.setattr(mod, "resolve_backend", resolve)

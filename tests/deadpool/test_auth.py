@@ -1,5 +1,5 @@
 """Control-plane authentication: secrets, the job namespace, sealed messages, a store bound to one
-address (deadpool/auth.py). Fast: real TCPStores on port 0, no training processes."""
+address (deadpool/store/auth.py). Fast: real TCPStores on port 0, no training processes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from deadpool import auth
+from deadpool.store import auth
 
 SECRET = "a" * 64
 OTHER = "b" * 64
@@ -224,7 +224,7 @@ def test_serve_store_refuses_a_wildcard_host(host):
 # -- launchers -------------------------------------------------------------------------------------
 
 def test_local_launcher_gives_the_secret_to_children_only_by_env(tmp_path, monkeypatch):
-    from deadpool import launcher
+    from deadpool.launch import launcher
 
     seen = []
 
@@ -243,8 +243,8 @@ def test_local_launcher_gives_the_secret_to_children_only_by_env(tmp_path, monke
 
 
 def test_external_launcher_seals_fences():
-    from deadpool.launcher import ExternalLauncher
-    from deadpool.protocol import Keys
+    from deadpool.launch.launcher import ExternalLauncher
+    from deadpool.store.protocol import Keys
 
     master = auth.serve_store("127.0.0.1", 0, timeout_s=10)
     job = auth.namespaced(master, SECRET)

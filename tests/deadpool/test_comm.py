@@ -5,9 +5,9 @@ import weakref
 import pytest
 import torch
 
-from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted
-from deadpool.protocol import Keys
+from deadpool.rank.comm import Communicator, resolve_backend
+from deadpool.store.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deadpool.comm import Communicator
+from deadpool.rank.comm import Communicator
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from deadpool.comm import Communicator
 from deadpool.errors import Aborted, CollectiveError
 from deadpool.launch.procs import local_rank
-from deadpool.protocol import Keys, Seal, announce_abort
+from deadpool.rank.comm import Communicator
+from deadpool.rank.trainer import Trainer
+from deadpool.store.protocol import Keys, Seal, announce_abort
 from deadpool.topology import ParallelDims, Topology
-from deadpool.trainer import Trainer
 from tests.conftest import compose_train
 from tests.deadpool import fake_nccl
 from tests.deadpool.helpers import client, master_store, run_threads

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from deadpool.job import validate
-from deadpool.memory import MODELS
 from deadpool.launch.config import CONF_DIR
+from deadpool.launch.job import validate
+from deadpool.launch.memory_tables import MODELS
 from tests.conftest import compose_train
 
 GROUPS = ["model", "parallel", "ft", "faults", "launcher", "data", "experiment"]

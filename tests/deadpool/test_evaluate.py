@@ -1,4 +1,4 @@
-"""Validation loss (deadpool/evaluate.py) in the training loop of one rank, in-process: recorded,
+"""Validation loss (deadpool/rank/evaluate.py) in the training loop of one rank, in-process: recorded,
 equal to the single-process model's on the held-out batches, and without effect on the state."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 import pytest
 
-from deadpool.faults import Fault, FaultEvent, FaultInjector, InjectedFault
+from deadpool.rank.faults import Fault, FaultEvent, FaultInjector, InjectedFault
 
 
 def test_exception_fault_fires_once_at_its_rank_step_and_phase():

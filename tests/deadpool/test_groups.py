@@ -1,6 +1,6 @@
-"""Group membership and the choice of groups a recovery keeps (deadpool/groups.py)."""
+"""Group membership and the choice of groups a recovery keeps (deadpool/rank/groups.py)."""
 
-from deadpool.groups import reusable_groups
+from deadpool.rank.groups import reusable_groups
 
 
 def test_only_clean_groups_without_a_replaced_member_are_kept():
@@ -16,7 +16,7 @@ def test_only_clean_groups_without_a_replaced_member_are_kept():
 
 
 def test_two_replicas_give_each_rank_a_group_per_buddy_and_per_ward():
-    from deadpool.groups import all_groups, rank_groups
+    from deadpool.rank.groups import all_groups, rank_groups
     from deadpool.topology import ParallelDims, Topology
 
     dims = ParallelDims(dp=2, tp=2, pp=2, ranks_per_node=2)  # 4 nodes: k=2 fits

@@ -33,11 +33,11 @@ import types
 import pytest
 import torch
 
-import deadpool.heartbeat as heartbeat_mod
-from deadpool import auth
-from deadpool.coordinator import Coordinator
-from deadpool.faults import Fault, FaultInjector
-from deadpool.worker import Worker
+import deadpool.rank.heartbeat as heartbeat_mod
+from deadpool.control.coordinator import Coordinator
+from deadpool.rank.faults import Fault, FaultInjector
+from deadpool.rank.worker import Worker
+from deadpool.store import auth
 from tests.conftest import compose_train
 from tests.deadpool import fake_nccl
 from tests.deadpool.helpers import master_store

@@ -1,4 +1,4 @@
-"""deadpool/job.py's validation of values a new user types wrong: each refused before any
+"""deadpool/launch/job.py's validation of values a new user types wrong: each refused before any
 process starts, with a message naming the field (the command-line exit is tested in
 tests/integration/test_hotswap.py)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from deadpool.job import validate
+from deadpool.launch.job import validate
 from tests.conftest import compose_train
 
 
@@ -43,8 +43,8 @@ def test_an_impossible_number_of_replicas_is_refused(override, msg, tmp_path):
 def test_a_shrink_below_k_plus_one_ranks_keeps_what_replicas_fit_and_a_regrow_restores_k(tmp_path):
     from types import SimpleNamespace
 
-    from deadpool.job import _relaunch_cfg
-    from deadpool.protocol import RecoveryRecord
+    from deadpool.launch.job import _relaunch_cfg
+    from deadpool.store.protocol import RecoveryRecord
 
     cfg = compose_train(["parallel=dp4", "parallel.ranks_per_node=1", "ft.replicas=3"], tmp_path)
     validate(cfg)

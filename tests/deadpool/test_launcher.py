@@ -10,7 +10,7 @@ def test_local_launcher_sees_a_stopped_process(tmp_path):
     import sys
     import time
 
-    from deadpool.launcher import LocalLauncher
+    from deadpool.launch.launcher import LocalLauncher
 
     la = LocalLauncher(tmp_path, tmp_path / "job.json")
     la.procs[0] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -30,7 +30,7 @@ def test_local_launcher_sees_a_stopped_process(tmp_path):
 def test_share_gpu_gives_each_process_its_own_nccl_host_and_loopback_sockets(tmp_path, monkeypatch):
     import subprocess
 
-    from deadpool.launcher import LocalLauncher
+    from deadpool.launch.launcher import LocalLauncher
 
     started = []
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from deadpool.lr_schedule import check, lr_at
+from deadpool.rank.lr_schedule import check, lr_at
 
 PEAK, TOTAL = 3e-3, 40
 

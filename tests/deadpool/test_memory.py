@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 
-from deadpool.job import validate
-from deadpool.memory import (A100_GB, MODELS, GiB, _load, check_fits, estimate, measured_table,
-                             model_params, saved_activations, table)
+from deadpool.launch.job import validate
+from deadpool.launch.memory import GiB, check_fits, estimate, model_params, saved_activations
+from deadpool.launch.memory_tables import A100_GB, MODELS, _load, measured_table, table
 from deadpool.model import GPT, model_config, stage_params
 from deadpool.parallel.stage import build_stage
 from tests.conftest import compose_train
@@ -112,7 +112,7 @@ def test_what_is_replicated_and_kept_on_the_host():
 
 
 def test_the_job_check_counts_no_snapshot_memory_without_snapshots():
-    from deadpool.memory import check_fits
+    from deadpool.launch.memory import check_fits
     from tests.conftest import compose_train
 
     big = ["model=llama_7b", "parallel=dp4", "memory.host_gb_per_node=0.001"]
@@ -129,7 +129,7 @@ def test_the_job_check_counts_no_snapshot_memory_without_snapshots():
 
 
 def test_the_job_check_counts_ft_replicas():
-    from deadpool.memory import check_fits
+    from deadpool.launch.memory import check_fits
     from tests.conftest import compose_train
 
     big = ["model=llama_7b", "parallel=dp4", "memory.host_gb_per_node=0.001"]
@@ -371,7 +371,8 @@ def test_readme_shows_the_current_tables():
 def test_zero2_gradients_measured_equal_the_estimate_and_shrink_with_dp():
     """ZeRO-2's gradient bytes (the fp32 shard + the peak of staged buckets over a real backward)
     are what ``state_bytes`` counts, and fall with dp; ZeRO-1's do not."""
-    from deadpool.memory import measure_grads, state_bytes
+    from deadpool.launch.memory import state_bytes
+    from deadpool.launch.memory_tables import measure_grads
 
     m = _load("model", "tiny")
     n = stage_params(m, 1, 1, 0)
@@ -426,7 +427,7 @@ def test_zero_stage_is_validated():
 def test_readme_shows_the_zero2_rows():
     from pathlib import Path
 
-    from deadpool.memory import issue_rows, zero2_table
+    from deadpool.launch.memory_tables import issue_rows, zero2_table
 
     readme = (Path(__file__).resolve().parents[2] / "docs" / "memory.md").read_text()
     assert issue_rows() in readme and zero2_table() in readme

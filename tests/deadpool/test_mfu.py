@@ -1,4 +1,4 @@
-"""MFU and tokens/s/GPU (deadpool/mfu.py): the FLOPs formula against the built model, the peak
+"""MFU and tokens/s/GPU (deadpool/rank/mfu.py): the FLOPs formula against the built model, the peak
 table, and the fields in the metrics, the progress line and TensorBoard of a real trainer."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from deadpool import mfu
 from deadpool.model import build_model, model_config
+from deadpool.rank import mfu
 
 LLAMA3_8B = dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                  ffn_mult=5, ffn_multiple_of=1024, max_seq_len=8192)  # conf/model/llama3_8b

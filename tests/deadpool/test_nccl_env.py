@@ -1,6 +1,6 @@
-"""The NCCL environment every worker runs with (deadpool/nccl_env.py)."""
+"""The NCCL environment every worker runs with (deadpool/rank/nccl_env.py)."""
 
-from deadpool.nccl_env import nccl_env
+from deadpool.rank.nccl_env import nccl_env
 
 
 def test_torch_error_handling_is_off_and_a_users_conflicting_value_is_overridden_loudly():

@@ -1,4 +1,4 @@
-"""Which interface a job's processes talk over (deadpool/netif.py): chosen in a fixed order,
+"""Which interface a job's processes talk over (deadpool/rank/netif.py): chosen in a fixed order,
 never assumed; a multi-node store on loopback refused. The multi-host half (each host's children
 on its own interface) is tests/integration/test_multihost.py."""
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from deadpool import netif
+from deadpool.rank import netif
 
 
 def cfg(ifname=None, host="127.0.0.1", name="slurm"):
@@ -56,8 +56,8 @@ def test_a_multi_node_slurm_job_is_not_served_from_loopback(host):
 
 
 def test_the_refusal_comes_before_the_store_binds(tmp_path, monkeypatch):
-    from deadpool import auth
-    from deadpool.job import run_job
+    from deadpool.launch.job import run_job
+    from deadpool.store import auth
     from tests.conftest import compose_train
 
     c = compose_train(["model=tiny", "num_steps=2", "launcher=slurm"], tmp_path)

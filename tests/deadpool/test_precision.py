@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deadpool.precision import apply_tf32, check, grad_reduce_dtype, param_dtype
+from deadpool.rank.precision import apply_tf32, check, grad_reduce_dtype, param_dtype
 
 
 def test_dtypes_and_defaults():

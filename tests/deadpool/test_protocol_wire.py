@@ -1,4 +1,4 @@
-"""Plans on the wire, in full and as deltas (deadpool/protocol_wire.py): exact round trips over
+"""Plans on the wire, in full and as deltas (deadpool/store/wire.py): exact round trips over
 random layouts and recoveries, a delta never decoded against the wrong membership, and the sizes
 and costs at 16,384 ranks."""
 
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from deadpool.groups import all_groups
-from deadpool.protocol import Keys, Plan, Source
-from deadpool.protocol_wire import (BaseMismatch, WIRE_VERSION, decode_plan, encode_plan,
+from deadpool.rank.groups import all_groups
+from deadpool.store.protocol import Keys, Plan, Source
+from deadpool.store.wire import (BaseMismatch, WIRE_VERSION, decode_plan, encode_plan,
                                     membership_digest)
 from deadpool.topology import ParallelDims
 

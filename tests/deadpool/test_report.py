@@ -1,4 +1,4 @@
-"""Run outputs (deadpool/report.py): the bitwise comparison of two runs' final states.
+"""Run outputs (deadpool/launch/report.py): the bitwise comparison of two runs' final states.
 
 A run's final state is one checkpoint of unique state (``checkpoint.final``): what several
 data-parallel replicas hold identically is written once, in parts spread over them, and every
@@ -16,7 +16,7 @@ import torch
 
 from deadpool import checkpoint
 from deadpool.checkpoint.final import write_final_state
-from deadpool.report import compare_final_states, final_ranks, load_final_rank
+from deadpool.launch.report import compare_final_states, final_ranks, load_final_rank
 from deadpool.topology import ParallelDims
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -1,4 +1,4 @@
-"""Merging the per-process metrics (deadpool/report.py, issue 37): a streaming k-way merge of
+"""Merging the per-process metrics (deadpool/launch/report.py, issue 37): a streaming k-way merge of
 ``metrics/slot*.jsonl`` whose output and summary equal the old merge's (every row loaded, sorted
 in memory), holding about one row per file rather than the run's rows."""
 
@@ -11,8 +11,8 @@ import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
 
-from deadpool import report
 from deadpool.checkpoint.final import final_digest
+from deadpool.launch import report
 
 
 def old_merge(run_dir: Path) -> list[dict]:

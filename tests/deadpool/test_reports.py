@@ -1,4 +1,4 @@
-"""Reading per-rank reports (deadpool/reports.py): what a recovery's reads cost the store.
+"""Reading per-rank reports (deadpool/store/reports.py): what a recovery's reads cost the store.
 
 ``TCPStore.check`` is all-of, so probing N mostly absent keys costs up to 2N-1 round trips; a
 recovery reads crash, error, bad-copy, fault and status reports of every rank. Posted reports
@@ -11,9 +11,9 @@ import json
 
 import torch.distributed as dist
 
-from deadpool import auth, reports
-from deadpool.protocol import Keys, RankStatus, Seal
 from deadpool.recovery import detect
+from deadpool.store import auth, reports
+from deadpool.store.protocol import Keys, RankStatus, Seal
 from tests.deadpool.recovery.helpers import coordinator
 
 SECRET = auth.new_secret()
@@ -192,7 +192,7 @@ def test_a_rank_status_round_trips_every_field():
     not written fails here."""
     import dataclasses
 
-    from deadpool.protocol import RankStatus
+    from deadpool.store.protocol import RankStatus
 
     st = RankStatus(5, 9, 12, [10, 12], {4: [12], 6: [10]}, groups={"dp/pp0-tp0": [3, 3]},
                     crcs={"own/12": [1, 2, 3]})

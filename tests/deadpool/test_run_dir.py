@@ -1,12 +1,13 @@
-"""A run directory holds one run (``deadpool.run_dir``; issue 36, item 12): another run's
+"""A run directory holds one run (``deadpool.launch.run_dir``; issue 36, item 12): another run's
 outputs are refused, removed on request, or continued by a resume."""
 
 import json
 
 import pytest
 
-from deadpool import checkpoint, run_dir
-from deadpool.job import run_job
+from deadpool import checkpoint
+from deadpool.launch import run_dir
+from deadpool.launch.job import run_job
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp2", "ft.num_spares=0", "log_every_steps=0",

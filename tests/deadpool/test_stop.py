@@ -1,4 +1,4 @@
-"""deadpool.stop: a signal asks for a stop, a second one kills the job's processes and unwinds
+"""deadpool.launch.stop: a signal asks for a stop, a second one kills the job's processes and unwinds
 the coordinator; a node agent's request counts only when sealed with the job's secret."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from deadpool import auth
-from deadpool.protocol import Seal
-from deadpool.stop import REQUEST_HINT, REQUEST_KEY, HardStop, Stopper, request
+from deadpool.launch.stop import REQUEST_HINT, REQUEST_KEY, HardStop, Stopper, request
+from deadpool.store import auth
+from deadpool.store.protocol import Seal
 from tests.deadpool.helpers import master_store
 
 
@@ -49,7 +49,7 @@ def test_a_first_signal_asks_a_second_kills_the_jobs_processes_and_unwinds():
 
 
 def test_an_agents_request_counts_only_sealed(monkeypatch):
-    monkeypatch.setattr("deadpool.stop.POLL_S", 0.0)  # every call reads the hint
+    monkeypatch.setattr("deadpool.launch.stop.POLL_S", 0.0)  # every call reads the hint
     store, secret, logs = master_store(), auth.new_secret(), []
     coord = SimpleNamespace(store=store, seal=Seal(secret), forgeries=set(), log=logs.append,
                             counter=lambda key: int(store.add(key, 0)))

@@ -1,4 +1,4 @@
-"""The straggler rule (deadpool/straggler.py) without processes: the board word, the window
+"""The straggler rule (deadpool/rank/straggler.py) without processes: the board word, the window
 minimum, comparisons within a pipeline stage position, the quiet steps after a start or a
 recovery, and the compute clock's exclusion of waits on peers."""
 
@@ -8,10 +8,10 @@ import random
 import time
 from types import SimpleNamespace
 
-from deadpool.faults import Fault, FaultEvent, FaultInjector
-from deadpool.straggler import (ComputeClock, StragglerDetector, pack_compute, pack_paused,
+from deadpool.rank.faults import Fault, FaultEvent, FaultInjector
+from deadpool.rank.straggler import (ComputeClock, StragglerDetector, pack_compute, pack_paused,
                                 settings, unpack_compute)
-from deadpool.watchdog import Progress
+from deadpool.rank.watchdog import Progress
 
 
 def words(step: int, times: dict[int, float]) -> dict[int, int]:

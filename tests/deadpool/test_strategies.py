@@ -1,10 +1,10 @@
-"""The runtime strategies' pure parts (deadpool/strategies.py)."""
+"""The runtime strategies' pure parts (deadpool/rank/strategies.py)."""
 
 import math
 
 import pytest
 
-from deadpool.strategies import young_daly_steps
+from deadpool.rank.strategies import young_daly_steps
 
 
 def test_young_interval_in_steps():

@@ -1,4 +1,4 @@
-"""TensorBoard event files (deadpool/tensorboard_log.py) from the training loop of one rank,
+"""TensorBoard event files (deadpool/rank/tensorboard_log.py) from the training loop of one rank,
 read back with TensorBoard's own reader."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.deadpool.test_trainer import STEPS, trainer
 def test_tensorboard_event_files_hold_the_step_metrics_and_recoveries(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from deadpool import tensorboard_log
+    from deadpool.rank import tensorboard_log
 
     tr, comm = trainer(tmp_path, extra=["logging.tensorboard=true", "eval_every_steps=3"])
     tr.train(comm)
@@ -43,7 +43,7 @@ def test_tensorboard_event_files_hold_the_step_metrics_and_recoveries(tmp_path):
 def test_without_the_tensorboard_package_the_job_is_refused_before_it_starts(tmp_path, monkeypatch):
     import sys
 
-    from deadpool.job import validate
+    from deadpool.launch.job import validate
     from tests.conftest import compose_train
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError

@@ -1,4 +1,4 @@
-"""The training loop of one rank (deadpool/trainer.py), in-process on a one-rank communicator:
+"""The training loop of one rank (deadpool/rank/trainer.py), in-process on a one-rank communicator:
 step accounting, metrics, snapshots, and a rollback replayed exactly."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deadpool.comm import Communicator
 from deadpool.errors import Aborted
-from deadpool.faults import FaultInjector
-from deadpool.protocol import Keys
+from deadpool.rank.comm import Communicator
+from deadpool.rank.faults import FaultInjector
+from deadpool.rank.trainer import Trainer
+from deadpool.store.protocol import Keys
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
-from deadpool.trainer import Trainer
 from tests.conftest import compose_train
 
 STEPS = 6
@@ -82,7 +82,7 @@ BF16 = ("precision=bf16", "grad_clip=1.0", "lr_schedule=cosine", "warmup_steps=2
 
 
 def test_bf16_rollback_replays_to_the_same_bits_with_schedule_and_clipping(tmp_path):
-    from deadpool.lr_schedule import lr_at
+    from deadpool.rank.lr_schedule import lr_at
 
     tr, comm = trainer(tmp_path, extra=BF16)
     tr.train(comm)
@@ -101,7 +101,7 @@ def test_bf16_rollback_replays_to_the_same_bits_with_schedule_and_clipping(tmp_p
 
 
 def test_a_non_finite_gradient_norm_skips_the_update_and_is_counted(tmp_path, monkeypatch):
-    import deadpool.trainer as trainer_mod
+    import deadpool.rank.trainer as trainer_mod
 
     real, calls = trainer_mod.global_grad_norm, []
 

@@ -1,4 +1,4 @@
-from deadpool.watchdog import Liveness, Progress
+from deadpool.rank.watchdog import Liveness, Progress
 
 
 class Clock:

@@ -16,9 +16,9 @@ import json
 import pytest
 import torch
 
-from deadpool.job import run_job
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states, load_final_rank
 from deadpool.model import build_model
-from deadpool.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=10", "ft.num_spares=1",

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from deadpool.job import run_job
-from deadpool.launcher import job_processes
-from deadpool.report import compare_final_states
+from deadpool.launch.job import run_job
+from deadpool.launch.launcher import job_processes
+from deadpool.launch.report import compare_final_states
 from tests.conftest import compose_train
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def slot_pids(run_dir: Path) -> dict[int, int]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"deadpool.worker" in argv:
+        if b"deadpool.rank.worker" in argv:
             out[int(argv[argv.index(b"--slot") + 1])] = pid
     return out
 

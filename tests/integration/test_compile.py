@@ -13,8 +13,8 @@ from collections import defaultdict
 
 import pytest
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp2", "num_steps=6", "ft.num_spares=1", "log_every_steps=0",

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states, final_ranks, load_final_rank
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states, final_ranks, load_final_rank
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp4", "num_steps=14", "log_every_steps=0",

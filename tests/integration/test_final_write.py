@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from deadpool.job import run_job
+from deadpool.launch.job import run_job
 from tests.conftest import compose_train
 
 PROGRESS_S = 8.0  # ft.progress_timeout_s here: longer than any step of this job under load

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp4", "num_steps=20", "ft.num_spares=1",

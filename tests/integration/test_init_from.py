@@ -26,9 +26,9 @@ import torch
 
 from deadpool.export import export
 from deadpool.export.hf_import import stage_loader
-from deadpool.job import run_job
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states, load_final_rank
 from deadpool.parallel.stage import build_stage
-from deadpool.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 pytest.importorskip("safetensors")

@@ -19,8 +19,8 @@ import torch
 
 from deadpool.export import export
 from deadpool.export.consolidate import load_source
-from deadpool.job import run_job
-from deadpool.report import compare_final_states, load_final_rank
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "model.n_layers=4", "parallel=dp2", "parallel.pp=2",

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from deadpool import auth, drain
-from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.control import drain
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
+from deadpool.store import auth
 from tests.conftest import compose_train
 
 quiet = lambda *a, **k: None  # noqa: E731

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from deadpool import checkpoint
-from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 from experiments.testbed import netns
 from experiments.testbed.cluster import ClusterJob
 from tests.conftest import compose_train
@@ -109,7 +109,7 @@ def is_rank(pid: int) -> bool:
     """A worker or spare process (forked by its agent: named ``dp-slot<n>``; or exec'd)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().startswith("dp-slot") or \
-            b"deadpool.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            b"deadpool.rank.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

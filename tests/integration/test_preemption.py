@@ -1,4 +1,4 @@
-"""Walltime, preemption and Ctrl-C with real processes (``deadpool.stop``, ``recovery.preempt``).
+"""Walltime, preemption and Ctrl-C with real processes (``deadpool.launch.stop``, ``recovery.preempt``).
 
 A job started as a user starts it (``python -m deadpool.train``, dp4 + 1 warm spare under node
 agents) gets a signal at a step: SIGTERM or SIGINT to its own process, or SIGTERM to every node
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from deadpool import checkpoint
-from deadpool.job import run_job
-from deadpool.launcher import job_processes
-from deadpool.report import compare_final_states
+from deadpool.launch.job import run_job
+from deadpool.launch.launcher import job_processes
+from deadpool.launch.report import compare_final_states
 from tests.conftest import FORKED, compose_train
 
 BASE = ["model=tiny", "parallel=dp4", "ft.num_spares=1", "num_steps=24", "log_every_steps=4"]
@@ -165,7 +165,7 @@ def test_a_second_ctrl_c_stops_at_once_and_leaves_no_process(tmp_path):
 
 
 def test_auto_resume_without_a_checkpoint_starts_from_step_0_and_says_so(tmp_path):
-    from deadpool.job import resolve_resume
+    from deadpool.launch.job import resolve_resume
 
     cfg = compose_train(BASE + ["ft.resume_from=auto"], tmp_path)
     said: list[str] = []

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from deadpool.job import run_job
-from deadpool.launcher import job_processes
-from deadpool.report import compare_final_states, load_final_rank
+from deadpool.launch.job import run_job
+from deadpool.launch.launcher import job_processes
+from deadpool.launch.report import compare_final_states, load_final_rank
 from tests.conftest import FORKED, compose_train
 
 # dp4 with ZeRO-1 (the default) and replicas of the unique region only: every rank's optimizer
@@ -203,7 +203,7 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
 
     import torch.distributed as dist
 
-    from deadpool import auth
+    from deadpool.store import auth
     # an intruder starts as soon as job.json exists, claiming the spare's slot
     intruder: dict = {}
     done = threading.Event()
@@ -220,7 +220,7 @@ def test_a_process_with_a_wrong_secret_cannot_take_a_rank_and_the_job_goes_on(re
         cfg["ft"]["startup_timeout_s"] = 8
         (tmp_path / "intruder.json").write_text(json.dumps(cfg))
         intruder["p"] = subprocess.run(
-            [sys.executable, "-m", "deadpool.worker", "--job", str(tmp_path / "intruder.json"),
+            [sys.executable, "-m", "deadpool.rank.worker", "--job", str(tmp_path / "intruder.json"),
              "--slot", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
     def forge():

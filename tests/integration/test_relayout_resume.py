@@ -23,9 +23,9 @@ import pytest
 
 from deadpool import checkpoint
 from deadpool.checkpoint.relayout import relayout_state
-from deadpool.job import run_job
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 from deadpool.model import model_config
-from deadpool.report import compare_final_states
 from deadpool.topology import ParallelDims
 from tests.conftest import compose_train
 

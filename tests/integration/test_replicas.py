@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 from tests.conftest import compose_train
 from tests.integration.test_hotswap import ranks_lost
 

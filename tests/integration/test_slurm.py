@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states
 from deadpool.launch.config import compose_config
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 
 # the module fixture may install and start Slurm (up to 900 s) inside the first test's timeout
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -135,7 +135,7 @@ def job_processes(job_id: str, module: bytes) -> dict[int, dict[str, str]]:
 
 
 def slot_pid(job_id: str, slot: int) -> int | None:
-    """The PID of job ``job_id``'s process of launch slot ``slot`` (a deadpool.worker process):
+    """The PID of job ``job_id``'s process of launch slot ``slot`` (a deadpool.rank.worker process):
     started with ``--slot <slot>`` by its node agent, or an srun task with SLURM_PROCID=<slot>
     (``--slot-from-env``)."""
     for d in Path("/proc").iterdir():
@@ -143,7 +143,7 @@ def slot_pid(job_id: str, slot: int) -> int | None:
             continue
         try:
             argv = (d / "cmdline").read_bytes().split(b"\0")
-            if b"deadpool.worker" not in argv:
+            if b"deadpool.rank.worker" not in argv:
                 continue
             env = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace").split("\0")
                        if "=" in kv)
@@ -347,7 +347,7 @@ def test_coordinator_alone_on_its_node_and_a_node_slurm_marks_down_leaves_the_jo
     agents = {int(e["SLURM_PROCID"]): (pid, e["SLURMD_NODENAME"])
               for pid, e in job_processes(job_id, b"deadpool.agent").items()}
     assert sorted(agents) == [0, 1, 2] and {n for _, n in agents.values()} == {"dp1", "dp2", "dp3"}, agents
-    ranks = job_processes(job_id, b"deadpool.worker")
+    ranks = job_processes(job_id, b"deadpool.rank.worker")
     assert len(ranks) == 6 and all(e["SLURMD_NODENAME"] != "dp0" for e in ranks.values())
     pid, node = agents[1]
     stepd = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

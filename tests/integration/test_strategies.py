@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 from tests.conftest import compose_train
 
 BASE = ["model=tiny", "parallel=dp4", "num_steps=16", "log_every_steps=0",

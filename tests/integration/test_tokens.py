@@ -14,9 +14,9 @@ import torch
 from deadpool.data.prepare import prepare
 from deadpool.export import export
 from deadpool.export.consolidate import full_parameters, load_source
-from deadpool.job import run_job
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states
 from deadpool.model import build_model
-from deadpool.report import compare_final_states
 from tests.conftest import compose_train
 from tests.deadpool.data.test_prepare import ROOT
 

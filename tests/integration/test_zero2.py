@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from deadpool.job import run_job
-from deadpool.report import compare_final_states, load_final_rank
+from deadpool.launch.job import run_job
+from deadpool.launch.report import compare_final_states, load_final_rank
 from tests.conftest import compose_train
 
 quiet = lambda *a, **k: None  # noqa: E731

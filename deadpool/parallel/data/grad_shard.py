@@ -80,7 +80,7 @@ class ShardedGrads:
         self._nothing = torch.empty(0, dtype=reduce_dtype, device=device)
         self.posted = 0  # buckets posted this step (diagnostics, tests)
         # bytes of staging buffers and inboxes alive now, and their peak (the memory estimator's
-        # in-flight term is checked against it: ``deadpool.memory_tables.measure``)
+        # in-flight term is checked against it: ``deadpool.launch.memory_tables.measure``)
         self.live_bytes = self.peak_bytes = 0
         self._pg = self._comm = None
         self.reset()

@@ -63,7 +63,7 @@ Why not ``reduce_scatter`` on gloo: its wait ignores the timeout, so it cannot b
 (``test_zero.py``). Every posted op is waited with ``comm.wait`` so a declared failure releases
 the survivors within one poll interval.
 
-After an abort the op is abandoned, not cancelled (see ``deadpool.comm``). On NCCL, parking the
+After an abort the op is abandoned, not cancelled (see ``deadpool.rank.comm``). On NCCL, parking the
 communicator aborts it. On gloo an abandoned op can in principle still complete later (only if
 every peer of the group posts it) and write its output (an owned bucket's inbox, or
 ``flat_params``); recovery must not rely on those buffers until the old generation's ops are

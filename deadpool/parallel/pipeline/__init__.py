@@ -13,7 +13,7 @@ checkpoints record v in their layout and are re-laid out across it (``checkpoint
 and export consolidates them (``export.consolidate``). Losses and gradients are bitwise 1F1B's on
 the same micro-batches. ``p2p.py`` holds the point-to-point messages both schedules use.
 
-``deadpool.memory`` counts the chunks in flight at each rank's peak (``interleaved.in_flight``:
+``deadpool.launch.memory`` counts the chunks in flight at each rank's peak (``interleaved.in_flight``:
 up to ``(pp - 1) * 2 + (v - 1) * pp + 1`` chunk-sized micro-batches on rank 0, about
 ``1 + (pp - 1) / (v pp)`` times 1F1B's ``pp`` stage-sized ones). Not done: the simulator knows no v.
 """

@@ -56,7 +56,7 @@ def order(pp: int, v: int, m: int, pp_rank: int) -> list[tuple[str, str, int, in
 
 def in_flight(pp: int, v: int, m: int, pp_rank: int) -> list[int]:
     """Per chunk, the micro-batches whose activations rank ``pp_rank`` holds (forward done,
-    backward not yet) when it holds the most (its memory peak; ``deadpool.memory``)."""
+    backward not yet) when it holds the most (its memory peak; ``deadpool.launch.memory``)."""
     live, best = [0] * v, [0] * v
     for _, kind, c, _ in order(pp, v, m, pp_rank):
         live[c] += 1 if kind == "F" else -1

@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from deadpool import auth
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, NodeBoard
 from deadpool.agent.client import BoardHeartbeat, NodeLink
 from deadpool.agent.events import EventFollower, EventLog, WakeListener, event_key
 from deadpool.agent.node import NODES_CHANGED, NodeAgent, node_key
-from deadpool.protocol import Keys, Plan, Seal, Source, wake_coordinator
-from deadpool.protocol_wire import decode_plan, fetch_plan, publish_plan
-from deadpool.watchdog import NodeLiveness, Progress
+from deadpool.rank.watchdog import NodeLiveness, Progress
+from deadpool.store import auth
+from deadpool.store.protocol import Keys, Plan, Seal, Source, wake_coordinator
+from deadpool.store.wire import decode_plan, fetch_plan, publish_plan
 from tests.deadpool.helpers import client, master_store
 
 SECRET = auth.new_secret()
@@ -367,8 +367,8 @@ def test_reports_go_through_the_agent_one_sealed_key_per_node_and_kind(tmp_path)
     next to the board; the agent sends its node's on in one sealed key per generation and kind,
     rewritten as more arrive; the coordinator's ``NodeReports`` takes a report only from its
     rank's node and only what the job sealed."""
-    from deadpool.protocol import RankStatus
-    from deadpool.reports import NodeReports, index_of
+    from deadpool.store.protocol import RankStatus
+    from deadpool.store.reports import NodeReports, index_of
 
     master = master_store()
     store = auth.namespaced(client(master.port), SECRET)
@@ -420,7 +420,7 @@ def test_an_agent_follows_an_in_place_width_change_and_reads_the_next_plans_as_d
     configured width's keys would read every later plan in full."""
     from functools import partial
 
-    from deadpool.groups import layout_group_keys
+    from deadpool.rank.groups import layout_group_keys
     from deadpool.recovery.elastic import layout_at
     from tests.conftest import compose_train
 

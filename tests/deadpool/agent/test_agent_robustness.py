@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from deadpool import auth
 from deadpool.agent.board import COORD_LOST, NodeBoard
 from deadpool.agent.client import NodeLink
 from deadpool.agent.node import KEEP_PLAN_FILES, NodeAgent, node_key, report_file
-from deadpool.protocol import Keys, Plan, Seal, Source
-from deadpool.protocol_wire import publish_plan
+from deadpool.store import auth
+from deadpool.store.protocol import Keys, Plan, Seal, Source
+from deadpool.store.wire import publish_plan
 from tests.deadpool.helpers import client, master_store
 
 SECRET = auth.new_secret()
@@ -113,7 +113,7 @@ def test_the_board_beat_is_the_record_s_a_deaf_agent_stops_both(tmp_path):
 
 
 def test_a_disk_plan_or_an_in_place_reshape_is_a_small_delta_at_16k_ranks():
-    from deadpool.protocol_wire import decode_plan, encode_plan
+    from deadpool.store.wire import decode_plan, encode_plan
 
     n = 16384
     world = {r: r for r in range(n)}
@@ -206,12 +206,12 @@ def test_a_reader_behind_the_agent_s_kept_plan_files_gets_the_newest(tmp_path):
         agent.apply({"kind": "plan", "g": g})
     text = link.plan_text(0)  # dropped long ago: the newest the agent holds, not a crash
     assert text is not None
-    from deadpool.protocol_wire import decode_plan
+    from deadpool.store.wire import decode_plan
     assert decode_plan(text, prev_of_newest).generation == KEEP_PLAN_FILES + 1
 
 
 def test_a_reader_without_agents_whose_plan_was_collected_jumps_to_the_newest():
-    from deadpool.protocol_wire import fetch_plan, newest_plan
+    from deadpool.store.wire import fetch_plan, newest_plan
 
     master, store = _store()  # noqa: F841 (the server lives as long as the test)
     seal = Seal(SECRET)

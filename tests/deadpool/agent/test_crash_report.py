@@ -5,11 +5,11 @@ and the rank never opens a store connection on its way out."""
 
 from __future__ import annotations
 
-from deadpool import auth, reports
 from deadpool.agent.board import NODE_DIR_ENV, NODE_INDEX_ENV
 from deadpool.agent.client import report_crash
 from deadpool.agent.node import node_key
-from deadpool.protocol import Keys, Seal
+from deadpool.store import auth, reports
+from deadpool.store.protocol import Keys, Seal
 from tests.deadpool.agent.test_agent import SECRET, _agent
 from tests.deadpool.helpers import client, master_store
 

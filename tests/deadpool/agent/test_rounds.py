@@ -1,4 +1,4 @@
-"""deadpool.rounds under node agents: ranks write their replicated step and their snapshot-
+"""deadpool.store.rounds under node agents: ranks write their replicated step and their snapshot-
 interval vote on the board; each agent folds its node's into its sealed record, the coordinator
 folds the nodes' (``Coordinator._agree``, run here on a stand-in) and pushes the results, which
 the agents write back on their boards. No rank makes a store request."""
@@ -8,14 +8,14 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from deadpool import auth
 from deadpool.agent.board import NodeBoard, pack, unpack
 from deadpool.agent.client import NodeLink
 from deadpool.agent.node import NodeAgent, node_key
-from deadpool.coordinator import Coordinator
-from deadpool.protocol import Keys, Plan, Seal, Source
-from deadpool.rounds import BoardRounds, StoreRounds
-from deadpool.watchdog import NodeLiveness
+from deadpool.control.coordinator import Coordinator
+from deadpool.rank.watchdog import NodeLiveness
+from deadpool.store import auth
+from deadpool.store.protocol import Keys, Plan, Seal, Source
+from deadpool.store.rounds import BoardRounds, StoreRounds
 from tests.deadpool.helpers import client, master_store
 
 SECRET = auth.new_secret()

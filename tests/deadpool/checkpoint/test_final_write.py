@@ -24,11 +24,11 @@ import torch
 from deadpool import checkpoint
 from deadpool.checkpoint import final, rank_state
 from deadpool.checkpoint.unique import PART
-from deadpool.protocol import Keys
-from deadpool.report import final_ranks, load_final_rank
+from deadpool.launch.report import final_ranks, load_final_rank
+from deadpool.rank.watchdog import Progress
+from deadpool.rank.worker import Worker
+from deadpool.store.protocol import Keys
 from deadpool.topology import ParallelDims
-from deadpool.watchdog import Progress
-from deadpool.worker import Worker
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

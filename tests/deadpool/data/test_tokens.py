@@ -12,8 +12,8 @@ from deadpool.data import build_data
 from deadpool.data.order import permute
 from deadpool.data.prepare import prepare
 from deadpool.data.tokens import TokenDataset
-from deadpool.job import validate
-from deadpool.trainer import batch_indices
+from deadpool.launch.job import validate
+from deadpool.rank.trainer import batch_indices
 from tests.conftest import compose_train
 
 quiet = lambda *a, **k: None  # noqa: E731

@@ -11,7 +11,7 @@ import pytest
 from deadpool.data import check_data, manifest as mf
 from deadpool.data.prepare import prepare
 from deadpool.data.verify import BackgroundVerify
-from deadpool.job import run_job, validate
+from deadpool.launch.job import run_job, validate
 from tests.conftest import compose_train
 
 quiet = lambda *a, **k: None  # noqa: E731

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from deadpool.comm import Communicator
 from deadpool.model import build_model
 from deadpool.parallel.data import ZeroOptimizer
 from deadpool.parallel.grad_norm import clip_, global_grad_norm, global_max
@@ -15,6 +14,7 @@ from deadpool.parallel.pipeline import run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor import shard
 from deadpool.parallel.tensor.layers import tp_replicated
+from deadpool.rank.comm import Communicator
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 from tests.deadpool.parallel.test_pipeline import SEED, TINY, batch

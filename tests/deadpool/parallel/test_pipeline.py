@@ -5,14 +5,14 @@ import time
 import pytest
 import torch
 
-from deadpool.comm import Communicator
 from deadpool.errors import Aborted
 from deadpool.model import build_model
 from deadpool.parallel.pipeline import run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor import shard
-from deadpool.protocol import Keys
+from deadpool.rank.comm import Communicator
 from deadpool.settings import microbatch_note, num_microbatches
+from deadpool.store.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads, shorten_timeouts
 

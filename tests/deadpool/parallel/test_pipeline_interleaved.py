@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deadpool.comm import Communicator
-from deadpool.groups import all_groups, rank_groups
 from deadpool.parallel.pipeline.interleaved import order
 from deadpool.parallel.pipeline.schedule import run_1f1b, run_forward
 from deadpool.parallel.stage import build_stage
+from deadpool.rank.comm import Communicator
+from deadpool.rank.groups import all_groups, rank_groups
 from deadpool.settings import microbatch_note, num_microbatches
 from deadpool.topology import ParallelDims, Topology, layer_chunks
 from tests.deadpool.helpers import client, master_store, run_threads
@@ -244,7 +244,7 @@ def test_memory_counts_the_chunks_the_schedule_holds_at_its_peak(pp, v, m):
     """Rank s holds Megatron's warm-up + 1 chunk-sized micro-batches at its peak (capped at all
     v m of them), against 1F1B's pp - s stage-sized ones: rank 0's activations grow by about
     (pp - 1) / (v pp), and the memory estimate follows."""
-    from deadpool.memory import stage_activations
+    from deadpool.launch.memory import stage_activations
     from deadpool.parallel.pipeline.interleaved import in_flight
 
     for s in range(pp):

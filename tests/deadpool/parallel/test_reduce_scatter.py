@@ -9,9 +9,9 @@ see the module). The fake counts what was posted: reduce-scatters, no reduces.""
 import pytest
 import torch
 
-from deadpool.comm import Communicator
 from deadpool.parallel.data import ZeroOptimizer
 from deadpool.parallel.data.reduce_scatter import aligned_edges, use_reduce_scatter
+from deadpool.rank.comm import Communicator
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool import fake_nccl
 from tests.deadpool.helpers import client, master_store, run_threads

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deadpool.comm import Communicator
 from deadpool.errors import Aborted
 from deadpool.model import build_model
+from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor import (ColumnParallelLinear, RowParallelLinear,
                                       VocabParallelEmbedding, copy_to_tp, shard, unshard,
                                       vocab_parallel_cross_entropy)
-from deadpool.parallel.stage import build_stage
-from deadpool.protocol import Keys
+from deadpool.rank.comm import Communicator
+from deadpool.store.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads, shorten_timeouts
 

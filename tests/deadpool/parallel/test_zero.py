@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deadpool.comm import Communicator
 from deadpool.errors import Aborted
 from deadpool.parallel.data import ZeroOptimizer, state_nbytes
-from deadpool.protocol import Keys
+from deadpool.rank.comm import Communicator
+from deadpool.store.protocol import Keys
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.helpers import client, master_store, run_threads
 

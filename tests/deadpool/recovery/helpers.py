@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from deadpool.coordinator import Coordinator
-from deadpool.launcher import Launcher
+from deadpool.control.coordinator import Coordinator
+from deadpool.launch.launcher import Launcher
 from tests.conftest import compose_train
 
 

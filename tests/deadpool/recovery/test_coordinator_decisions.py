@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from deadpool import reports
-from deadpool.protocol import Keys, RankStatus, RankTimings, Source
-from deadpool.protocol_wire import fetch_plan
 from deadpool.recovery import detect, disk, fallbacks, plan, timeline
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, RankStatus, RankTimings, Source
+from deadpool.store.wire import fetch_plan
 from tests.deadpool.recovery.helpers import coordinator
 
 
@@ -199,7 +199,7 @@ def test_the_record_is_completed_from_every_ranks_timings(tmp_path):
 
 @pytest.mark.parametrize("backend", ["hash", "tcp"])
 def test_keys_of_finished_generations_are_deleted_and_the_key_count_stays_flat(tmp_path, backend):
-    from deadpool import auth
+    from deadpool.store import auth
     store = None
     if backend == "tcp":  # the real store, through the job's namespace
         store = auth.namespaced(auth.serve_store("127.0.0.1", 0, timeout_s=10), auth.new_secret())
@@ -242,8 +242,8 @@ def test_each_recovery_goes_out_as_a_delta_against_the_plan_every_reader_holds(t
     """Two recoveries in a row: each plan is a delta that a reader holding the plan before it
     decodes to the coordinator's membership (the coordinator must not change a plan it wrote,
     else the next delta names a base no reader holds and every reader reads the full form)."""
-    from deadpool.protocol import Plan
-    from deadpool.protocol_wire import decode_plan
+    from deadpool.store.protocol import Plan
+    from deadpool.store.wire import decode_plan
 
     coord = coordinator(tmp_path, ["ft.num_spares=2", "ft.status_timeout_s=5"])
     ranks = dict(coord.members.ranks)

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from deadpool import reports
-from deadpool.protocol import Keys, RankStatus
 from deadpool.recovery import detect
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, RankStatus
 from tests.deadpool.recovery.helpers import coordinator
 
 HOUR_S = 3600.0

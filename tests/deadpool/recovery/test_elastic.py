@@ -86,7 +86,7 @@ def _narrow_coordinator(tmp_path, dp):
 
 
 def _join(coord, slot):
-    from deadpool.protocol import Keys
+    from deadpool.store.protocol import Keys
 
     key = Keys.spare_ready(slot)
     coord.store.set(key, coord.seal.wrap(key, "1"))

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from deadpool.errors import JobFailed
-from deadpool.protocol import Keys
+from deadpool.store.protocol import Keys
 from tests.deadpool.recovery.helpers import coordinator
 
 STALL_S = 0.4

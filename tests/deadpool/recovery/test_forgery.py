@@ -1,5 +1,5 @@
 """A client with store access but without the job's secret tries every forgery it can, and the
-coordinator (and a worker's heartbeat) acts only on what the job sealed (deadpool/auth.py).
+coordinator (and a worker's heartbeat) acts only on what the job sealed (deadpool/store/auth.py).
 
 The forger writes into the job's namespace directly: ``list_keys()`` shows it to any client that
 reaches the port, so the namespace is no defence. Each test also shows the sealed message being
@@ -13,12 +13,12 @@ import time
 
 import torch.distributed as dist
 
-from deadpool import auth, reports
-from deadpool.heartbeat import Heartbeat
-from deadpool.protocol import Keys, Plan, RankStatus, RankTimings, Seal, Source
+from deadpool.rank.heartbeat import Heartbeat
+from deadpool.rank.watchdog import Progress
+from deadpool.rank.worker import Worker
 from deadpool.recovery import detect, disk, plan, timeline
-from deadpool.watchdog import Progress
-from deadpool.worker import Worker
+from deadpool.store import auth, reports
+from deadpool.store.protocol import Keys, Plan, RankStatus, RankTimings, Seal, Source
 from tests.deadpool.recovery.helpers import coordinator
 
 SECRET = auth.new_secret()

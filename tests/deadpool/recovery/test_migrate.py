@@ -1,4 +1,4 @@
-"""Planned swaps without processes (recovery/migrate.py, deadpool/drain.py): the retired slots
+"""Planned swaps without processes (recovery/migrate.py, deadpool/control/drain.py): the retired slots
 travel with the plan, a drain request is sealed and answered, refused when too few spares are
 free off the node, and the pause is placed past the steps the records may lag by."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from deadpool import drain
-from deadpool.protocol import Plan, Seal, Source
-from deadpool.protocol_wire import decode_plan, encode_plan
+from deadpool.control import drain
 from deadpool.recovery.migrate import Migrations
+from deadpool.store.protocol import Plan, Seal, Source
+from deadpool.store.wire import decode_plan, encode_plan
 from deadpool.topology import ParallelDims
 
 

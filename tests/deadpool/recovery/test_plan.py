@@ -1,6 +1,6 @@
 from deadpool.policies import SameNodeFirst
-from deadpool.protocol import RankStatus, Source
 from deadpool.recovery.plan import assign_spares, node_of_slot, plan_resume
+from deadpool.store.protocol import RankStatus, Source
 from deadpool.topology import ParallelDims, Topology
 from tests.deadpool.recovery.helpers import coordinator
 

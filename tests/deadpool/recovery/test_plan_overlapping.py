@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deadpool.protocol import RankStatus, Source
 from deadpool.recovery.plan import decide
+from deadpool.store.protocol import RankStatus, Source
 from deadpool.topology import ParallelDims, Topology
 from tests.conftest import compose_train
 

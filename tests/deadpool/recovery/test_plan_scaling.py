@@ -1,4 +1,4 @@
-"""The recovery path is linear in the world size (deadpool/recovery/plan.py, deadpool/groups.py).
+"""The recovery path is linear in the world size (deadpool/recovery/plan.py, deadpool/rank/groups.py).
 
 The functions the planner used before (kept here as references, O(N^2)) and the linear ones
 must give identical answers on randomized inputs; and the linear ones must do O(N) work, counted
@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from deadpool.groups import all_groups, rank_groups, reusable_groups
 from deadpool.policies import BUDDY_POLICIES, buddy_table
-from deadpool.protocol import RankStatus, Source
+from deadpool.rank.groups import all_groups, rank_groups, reusable_groups
 from deadpool.recovery import plan
+from deadpool.store.protocol import RankStatus, Source
 from deadpool.topology import ParallelDims, Topology
 
 

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from deadpool.protocol import Keys, Plan, RankStatus, Seal, Source
+from deadpool.rank.watchdog import Progress
 from deadpool.recovery import restore
 from deadpool.snapshot import Replica, SnapshotEngine, encode_header
-from deadpool.watchdog import Progress
+from deadpool.store.protocol import Keys, Plan, RankStatus, Seal, Source
 
 S = 6
 

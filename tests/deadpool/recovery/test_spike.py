@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from deadpool.protocol import RankStatus
-from deadpool.recovery.integrity import capped, flip_param_bit, judge
+from deadpool.recovery.integrity import flip_param_bit, judge
+from deadpool.recovery.rollback import capped
 from deadpool.recovery.spike import SpikeRule, add_skip, position
+from deadpool.store.protocol import RankStatus
 
 
 def test_positions_skip_exactly_the_listed_batches():
@@ -79,7 +80,7 @@ def test_the_injected_flip_is_one_bit_outside_the_ranks_own_shard(dp_rank):
 
 
 def test_corrupt_in_the_step_flips_a_parameter_elsewhere_replicas_and_spike_the_loss():
-    from deadpool.faults import FaultInjector
+    from deadpool.rank.faults import FaultInjector
     events = [{"rank": 0, "step": 2, "phase": p, "kind": k} for p, k in
               (("optimizer", "corrupt"), ("replication", "corrupt"), ("status", "corrupt"),
                ("backward", "spike"))]

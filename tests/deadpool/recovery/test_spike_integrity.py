@@ -1,4 +1,4 @@
-"""The coordinator's side of corruption and spike reports (deadpool/recovery/integrity.py:
+"""The coordinator's side of corruption and spike reports (deadpool/recovery/rollback.py:
 poll, restrict, open_record) on an in-process store, without processes."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from deadpool import reports
-from deadpool.protocol import RankStatus, Seal
-from deadpool.recovery import integrity
+from deadpool.recovery import integrity, rollback
 from deadpool.recovery.plan import RecoveryDecision
+from deadpool.store import reports
+from deadpool.store.protocol import RankStatus, Seal
 
 
 def coordinator(replicate="unique"):
@@ -33,32 +33,32 @@ def statuses():
 
 def test_nothing_reported_means_no_failure():
     coord, _ = coordinator()
-    assert integrity.poll(coord) is None and not integrity.pending(coord)
+    assert rollback.poll(coord) is None and not rollback.pending(coord)
     post(coord, 1, kind="corruption", step=8, cap=8)
     coord.gen = 4  # a report of an older generation is never acted on again
-    assert integrity.poll(coord) is None
+    assert rollback.poll(coord) is None
 
 
 def test_a_named_rank_fails_and_everyone_resumes_at_most_at_the_disputed_step():
     coord, logs = coordinator(replicate="full")
     post(coord, 2, kind="corruption", step=8, cap=8, culprits=[1])
-    failed, _ = integrity.poll(coord)
-    assert failed == {1: "corruption"} and integrity.pending(coord) and "corruption" in logs[0]
-    st = integrity.restrict(coord, statuses())
+    failed, _ = rollback.poll(coord)
+    assert failed == {1: "corruption"} and rollback.pending(coord) and "corruption" in logs[0]
+    st = rollback.restrict(coord, statuses())
     assert all(s.live_step is None and max(s.local_steps) == 8 for s in st.values())
     assert (0, 1, 8) in coord.bad and (0, 1, 9) in coord.bad  # its full replicas hold the flip
     decision = RecoveryDecision(8, {}, 1)
-    rec = integrity.open_record(coord, failed, {}, decision, 0.0, [])
+    rec = rollback.open_record(coord, failed, {}, decision, 0.0, [])
     assert rec.detected_by == "corruption" and rec.failed_at_step == 8
-    assert rec.steps_recomputed == 1 and not integrity.pending(coord)
+    assert rec.steps_recomputed == 1 and not rollback.pending(coord)
 
 
 def test_a_spike_adds_its_batch_to_the_skip_list_every_rank_reads():
     coord, _ = coordinator()
     post(coord, 0, kind="spike", step=6, cap=6, pos=6)
-    assert integrity.poll(coord)[0] == {}  # nobody is named
-    st = integrity.restrict(coord, statuses())
+    assert rollback.poll(coord)[0] == {}  # nobody is named
+    st = rollback.restrict(coord, statuses())
     assert all(s.local_steps == [] for s in st.values())  # nothing at or before 6 held here
     assert json.loads(coord.seal.open(integrity.SKIPS_KEY, coord.store.get(integrity.SKIPS_KEY))) == [6]
-    rec = integrity.open_record(coord, {}, {}, RecoveryDecision(5, {}, 0), 0.0, [])
+    rec = rollback.open_record(coord, {}, {}, RecoveryDecision(5, {}, 0), 0.0, [])
     assert rec.detected_by == "spike" and rec.steps_recomputed == 4

@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 
-from deadpool import tensorboard_log
-from deadpool.protocol import RecoveryRecord
+from deadpool.rank import tensorboard_log
 from deadpool.recovery import timeline
+from deadpool.store.protocol import RecoveryRecord
 from tests.deadpool.recovery.helpers import coordinator
 
 
@@ -66,7 +66,7 @@ def test_a_coordinator_killed_after_a_recovery_leaves_its_record(tmp_path):
         import os, sys, time
         sys.path.insert(0, {os.getcwd()!r})
         from pathlib import Path
-        from deadpool.protocol import RecoveryRecord
+        from deadpool.store.protocol import RecoveryRecord
         from deadpool.recovery import timeline
         from tests.deadpool.recovery.helpers import coordinator
         coord = coordinator(Path({str(tmp_path)!r}), ["logging.tensorboard=true"])

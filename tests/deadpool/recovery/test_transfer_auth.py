@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from deadpool.errors import CorruptState
-from deadpool.protocol import Keys, Plan, RankStatus, Seal
+from deadpool.rank.watchdog import Progress
 from deadpool.recovery import restore
 from deadpool.recovery.plan import plan_resume
 from deadpool.snapshot import SnapshotEngine, checksum, encode_header, masters
-from deadpool.watchdog import Progress
+from deadpool.store.protocol import Keys, Plan, RankStatus, Seal
 
 S = 6
 
@@ -153,7 +153,7 @@ def test_a_live_state_without_a_snapshot_is_reported_and_sent_as_reported():
 
 
 def test_the_plan_names_every_transfers_reported_checksums_and_they_survive_the_wire():
-    from deadpool.protocol_wire import decode_plan, encode_plan
+    from deadpool.store.wire import decode_plan, encode_plan
     from deadpool.topology import ParallelDims
     # dp2 x tp2, ZeRO: ranks 0 and 2 (both copies of tp 0) died; 1 holds 0's shard replica, 3
     # holds 2's: each is restored from its replica plus the group's master shards

@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 
-from deadpool.comm import Communicator
 from deadpool.model import build_model, build_optimizer
+from deadpool.rank.comm import Communicator
 from deadpool.snapshot import SnapshotEngine, StateLayout, checksum, state_tensors
 from deadpool.snapshot.transfer import header_digest, outgoing, transfer
 from deadpool.topology import ParallelDims, Topology

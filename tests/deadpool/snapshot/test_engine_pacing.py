@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import deadpool.snapshot.layout as layout
-from deadpool.protocol import Keys
-from deadpool.rounds import StoreRounds
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
+from deadpool.store.protocol import Keys
+from deadpool.store.rounds import StoreRounds
 from tests.deadpool.helpers import client, master_store
 
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from deadpool.protocol import Keys
-from deadpool.rounds import StoreRounds
 from deadpool.snapshot import SnapshotSchedule
+from deadpool.store.protocol import Keys
+from deadpool.store.rounds import StoreRounds
 from tests.deadpool.helpers import client, master_store, run_threads
 
 

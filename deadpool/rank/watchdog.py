@@ -4,7 +4,7 @@ Each process runs a heartbeat thread that writes ``hb/<slot>`` every ``heartbeat
 
     "<beat> <progress> <step> <phase>"
 
-``beat`` counts heartbeats and must increase (the value is sealed, see deadpool/auth.py, and a
+``beat`` counts heartbeats and must increase (the value is sealed, see deadpool/store/auth.py, and a
 replayed older beat is ignored); ``progress`` counts phase changes of the training thread (forward,
 backward, all-reduce, optimizer, each recovery phase...). The coordinator never compares clocks
 across hosts: it records, on its own monotonic clock, when it last saw each counter change.
@@ -201,7 +201,7 @@ class NodeLiveness:
     stalled (the node's share of ``Liveness.hung``); the JSON names exited processes (``exit``:
     slot -> code), processes whose beat is older than half the soft timeout (``slow``: slot ->
     [beat age, stopped]) and hung ones (``own``), and the node's part of the ranks' agreements
-    (``repl``: [g, step], ``vote``: [g, step, interval]; ``deadpool.rounds``).
+    (``repl``: [g, step], ``vote``: [g, step, interval]; ``deadpool.store.rounds``).
 
     A slot's beat age is the larger of what its agent reports and how long its node's record has
     not changed (a dead or cut-off node ages all its slots). Every question is answered from

@@ -30,20 +30,20 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deadpool import reports
 from deadpool.control.observe import Observer
 from deadpool.errors import JobFailed
-from deadpool.groups import keepable_keys
 from deadpool.policies import SPARE_POLICIES, make_policy
-from deadpool.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort, finished_key
-from deadpool.protocol_wire import publish_plan
-from deadpool.recovery import (detect, disk, elastic, fallbacks, finish, integrity, migrate, plan,
-                               preempt, timeline)
-from deadpool.reports import Reports
+from deadpool.rank.groups import keepable_keys
+from deadpool.rank.strategies import strategy_of
+from deadpool.rank.watchdog import Liveness
+from deadpool.recovery import (detect, disk, elastic, fallbacks, finish, migrate, plan, preempt,
+                               rollback, timeline)
 from deadpool.settings import layout_cfg
-from deadpool.strategies import strategy_of
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort, finished_key
+from deadpool.store.reports import Reports
+from deadpool.store.wire import publish_plan
 from deadpool.topology import ParallelDims
-from deadpool.watchdog import Liveness
 
 @dataclass
 class Membership:
@@ -255,11 +255,11 @@ class Coordinator(Observer):
         if not self.strategy.recovers:
             fallbacks.no_recovery(self, failed, t_detect)
             return
-        statuses = integrity.restrict(self, detect.collect_statuses(self, failed, keys))
+        statuses = rollback.restrict(self, detect.collect_statuses(self, failed, keys))
         bad = detect.collect_bad_sources(self, keys)
         faults = detect.collect_faults(self, set(failed))
         decision = plan.decide(self, statuses)
-        rec = integrity.open_record(self, failed, faults, decision, t_detect, bad)
+        rec = rollback.open_record(self, failed, faults, decision, t_detect, bad)
         lost = {d: self.members.ranks.pop(d) for d in failed}  # rank -> the slot it held
         if decision.resume_step is None:
             decision = disk.from_disk(self, decision, rec)
@@ -317,12 +317,12 @@ class Coordinator(Observer):
         poll = 0.01  # detection latency of a process exit; the store round trips it costs
         idle = float(self.ft["agent_interval_s"]) / 2  # under node agents, with nothing to wake it
         while True:
-            found = detect.failures(self) or integrity.poll(self)  # or a corruption, a spike
+            found = detect.failures(self) or rollback.poll(self)  # or a corruption, a spike
             if preempt.due(self):  # a signal (walltime, preemption, Ctrl-C): write and stop
                 break
             if found is not None:
                 failed, t = found
-                if not failed and not integrity.pending(self):
+                if not failed and not rollback.pending(self):
                     failed = detect.name_culprit(self, poll)
                 self.recover(failed, t)
                 if self.outcome != "running":

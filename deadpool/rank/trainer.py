@@ -32,32 +32,32 @@ import torch
 
 from deadpool import checkpoint
 from deadpool.checkpoint import rank_state
-from deadpool.comm import Communicator
 from deadpool.data import build_data
-from deadpool.evaluate import evaluate
 from deadpool.export.hf_import import initial_weights
-from deadpool.tensorboard_log import board
-from deadpool.faults import FaultInjector
-from deadpool.lr_schedule import lr_at
-from deadpool.mfu import Throughput, progress_lines
-from deadpool import precision
-from deadpool.settings import num_microbatches
+from deadpool.parallel.compile import compile_stage
 from deadpool.parallel.data.reduce_scatter import use_reduce_scatter
 from deadpool.parallel.data.zero import ZeroOptimizer
-from deadpool.parallel.compile import compile_stage
 from deadpool.parallel.grad_norm import clip_, global_grad_norm
 from deadpool.parallel.pipeline.schedule import host_scalar, run_1f1b
 from deadpool.parallel.stage import build_stage
 from deadpool.parallel.tensor.layers import tp_replicated
+from deadpool.rank import precision
+from deadpool.rank.comm import Communicator
+from deadpool.rank.evaluate import evaluate
+from deadpool.rank.faults import FaultInjector
+from deadpool.rank.lr_schedule import lr_at
+from deadpool.rank.mfu import Throughput, progress_lines
+from deadpool.rank.straggler import ComputeClock
+from deadpool.rank.strategies import decide_persist_interval, strategy_of
+from deadpool.rank.tensorboard_log import board
+from deadpool.rank.watchdog import Progress
 from deadpool.recovery.integrity import Guard
-from deadpool.rounds import rounds_for
+from deadpool.recovery.pause import hold_at_pause
+from deadpool.settings import num_microbatches
 from deadpool.snapshot import SnapshotEngine, SnapshotSchedule
 from deadpool.snapshot.layout import checksum
-from deadpool.recovery.pause import hold_at_pause
-from deadpool.straggler import ComputeClock
-from deadpool.strategies import decide_persist_interval, strategy_of
+from deadpool.store.rounds import rounds_for
 from deadpool.topology import ParallelDims
-from deadpool.watchdog import Progress
 
 
 def batch_indices(global_dp: int, dp: int, dp_rank: int) -> list[int]:
@@ -375,7 +375,7 @@ class Trainer:
             if self.eval_every and self.step % self.eval_every == 0:  # not in the step's time
                 at(self.step, "eval")
                 self.settle_params(comm)
-                self._val_loss = evaluate(self, comm)  # validation loss (deadpool/evaluate.py)
+                self._val_loss = evaluate(self, comm)  # validation loss (deadpool/rank/evaluate.py)
             cycle = None
             if self.engine.done_step != self._cycle_seen:
                 self._cycle_seen, cycle = self.engine.done_step, self.engine.last_cycle_s

@@ -16,32 +16,34 @@ import json
 import time
 from pathlib import Path
 
-from deadpool import auth, checkpoint, lr_schedule, netif, precision
-from deadpool import run_dir as run_dirs
-from deadpool.comm import resolve_backend
+from deadpool import checkpoint
+from deadpool.agent.events import EventLog, WakeListener
 from deadpool.agent.presence import PresenceServer
-from deadpool.coordinator import Coordinator
+from deadpool.control.coordinator import Coordinator
 from deadpool.data import check_data, start_verify
 from deadpool.errors import JobFailed
-from deadpool.faults import FaultEvent
-from deadpool.agent.events import EventLog, WakeListener
-from deadpool.launcher import (AgentLauncher, ExternalAgentLauncher, ExternalLauncher, LocalLauncher,
+from deadpool.export.hf_import import check_config as check_init_from
+from deadpool.launch import run_dir as run_dirs
+from deadpool.launch.launcher import (AgentLauncher, ExternalAgentLauncher, ExternalLauncher, LocalLauncher,
                                job_processes)
-from deadpool.memory import check_fits
+from deadpool.launch.memory import check_fits
+from deadpool.launch.report import write_outputs
+from deadpool.launch.stop import HardStop, Stopper
 from deadpool.model import check_activation_checkpointing, model_config
 from deadpool.policies import buddies_table, check_placement, max_replicas
-from deadpool.protocol import Seal
+from deadpool.rank import lr_schedule, netif, precision
+from deadpool.rank.comm import resolve_backend
+from deadpool.rank.faults import FaultEvent
+from deadpool.rank.strategies import strategy_of
+from deadpool.rank.tensorboard_log import check as check_tensorboard, write_recoveries
+from deadpool.rank.watchdog import NodeLiveness
 from deadpool.recovery import disk, preempt
 from deadpool.recovery.plan import SOURCE_KINDS
-from deadpool.topology import ParallelDims
-from deadpool.report import write_outputs
 from deadpool.settings import microbatch_note, num_microbatches  # noqa: F401 (re-exported)
 from deadpool.snapshot import SnapshotSchedule
-from deadpool.export.hf_import import check_config as check_init_from
-from deadpool.stop import HardStop, Stopper
-from deadpool.strategies import strategy_of
-from deadpool.tensorboard_log import check as check_tensorboard, write_recoveries
-from deadpool.watchdog import NodeLiveness
+from deadpool.store import auth
+from deadpool.store.protocol import Seal
+from deadpool.topology import ParallelDims
 
 
 def validate(cfg: dict) -> None:
@@ -193,7 +195,7 @@ def validate_layout(cfg: dict) -> None:
 
 def run_job(cfg: dict, log=print, stop: Stopper | None = None) -> dict:
     """``stop``: a ``stop.Stopper`` whose signals stop the job (``train.run`` installs one); an
-    agent's stop request (``deadpool.stop``) is honoured without one too. A run directory
+    agent's stop request (``deadpool.launch.stop``) is honoured without one too. A run directory
     holding another run's outputs is refused, started afresh or continued (``run_dir.check``)."""
     cfg, earlier = run_dirs.check(cfg, log)
     cfg = resolve_resume(cfg, log)
@@ -279,7 +281,7 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
     """Start every process of the job and coordinate it until it ends; returns the coordinator
     and the launch's store namespace."""
     # the secret goes to the processes through their environment (local) or a 0600 file (SLURM),
-    # never into job.json or a log; the coordinator only sees the job's namespace (deadpool/auth.py).
+    # never into job.json or a log; the coordinator only sees the job's namespace (deadpool/store/auth.py).
     # A relaunch gets a fresh secret, hence a fresh namespace: nothing of the last launch is seen.
     secret = auth.new_secret() if cfg["launcher"]["name"] == "local" else auth.load_secret()
     store = auth.namespaced(master, secret)
@@ -319,7 +321,7 @@ def _launch(cfg: dict, master, run_dir: Path, log, restart: dict | None, stop: S
         launcher.start(slots)
         log(f"[deadpool] {n_workers} workers + {cfg['ft']['num_spares']} warm spare(s) started; "
             f"store on port {master.port}; run dir {run_dir}")
-    else:  # srun / torchrun start the processes: `python -m deadpool.worker --job ... --slot $SLURM_PROCID`
+    else:  # srun / torchrun start the processes: `python -m deadpool.rank.worker --job ... --slot $SLURM_PROCID`
         launcher = ExternalLauncher(store, secret)
         log(f"[deadpool] coordinator up; store {cfg['launcher']['host']}:{master.port}; waiting for "
             f"{len(slots)} processes (job file {job_json})")

@@ -46,7 +46,7 @@ Kinds::
                (a stuck kernel or collective: only the progress watchdog can see it)
     corrupt    flip bytes in the replicas this process holds (caught by the checksum when used)
     slow       from step ``step`` on, this process sleeps ``delay_s`` in every step, counted as
-               its own compute (a throttled GPU: ``deadpool.straggler``); it stays with the
+               its own compute (a throttled GPU: ``deadpool.rank.straggler``); it stays with the
                process, so the spare that takes its rank over is not slow (``phase`` optional)
 """
 
@@ -59,9 +59,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-from deadpool import reports
 from deadpool.agent.board import NODE_DIR_ENV
-from deadpool.protocol import Keys, Seal
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, Seal
 
 TRAIN_PHASES = ("step_start", "forward", "backward", "pp_warmup", "pp_cooldown", "mid_step",
                 "allreduce", "optimizer", "param_gather", "snapshot_copy", "replication")

@@ -20,7 +20,7 @@ has no entry: MFU is omitted (None) unless the setting gives a peak.
 
 The progress line shows the reporting rank's loss (the last stage's data-parallel rank 0: its
 batch's mean), labelled ``loss[dp0]``; summary.json's ``final_loss`` is the mean over the
-data-parallel ranks (deadpool/report.py).
+data-parallel ranks (deadpool/launch/report.py).
 """
 
 from __future__ import annotations

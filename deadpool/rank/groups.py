@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from deadpool.policies import buddies_table
 from deadpool.settings import layout_cfg
-from deadpool.topology import ParallelDims, Topology
+from deadpool.topology import ParallelDims, Topology, repl_name
 
 
 def rank_groups(topo: Topology) -> list[tuple[str, str, list[int], bool]]:
@@ -55,12 +55,6 @@ def wrap_pair(dims: ParallelDims, dp: int, tp: int):
     gradients, apart from the stage-to-stage pairs so that each group carries one direction."""
     a, b = dims.rank_of(dims.pp - 1, dp, tp), dims.rank_of(0, dp, tp)
     return (f"ppwf/{a}-{b}", [a, b]), (f"ppwb/{b}-{a}", [b, a])
-
-
-def repl_name(direction: str, j: int) -> str:
-    """The name of the replication group to the j-th buddy (``out``) or from the j-th ward
-    (``in``): ``repl_out``, ``repl_out1``, ... (the first keeps the name it had with one buddy)."""
-    return f"repl_{direction}" + (str(j) if j else "")
 
 
 def all_groups(dims: ParallelDims, buddy_policy: str, replicas: int = 1) -> dict[str, list[int]]:

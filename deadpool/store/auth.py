@@ -24,7 +24,7 @@ aborts, fences, join announcements; every process's heartbeat and the coordinato
 (``hb/<slot>``, ``coord/hb``: their counts must increase, so a replayed older beat is no news);
 ``crash/``, ``fault/``, ``g*/status/``, ``g*/error/``, ``g*/bad_source/``, ``g*/timing/``,
 ``g*/first_step/``, ``g*/protected/``, ``final/``; the flags ``job/done`` and ``job/stop``;
-an agent's ``job/stop_request`` (its signal: ``deadpool.stop``);
+an agent's ``job/stop_request`` (its signal: ``deadpool.launch.stop``);
 ``job/step`` and ``job/progress``. The ``add`` counters the coordinator waits on
 (``num_finished``, ``num_checkpointed``, ``num_errors``, ``num_protected``) are only wake-up
 hints: each rank also writes a sealed per-rank key (``finished/<rank>``, ``checkpointed/<rank>``,
@@ -33,7 +33,7 @@ hints: each rank also writes a sealed per-rank key (``finished/<rank>``, ``check
 Under node agents the files on a node (``agent.node.plan_file``, ``report_file``) are sealed
 too, bound to their names, in a directory only the job's user can enter (``agent.shm``): a
 planted plan or report is refused, never acted on or sent on. The ranks' agreements (the protected snapshot step, the snapshot interval:
-``deadpool.rounds``) never touch an unsealed key: ranks write them on their node's board, agents
+``deadpool.store.rounds``) never touch an unsealed key: ranks write them on their node's board, agents
 carry them in their sealed records, and the results come back as sealed events.
 
 NOT sealed yet (partial): the same agreements without agents, the store counters
@@ -92,7 +92,7 @@ def load_secret(environ=os.environ) -> str:
         if not path:
             raise AuthError(
                 f"no job secret: set {SECRET_FILE_ENV} to a file only you can read (chmod 600) "
-                f"holding the secret, e.g. `(umask 077; python -c 'from deadpool.auth import "
+                f"holding the secret, e.g. `(umask 077; python -c 'from deadpool.store.auth import "
                 f"new_secret; print(new_secret())' > RUN_DIR/job.secret)`, or set {SECRET_ENV}")
         source = f"{path} (from ${SECRET_FILE_ENV})"
         try:
@@ -119,7 +119,7 @@ def load_secret(environ=os.environ) -> str:
                 os.close(fd)
     if len(value) < MIN_SECRET_LEN:
         raise AuthError(f"the job secret in {source} is empty or shorter than {MIN_SECRET_LEN} "
-                        f"characters; generate one with deadpool.auth.new_secret()")
+                        f"characters; generate one with deadpool.store.auth.new_secret()")
     return value
 
 

@@ -45,7 +45,7 @@ How a collective is waited depends on the backend:
          complete: nothing completed after an abort is trusted. A build that is aborted midway
          aborts the groups it already made (each is registered before it connects, so the
          watcher can abort a connect stuck on a dead peer). The NCCL environment this relies on
-         is set by ``deadpool.nccl_env``.
+         is set by ``deadpool.rank.nccl_env``.
 
 Group keys are the same on every backend; on gloo only groups with a replaced member must be
 rebuilt, on NCCL every group is (all were aborted).
@@ -61,15 +61,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deadpool import reports
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
-from deadpool.protocol import Keys, Seal, announce_abort, wake_coordinator
 from deadpool.rank.abort import MAX_ABANDONED_HELPERS, Abortable, abandoned_helpers
 from deadpool.rank.counted import Counted
+from deadpool.rank.groups import rank_groups
+from deadpool.rank.watchdog import PEER_WAIT
+from deadpool.store import reports
+from deadpool.store.protocol import Keys, Seal, announce_abort, wake_coordinator
 from deadpool.threads import run_in_thread
-from deadpool.groups import rank_groups
 from deadpool.topology import Topology
-from deadpool.watchdog import PEER_WAIT
 
 
 BACKENDS = ("auto", "gloo", "nccl")

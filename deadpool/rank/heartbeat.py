@@ -12,9 +12,9 @@ import signal
 import threading
 import time
 
-from deadpool import auth
-from deadpool.protocol import Keys, Seal
-from deadpool.watchdog import Progress
+from deadpool.rank.watchdog import Progress
+from deadpool.store import auth
+from deadpool.store.protocol import Keys, Seal
 
 
 class Heartbeat(threading.Thread):

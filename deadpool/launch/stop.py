@@ -30,8 +30,8 @@ import threading
 import time
 
 from deadpool.launch.procs import sigkill
-from deadpool.protocol import wake_coordinator
 from deadpool.recovery.detect import forged
+from deadpool.store.protocol import wake_coordinator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REQUEST_KEY = "job/stop_request"  # sealed: an agent's signal ({"signal", "node"})

@@ -11,7 +11,7 @@ itself warm. Then it follows the coordinator's plans, one per generation::
                                  (recovery.restore.report_status), wait for plan g+1
     plan g does not name me   -> (a spare) wait for plan g+1
 
-Run as ``python -m deadpool.worker --job <run_dir>/job.json --slot N``; the launcher does that.
+Run as ``python -m deadpool.rank.worker --job <run_dir>/job.json --slot N``; the launcher does that.
 """
 
 from __future__ import annotations
@@ -33,28 +33,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from deadpool import auth, nccl_env, netif, reports
 from deadpool.agent.board import NODE_DIR_ENV
 from deadpool.agent.client import BoardHeartbeat, NodeLink, report_crash
 from deadpool.checkpoint import final, rank_state
-from deadpool.comm import Communicator, resolve_backend
 from deadpool.errors import Aborted, CollectiveError, CoordinatorLost
-from deadpool.faults import FaultInjector
-from deadpool.groups import layout_group_keys
-from deadpool.heartbeat import Heartbeat
 from deadpool.model import stage_params
-from deadpool.protocol import JOIN_GENERATION_ENV, Keys, Plan, RankTimings, Seal, now
-from deadpool.protocol_wire import BaseMismatch, decode_plan, fetch_plan, plan_skipped
+from deadpool.rank import nccl_env, netif
+from deadpool.rank.comm import Communicator, resolve_backend
+from deadpool.rank.faults import FaultInjector
+from deadpool.rank.groups import layout_group_keys
+from deadpool.rank.heartbeat import Heartbeat
+from deadpool.rank.trainer import Trainer
+from deadpool.rank.watchdog import Progress, build_phase
 from deadpool.recovery import restore
 from deadpool.settings import layout_cfg
+from deadpool.store import auth, reports
+from deadpool.store.protocol import JOIN_GENERATION_ENV, Keys, Plan, RankTimings, Seal, now
+from deadpool.store.wire import BaseMismatch, decode_plan, fetch_plan, plan_skipped
 from deadpool.threads import wait_until
 from deadpool.topology import ParallelDims, Topology
-from deadpool.trainer import Trainer
-from deadpool.watchdog import Progress, build_phase
 
 
 def connect(host: str, port: int, secret: str, timeout_s: float = 60.0):
-    """A client of the coordinator's store, inside the job's namespace (deadpool/auth.py)."""
+    """A client of the coordinator's store, inside the job's namespace (deadpool/store/auth.py)."""
     return auth.open_store(host, port, secret, timeout_s)
 
 
@@ -415,7 +416,7 @@ def main(argv=None) -> None:
     os.environ.update(netif.socket_env(cfg))  # (as its agent set it, or this host's: srun tasks)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     if os.environ.get(NODE_DIR_ENV):  # under a node agent, which answers the job's signals for
-        for sig in (signal.SIGTERM, signal.SIGINT):  # its node (deadpool/stop.py): a signal Slurm
+        for sig in (signal.SIGTERM, signal.SIGINT):  # its node (deadpool/launch/stop.py): a signal Slurm
             signal.signal(sig, signal.SIG_IGN)  # sends every process of a step must not end a rank
     torch.set_num_threads(int(cfg.get("torch_num_threads", 1)))
     if cfg.get("deterministic"):

@@ -15,7 +15,7 @@ tensorboard`` (the ``tensorboard`` package) is imported only when logging is on.
     train/lr, train/grad_norm          when the record has them
     perf/step_time_s, perf/tokens_per_s   tokens of the global batch / step time
     perf/tokens_per_s_per_gpu, perf/mfu   the same over the job's GPUs, and its model FLOPs
-                          utilisation (deadpool/mfu.py; MFU only where the device's peak is known)
+                          utilisation (deadpool/rank/mfu.py; MFU only where the device's peak is known)
     snapshot/interval_steps, snapshot/protection_lag_steps, snapshot/blocked_s
     recovery/<phase>_s    per recovery, at its resume step; text ``recovery/generation_<g>``
 """

@@ -10,7 +10,7 @@ and fences through the agents' records and the event log; without them ``Externa
 no handles: failures are seen through heartbeats and collective errors only, and fencing is a
 store key that a remote process's heartbeat thread honours.
 
-Both hand the job's secret (deadpool/auth.py) to nobody but the job: ``LocalLauncher`` puts it in
+Both hand the job's secret (deadpool/store/auth.py) to nobody but the job: ``LocalLauncher`` puts it in
 each child's environment only, ``ExternalLauncher`` seals the fences it writes with it.
 """
 
@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from deadpool import auth
 from deadpool.launch.procs import job_env, process_stopped, sigkill, start_worker
-from deadpool.protocol import JOIN_GENERATION_ENV, Keys
+from deadpool.store import auth
+from deadpool.store.protocol import JOIN_GENERATION_ENV, Keys
 from deadpool.topology import ParallelDims
 
 

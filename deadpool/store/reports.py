@@ -39,7 +39,7 @@ import bisect
 import json
 from collections.abc import Callable, Iterable
 
-from deadpool.protocol import Seal
+from deadpool.store.protocol import Seal
 
 
 def send(store, seal: Seal, link, keys, kind: str, rank: int, text: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from deadpool.memory import GiB, PRECISIONS, _gb, estimate, estimate_job, saved_activations, state_bytes
+from deadpool.launch.memory import GiB, PRECISIONS, _gb, estimate, estimate_job, saved_activations, state_bytes
 from deadpool.model import model_config, stage_params
 
 # -- the docs/memory.md table (A100) -------------------------------------------------------------------
@@ -34,7 +34,7 @@ def _load(group: str, name: str) -> dict:
     import yaml
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "conf" / group / f"{name}.yaml"
+    path = Path(__file__).resolve().parents[2] / "conf" / group / f"{name}.yaml"
     return yaml.safe_load(path.read_text())
 
 
@@ -249,8 +249,8 @@ def job_terms(overrides: list[str]) -> dict:
     """The worst rank's GPU terms (GB) of the job that ``overrides`` compose, as ``check_fits``
     counts them: ``params_gb``, ``grads_gb``, ``optimizer_gb``, ``activations_gb``,
     ``overhead_gb``, ``total_gb``, with the stage, layout, ZeRO stage and host GB per node."""
-    from deadpool.topology import ParallelDims
     from deadpool.launch.config import compose_config
+    from deadpool.topology import ParallelDims
 
     cfg = compose_config(list(overrides), "memory-estimate")  # nothing is written there
     est = estimate_job(cfg)

@@ -68,7 +68,7 @@ def nccl_env(deterministic: bool, environ=None) -> tuple[dict[str, str], list[st
     for k, v in REQUIRED.items():
         if environ.get(k, v) != v:
             warnings.append(f"{k}={environ[k]} overridden to {v}: DeadPool aborts NCCL groups "
-                            "itself and keeps the surviving processes (deadpool/nccl_env.py)")
+                            "itself and keeps the surviving processes (deadpool/rank/nccl_env.py)")
         out[k] = v
     for k, v in DEFAULTS.items():
         out[k] = environ.get(k, v)

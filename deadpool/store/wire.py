@@ -54,7 +54,7 @@ from typing import Iterable
 
 import xxhash
 
-from deadpool.protocol import Keys, Plan, Source
+from deadpool.store.protocol import Keys, Plan, Source
 
 WIRE_VERSION = 2
 _READS = (1, 2)  # wire 1: the full form listed every assignment and source

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
-from deadpool import auth
+from deadpool.store import auth
 
 
 class Keys:
@@ -389,7 +389,7 @@ class RecoveryRecord:
 class Seal:
     """Authenticates every control message (plans, aborts, fences, join announcements,
     heartbeats, reports, flags) with the job's secret, bound to the store key it is written under
-    (deadpool/auth.py). With no secret (unit tests on a private store) messages pass unsealed."""
+    (deadpool/store/auth.py). With no secret (unit tests on a private store) messages pass unsealed."""
 
     def __init__(self, secret: str | None):
         self.secret = secret

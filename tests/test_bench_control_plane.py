@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +23,22 @@ LARGER = 2 * RANKS  # the second size: what a recovery costs must not grow with 
 POLL_S = 0.002  # the coordinator's status poll (recovery.detect.collect_statuses)
 
 
+def _shm_dirs() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("bench_cp_nodes_*")} if shm.is_dir() else set()
+
+
 def test_the_benchmark_writes_the_table_at_a_tiny_size(tmp_path):
+    tmp, shm_before = tmp_path / "tmp", _shm_dirs()
+    tmp.mkdir()
     p = subprocess.run(
         [sys.executable, "experiments/bench_control_plane.py", "--ranks", f"{RANKS},{LARGER}",
          "--duration-s", "2", "--ranks-per-node", str(PER_NODE), "--procs", "1", "--threads", "2",
          "--dilation", "0.5", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-        timeout=400)
+        timeout=400, env={**os.environ, "TMPDIR": str(tmp)})
     assert p.returncode == 0, p.stdout + p.stderr
+    # its run directories and the fake nodes' boards are gone (they were left behind, one per size)
+    assert list(tmp.iterdir()) == [] and _shm_dirs() <= shm_before
     with open(tmp_path / "table.csv") as f:
         reader = csv.DictReader(f)
         assert reader.fieldnames[:len(COLUMNS)] == COLUMNS

@@ -216,7 +216,7 @@ def _by_slot(plan) -> dict:
 
 
 def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags, stats, first,
-                       threads, window, exit_req, stop):
+                       threads, window, exit_req, stop, shm_root):
     from deadpool.store.wire import decode_plan
 
     cache, lock = {}, threading.Lock()
@@ -231,8 +231,7 @@ def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags
                 cache[key] = decode_plan(text, prev, keys)
             return cache[key]
 
-    root = Path(tempfile.mkdtemp(prefix="bench_cp_nodes_", dir="/dev/shm"
-                                 if Path("/dev/shm").is_dir() else None))
+    root = Path(tempfile.mkdtemp(prefix=f"p{first}_", dir=shm_root))  # (removed by the caller too)
     items = sorted(nodes.items())
     parts = [dict(items[i::threads]) for i in range(threads)]
     runners = []

@@ -4,6 +4,7 @@ a silent node (``run_size``)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import tempfile
 import threading
 import time
@@ -81,7 +82,9 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
     D, rpn = args.dilation_of[n], args.ranks_per_node
     if n < 2 * rpn or n % rpn:
         raise SystemExit(f"--ranks {n}: needs at least two nodes of --ranks-per-node {rpn}")
-    run_dir = Path(tempfile.mkdtemp(prefix="bench_cp_"))
+    run_dir = Path(tempfile.mkdtemp(prefix="bench_cp_"))  # both removed at the end, also when a
+    shm_root = tempfile.mkdtemp(prefix="bench_cp_nodes_",  # fake process had to be terminated
+                                dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     cfg = config(n, rpn, D, run_dir)
     ft = cfg["ft"]
     slots = list(range(n + int(ft["num_spares"])))
@@ -105,7 +108,8 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         names = sorted(nodes)
         procs = [ctx.Process(target=fake_nodes_process, daemon=True, args=(
             "127.0.0.1", master.port, secret, {k: nodes[k] for k in names[i::args.procs]}, n, rpn,
-            periods, ft, flags, stats, i * args.threads, args.threads, window, exit_req, stop))
+            periods, ft, flags, stats, i * args.threads, args.threads, window, exit_req, stop,
+            shm_root))
             for i in range(args.procs)]
         events = EventLog(store, Seal(secret))
         launcher = BenchAgents(run_dir, run_dir / "job.json", secret, cfg, None, events)
@@ -254,6 +258,9 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=10)
         del master
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(shm_root, ignore_errors=True)
 
 

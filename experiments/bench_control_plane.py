@@ -26,7 +26,7 @@ loop: detection, abort, status collection, planning, plan writing) with a launch
 connections each, speaking the worker's store protocol (no torch, no training):
 
     every heartbeat_interval_s  set hb/<slot> (sealed), get coord/hb, every 4th beat check fence
-    every collective_poll_s     a training rank checks g<g>/abort (the abort watcher, comm.py)
+    every collective_poll_s     a training rank checks g<g>/abort (the abort watcher, rank/comm.py)
     every 10 ms                 a process waiting for a plan checks plan/<g> (every 10th poll
                                 also job/stop); an idle spare also reads job/step every 50 ms
     after an abort              post its sealed RankStatus (``reports.post``), then wait for

@@ -18,7 +18,7 @@ as a whole job:
         between them (``deadpool/snapshot/schedule.py``; nothing set for the benchmark)
   on1   (optional) a snapshot every step, never widened: the raw per-step cost
   off_ov, on_ov  (optional) off and on with ``parallel.overlap_param_gather=true``: ZeRO-1's
-        parameter all-gather posted per bucket and waited by the next forward (zero.py)
+        parameter all-gather posted per bucket and waited by the next forward (parallel/data/zero.py)
   on1_nocheck  (optional) ``on1`` without the silent-corruption comparison and the spike rule
         (``ft.integrity_check=false``, ``ft.spike.rule=off``): on1 / on1_nocheck is their cost
         at a snapshot every step (recovery/integrity.py)

@@ -86,11 +86,11 @@ class NodeLink:
                                           seal=_job_seal(environ))
 
     def plan_text(self, generation: int) -> str | None:
-        """Plan ``generation``'s wire text (``protocol_wire``) once the agent holds it (it writes
+        """Plan ``generation``'s wire text (``deadpool.store.wire``) once the agent holds it (it writes
         each plan in turn); the caller decodes it against the plan it holds. A reader so far
         behind that the agent dropped that plan's file (it keeps the newest few) gets the
         newest plan's text instead: the caller decodes it, or on ``BaseMismatch`` reads the
-        newest in full (``protocol_wire.fetch_plan`` jumps to it too). Raises
+        newest in full (``deadpool.store.wire.fetch_plan`` jumps to it too). Raises
         ``auth.AuthError`` for a file the job did not seal."""
         newest = self.board.plan_generation
         if newest < generation:

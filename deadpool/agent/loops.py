@@ -13,7 +13,7 @@ picks it again). So a failing event is retried with a fresh store client, for up
                    no board beat) and ``on_deaf`` (the agent kills its processes and leaves)
 
 so the node is either following the coordinator or lost to it, never in between. (A plan whose
-delta was overwritten or collected is no failure: ``protocol_wire.fetch_plan`` reads the full
+delta was overwritten or collected is no failure: ``deadpool.store.wire.fetch_plan`` reads the full
 form, or jumps to the newest plan.)
 
 ``store_reader`` is the thread of the agent's periodic store reads (the coordinator's

@@ -80,7 +80,7 @@ class NodeAgent:
         self._keys_for = group_keys if callable(group_keys) else None
         self.group_keys = group_keys({}) if callable(group_keys) else group_keys
         self._layout: dict = {}  # the layout of the plan held ({}: the configured width)
-        self.decode = decode  # protocol_wire.decode_plan (the benchmark shares one per process)
+        self.decode = decode  # deadpool.store.wire.decode_plan (the benchmark shares one per process)
         self.clock = clock
         self.lock = threading.RLock()  # the agent's state; never held across a store call
         self._send = threading.Lock()  # records go out in order (held across a write only)
@@ -147,7 +147,7 @@ class NodeAgent:
         if vote is not None:
             detail["vote"] = vote
         if cmp := {str(s): w for s in ranks if (w := self.board.compute(self.index[s])) > 0}:
-            detail["cmp"] = cmp  # each rank's newest step and compute time (straggler.py)
+            detail["cmp"] = cmp  # each rank's newest step and compute time (rank/straggler.py)
         if self.exits:
             detail["exit"] = {str(s): c for s, c in self.exits.items()}
         if slow:
@@ -243,7 +243,7 @@ class NodeAgent:
 
     def poll_store(self, store=None) -> None:
         """The store reads the node needs now and then (every ``coord_every_s``): the
-        coordinator's heartbeat, and the job's step for an idle spare's faults (faults.py).
+        coordinator's heartbeat, and the job's step for an idle spare's faults (rank/faults.py).
         ``store``: the caller's own client (a read that stalls holds up only its caller)."""
         store = store or self.store
         now = self.clock()

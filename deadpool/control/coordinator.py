@@ -15,7 +15,7 @@ their processes throughout. Only when no copy of some rank's state exists in mem
 back to the newest complete disk checkpoint; with no spare left it writes the consistent state to
 disk and stops (``recovery.fallbacks``).
 
-Coordinator loss is handled by the workers (worker.py, ``save_and_exit``): the coordinator's
+Coordinator loss is handled by the workers (rank/worker.py, ``save_and_exit``): the coordinator's
 heartbeat key stops advancing, each worker writes the consistent states it holds with
 torch.distributed.checkpoint and exits, saying how to resume. We chose that over a coordinator
 restarted from a journal: the store lives in the coordinator's process, so a restart would also

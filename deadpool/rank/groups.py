@@ -110,5 +110,5 @@ def layout_group_keys(cfg: dict, layout: dict) -> list[str]:
 def keepable_keys(dims: ParallelDims, buddy_policy: str) -> list[str]:
     """The keys of the groups a recovery can keep (``reusable_groups`` never keeps replication
     or transfer groups): what a plan's ``keep_groups`` is a subset of, on the wire
-    (``protocol_wire``), so coordinator and readers must compute the same."""
+    (``deadpool.store.wire``), so coordinator and readers must compute the same."""
     return sorted(k for k in all_groups(dims, buddy_policy) if not k.startswith(("repl", "xfer")))

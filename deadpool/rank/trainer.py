@@ -16,7 +16,7 @@ bottom::
 
 With ``parallel.overlap_param_gather`` the all-gather is only posted; the next forward's
 pre-hooks wait for each bucket before its first use, and ``settle_params`` waits for the rest
-before a snapshot, a checkpoint, an evaluation or the end of training (zero.py).
+before a snapshot, a checkpoint, an evaluation or the end of training (parallel/data/zero.py).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Trainer:
                                  decays=lambda p: p.ndim >= 2,
                                  grad_reduce_dtype=precision.grad_reduce_dtype(cfg),
                                  overlap_param_gather=bool(par.get("overlap_param_gather", False)),
-                                 shard_grads=dims.zero >= 2,  # ZeRO-2 (grad_shard.py)
+                                 shard_grads=dims.zero >= 2,  # ZeRO-2 (parallel/data/grad_shard.py)
                                  reduce_scatter=use_reduce_scatter(  # NCCL: per bucket group
                                      par.get("grad_reduce"), cfg.get("backend"), cfg["device"],
                                      dims.zero))
@@ -173,7 +173,7 @@ class Trainer:
         t_opt = time.perf_counter()
         # shared tensors (equal across the data-parallel group) first: see snapshot/layout.py.
         # With dp == 1 nothing is shared: every byte is unique to the rank. Under bf16 with ZeRO
-        # the bf16 parameters are shared and the fp32 master shard is unique (zero.py).
+        # the bf16 parameters are shared and the fp32 master shard is unique (parallel/data/zero.py).
         shared = [(n, t) for n, t, sh in state if sh and dims.dp > 1]
         unique = [(n, t) for n, t, sh in state if not (sh and dims.dp > 1)]
         self.engine = SnapshotEngine(
@@ -405,7 +405,7 @@ class Trainer:
                "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else None,
                "snapshot_copy_s": self.engine.last_copy_s, "snapshot_blocked_s": blocked_s,
                "replicate_s": self.engine.last_replicate_s, "snapshot": snapshot,
-               # ZeRO-1's parameter all-gather of this step, on the critical path (zero.py)
+               # ZeRO-1's parameter all-gather of this step, on the critical path (parallel/data/zero.py)
                "param_gather_s": self.opt.last_gather_s,
                # steps since the newest snapshot this rank has copied and replicated; the job's
                # protection lag at a step is the largest over its ranks

@@ -93,7 +93,7 @@ class Guard:
         self.prev: int | None = None    # the previous snapshot of this generation (to compare)
         self.agreed: int | None = None  # newest step the group agreed on (or the resume step)
         self.disputed: dict[int, int] = {}  # step -> own shared checksum the peers disputed
-        self.flip = self.spike = False  # armed faults (faults.py: corrupt in the step, spike)
+        self.flip = self.spike = False  # armed faults (rank/faults.py: corrupt in the step, spike)
         self.check_s = 0.0              # time spent comparing (metrics: integrity_check_s)
         self.pending = None             # (all-reduce result, step): posted before the step's sync
         injector.on_flip = lambda: setattr(self, "flip", True)

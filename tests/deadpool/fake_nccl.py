@@ -101,7 +101,7 @@ class FakeNCCLGroup:
         """NCCL's list form: one output per rank, the ``r``-th input summed into rank ``r``'s.
         Underneath, an all-to-all of the flattened inputs (NCCL also flattens them first, so an
         output may alias an input) and, once it ran, a sum in rank order, as gloo's path sums
-        (``zero.py``): bitwise its values. Abortable like every op of the fake; ``opts`` must
+        (``parallel/data/zero.py``): bitwise its values. Abortable like every op of the fake; ``opts`` must
         be a SUM."""
         (out,), (chunks,) = outputs, inputs
         if opts is not None and opts.reduceOp != dist.ReduceOp.SUM:

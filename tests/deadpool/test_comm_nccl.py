@@ -92,7 +92,7 @@ def test_the_training_thread_syncs_once_per_step_and_asks_the_store_nothing_per_
         res, events, _ = run(tmp_path / f"m{m}", monkeypatch, dims, steps,
                              extra=[f"parallel.microbatches={m}", "backend=nccl"])
         assert all(err is None and tr.step == steps for tr, _, err, _ in res)
-        # the gradient step: one reduce-scatter per bucket group (reduce_scatter.py), no reduce
+        # the gradient step: one reduce-scatter per bucket group (parallel/data/reduce_scatter.py), no reduce
         assert all(tr.opt.reduce_scatter for tr, _, _, _ in res)
         posts = sum(sum(g.posts.values()) for _, c, _, _ in res for g in
                     (grp.pg for grp in c.groups.values()) if isinstance(g, fake_nccl.FakeNCCLGroup))

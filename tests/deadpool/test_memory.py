@@ -76,7 +76,7 @@ def test_sharding_over_dp_divides_optimizer_memory_by_dp():
                                                          ("bf16", "bf16", 2)])
 def test_gloo_counts_the_gradient_inboxes(precision, reduce, inbox_bytes):
     """On gloo a sharded optimizer's buckets reach their owner by all-to-all into inboxes worth
-    one more reduction buffer (zero.py: one per owned bucket, dp x the bucket); none at dp=1 or
+    one more reduction buffer (parallel/data/zero.py: one per owned bucket, dp x the bucket); none at dp=1 or
     unsharded. ``test_zero.py`` checks the built optimizer's inboxes hold that many elements."""
     m = _load("model", "tiny")
     kw = dict(batch_size=8, seq_len=64, microbatches=1, precision=precision,

@@ -136,7 +136,7 @@ class ZeroOptimizer(ParamGather):
         self.mixed = dtype != torch.float32
         self.dp_size, self.dp_rank, self.shard = dp_size, dp_rank, shard
         # the summed gradients are divided by this: the data-parallel width, or the number of
-        # batches in the global batch when an elastic job computes several per rank (trainer.py)
+        # batches in the global batch when an elastic job computes several per rank (rank/trainer.py)
         self.grad_div = dp_size
         # host seconds of the last step's parameter all-gather, post to wait (gloo: the gather
         # itself; NCCL: only queuing it on the stream); None when nothing is gathered

@@ -1,4 +1,4 @@
-"""The ZeRO gradient step as one reduce-scatter per bucket group on NCCL (``reduce_scatter.py``),
+"""The ZeRO gradient step as one reduce-scatter per bucket group on NCCL (``parallel/data/reduce_scatter.py``),
 on the CPU stand-in for NCCL (``tests/deadpool/fake_nccl.py``): threads, real autograd.
 
 The fake's reduce-scatter sums every rank's piece in rank order, as the gloo path sums each

@@ -211,7 +211,7 @@ def test_grads_accumulate_into_the_flat_buffer_and_dp1_matches_adamw():
 
 
 def test_gloo_reduce_scatter_ignores_the_wait_timeout():
-    """Why gradients go to their owner by ``reduce`` or all-to-all (zero.py): a polled wait on
+    """Why gradients go to their owner by ``reduce`` or all-to-all (parallel/data/zero.py): a polled wait on
     gloo's reduce-scatter blocks until the op ends (here: until the silent peer's group is gone),
     while a reduce's, an all-to-all's, an all-gather's or a broadcast's polled wait returns after
     the slice. If this starts failing,

@@ -3,7 +3,7 @@ rank's writer makes progress (its heartbeat's progress counter moves), not for a
 writer that stops progressing, or whose process stops, is named in ``JobFailed``.
 
 The ranks are threads beating into the coordinator's in-memory store ("<beat> <progress> <step>
-<phase>", what ``heartbeat.py`` writes); ``ft.progress_timeout_s`` is scaled down to 0.4 s, the
+<phase>", what ``rank/heartbeat.py`` writes); ``ft.progress_timeout_s`` is scaled down to 0.4 s, the
 stand-in for both the old fixed 120 s and the progress watchdog's bound."""
 
 from __future__ import annotations

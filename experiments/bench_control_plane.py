@@ -15,7 +15,7 @@ shared-memory board, following the coordinator's pushed events on its own blocki
 connection, fetching each plan (a delta) once, writing its sealed record every
 ``ft.agent_interval_s``; the node's processes are fake (they beat into the board at each of the
 agent's ticks, write their status next to the board after an abort, which their agent sends on
-in one key per node, and see a plan one local poll after their agent has it). The coordinator is the real one with ``watchdog.NodeLiveness`` and
+in one key per node, and see a plan one local poll after their agent has it). The coordinator is the real one with ``liveness.NodeLiveness`` and
 the real ``launcher.AgentLauncher`` minus process start-up (as under a remote launcher, a dead
 agent shows only as a silent record). An exit is the agent's ``waitpid`` returning; a silent
 node is an agent that stops. ``--protocol old`` is what follows:

@@ -16,7 +16,8 @@ imported, so a broken module fails here by name rather than by import error).
   package, or gives its path (``deadpool/rank/comm.py``): a bare name of another package's module
   is how a move leaves a stale name. A path under deadpool/ may leave out ``deadpool/`` (the
   README's and docs' ``rank/comm.py``) and must exist all the same; a retired module's name
-  (``RETIRED``) is named nowhere.
+  (``RETIRED``) is named nowhere, and a class is not named by a module it left
+  (``<module>.<Class>`` with a bare module name).
 """
 
 from __future__ import annotations
@@ -234,6 +235,8 @@ _PATH = re.compile(r"(?<![\w./-])deadpool(?:/[A-Za-z_]\w*)+(?:\.py)?")
 # a path under deadpool/ without it (``rank/comm.py``: how the README and docs name modules)
 _PACKAGES = sorted(d.name for d in (ROOT / "deadpool").iterdir() if (d / "__init__.py").is_file())
 _REL = re.compile(r"(?<![\w./-])(?:" + "|".join(_PACKAGES) + r")(?:/[A-Za-z_]\w*)+\.py")
+# ``<module>.<Class>`` with a bare module name (``liveness.NodeLiveness``)
+_BARE_CLASS = re.compile(r"(?<![\w./-])([a-z_]\w*)\.([A-Z]\w*[a-z]\w*)\b")
 _BARE = re.compile(r"(?<![\w./\"'-])([A-Za-z_]\w*)\.py\b(?![\"'])")  # (quoted: code's)
 _RETIRED = re.compile(r"(?<![\w./-])(" + "|".join(RETIRED) + r")\b")
 
@@ -300,6 +303,22 @@ def stale_names(files, mods: dict[str, Path]) -> list[str]:
         parts = m.split(".")
         if len(parts) > 2:
             packaged.setdefault(parts[-1], []).append("/".join(parts[1:]))
+    classes = {}  # class name -> the modules that define it
+    for m, path in mods.items():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(m)
+    by_base = {}
+    for m in mods:
+        by_base.setdefault(m.rpartition(".")[2], []).append(m)
+
+    def moved_class(base: str, name: str) -> str | None:  # a class named by a module it left
+        if base not in by_base or name not in classes:
+            return None
+        if any(name in _top_names(mods[m]) for m in by_base[base]):
+            return None
+        return f"defined in {' or '.join(classes[name])}"
+
     out = []
     for p in files:
         where = p.relative_to(ROOT) if p.is_relative_to(ROOT) else p
@@ -307,6 +326,7 @@ def stale_names(files, mods: dict[str, Path]) -> list[str]:
             refs = [r for r in _DOTTED.findall(line) if r.rpartition(".")[2] not in _FILE_SUFFIXES]
             found = [(ref, unresolved(ref, mods)) for ref in refs + _PATH.findall(line)]
             found += [(ref, unresolved(f"deadpool/{ref}", mods)) for ref in _REL.findall(line)]
+            found += [(f"{b}.{c}", moved_class(b, c)) for b, c in _BARE_CLASS.findall(line)]
             found += [(f"{r}", f"retired: now {RETIRED[r]}") for r in _RETIRED.findall(line)]
             if not (p.suffix == ".md" and line.lstrip().startswith("|")):  # a table row names
                 found += [(f"{b}.py", _bare_unresolved(b, p, packaged))  # its package apart
@@ -335,6 +355,9 @@ def test_the_name_check_resolves_modules_names_and_paths(tmp_path):
         f"  {doc}:1: comm.py (name it by its path under deadpool/: rank/comm.py)"]
     doc.write_text("the abort flag in rank/abort.py, the rest in rank/comm_abort.py\n")
     assert stale_names([doc], mods) == [f"  {doc}:1: rank/comm_abort.py (no such file or folder)"]
+    doc.write_text("read by ``liveness.NodeLiveness``, not ``watchdog.NodeLiveness`` (a variable: x.Foo)\n")
+    assert stale_names([doc], mods) == [
+        f"  {doc}:1: watchdog.NodeLiveness (defined in deadpool.control.liveness)"]
     here = ROOT / "deadpool" / "rank" / "heartbeat.py"  # a sibling may be named bare
     assert unresolved("deadpool/rank/comm.py", mods) is None
     assert _bare_unresolved("comm", here, {"comm": ["rank/comm"]}) is None

@@ -18,6 +18,6 @@ saturates at a few thousand ranks. With agents (``launcher.agents=true``)::
     files.py    the plan and report files next to the board (written whole, sealed)
     __main__    the agent process: starts the node's processes as children (they die with it)
 
-The coordinator reads node records (``watchdog.NodeLiveness``) and pushes aborts, plans and
+The coordinator reads node records (``liveness.NodeLiveness``) and pushes aborts, plans and
 fences (``launcher.AgentLauncher``); its per-loop work grows with nodes and events, not ranks.
 """

@@ -5,8 +5,8 @@ state.
 or by the control-plane benchmark for thousands of simulated nodes::
 
     tick()          every ft.agent_interval_s: read the board (each local process's beat and
-                    progress), judge them with a ``watchdog.Liveness`` on this node's clock,
-                    write one sealed record ``node/<n>`` (format: ``watchdog.NodeLiveness``;
+                    progress), judge them with a ``liveness.Liveness`` on this node's clock,
+                    write one sealed record ``node/<n>`` (format: ``liveness.NodeLiveness``;
                     in the agent process handed to a writer thread, ``run_writer``) and beat
                     the board. The coordinator declares the node lost when the record stops,
                     its processes fence themselves when the board beat stops
@@ -53,8 +53,9 @@ from pathlib import Path
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.agent.files import (CRASH, file_context, plan_file, read_file,  # noqa: F401
                                   read_report, report_file, write_whole)
+from deadpool.control.liveness import Liveness
 from deadpool.launch.procs import process_stopped
-from deadpool.rank.watchdog import IDLE, PEER_WAIT, Liveness
+from deadpool.rank.watchdog import IDLE, PEER_WAIT
 from deadpool.store import reports
 from deadpool.store.protocol import NODES_CHANGED, Keys, Plan, Seal, node_key, wake_coordinator
 from deadpool.store.wire import fetch_plan
@@ -124,7 +125,7 @@ class NodeAgent:
                     self.live.update(slot, beat, prog, step, phase)
 
     def record(self) -> str:
-        """This node's sealed-record text (``watchdog.NodeLiveness`` reads it)."""
+        """This node's sealed-record text (``liveness.NodeLiveness`` reads it)."""
         live = self.live
         ranks = [s for s in self.slots if s in self.assigned and s not in self.exits]
         busy = [s for s in ranks if live.phase.get(s, "start") not in IDLE]

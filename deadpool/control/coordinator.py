@@ -30,12 +30,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from deadpool.control.liveness import Liveness
 from deadpool.control.observe import Observer
 from deadpool.errors import JobFailed
 from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.rank.groups import keepable_keys
 from deadpool.rank.strategies import strategy_of
-from deadpool.rank.watchdog import Liveness
 from deadpool.recovery import (detect, disk, elastic, fallbacks, finish, migrate, plan, preempt,
                                rollback, timeline)
 from deadpool.settings import layout_cfg
@@ -61,7 +61,7 @@ class Coordinator(Observer):
         """``restart``: the record of the failure this job was relaunched for (ft=checkpoint_
         restart, ``job.run_job``); completed from the relaunched processes' start-up timings.
         ``live`` / ``events``: under node agents (``launcher.AgentLauncher``), the liveness read
-        from the agents' records (``watchdog.NodeLiveness``) and the pushed event log.
+        from the agents' records (``liveness.NodeLiveness``) and the pushed event log.
         ``waker``: under node agents, an unstarted ``agent.events.WakeListener``: the loop then
         sleeps until woken or its next timed duty instead of turning every 10 ms (see ``_run``).
         ``stopper``: a ``stop.Stopper``; a signal stops the job (``recovery.preempt``)."""

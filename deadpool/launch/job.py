@@ -26,6 +26,7 @@ from deadpool.export.hf_import import check_config as check_init_from
 from deadpool.launch import run_dir as run_dirs
 from deadpool.launch.launcher import (AgentLauncher, ExternalAgentLauncher, ExternalLauncher, LocalLauncher,
                                job_processes)
+from deadpool.control.liveness import NodeLiveness
 from deadpool.launch.memory import check_fits
 from deadpool.launch.report import write_outputs
 from deadpool.launch.stop import HardStop, Stopper
@@ -36,7 +37,6 @@ from deadpool.rank.comm import resolve_backend
 from deadpool.rank.faults import FaultEvent
 from deadpool.rank.strategies import strategy_of
 from deadpool.rank.tensorboard_log import check as check_tensorboard, write_recoveries
-from deadpool.rank.watchdog import NodeLiveness
 from deadpool.recovery import disk, preempt
 from deadpool.recovery.plan import SOURCE_KINDS
 from deadpool.settings import microbatch_note, num_microbatches  # noqa: F401 (re-exported)

@@ -139,7 +139,7 @@ class AgentLauncher(Launcher):
     """One node agent per node (``deadpool.agent``), each the parent of its node's processes.
 
     The coordinator never touches a rank's process: exits, stops and beats come from the agents'
-    records (``live``, a ``watchdog.NodeLiveness``), and a fence is an event the agent carries
+    records (``live``, a ``liveness.NodeLiveness``), and a fence is an event the agent carries
     out (``events``, an ``agent.events.EventLog``). An agent's own exit, visible here because it
     is a local child, loses its node at once (its processes die with it); under a remote launcher
     only its silent record would show it."""
@@ -242,7 +242,7 @@ class ExternalAgentLauncher(AgentLauncher):
     as events (``events``), as under ``AgentLauncher``; it cannot kill an agent. An agent's death
     ends its presence connection (``agent.presence``: the node is lost at once, job.py); a node
     that hangs or is cut off is lost when its record has been silent for ``ft.node_timeout_s``
-    (``watchdog.NodeLiveness.beat_lost``): its processes leave by themselves at that timeout
+    (``liveness.NodeLiveness.beat_lost``): its processes leave by themselves at that timeout
     (a cut-off agent kills them, ``agent.__main__._fence_self``; under a hung agent each does,
     ``agent.client.BoardHeartbeat``), so no fence needs to reach them."""
 

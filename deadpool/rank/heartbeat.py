@@ -45,7 +45,7 @@ class Heartbeat(threading.Thread):
 
     def beat(self, n: int = 0) -> None:
         # sealed: a process without the job's secret cannot keep a dead slot alive; the count
-        # only increases, so a replayed older beat is refused (watchdog.Liveness)
+        # only increases, so a replayed older beat is refused (liveness.Liveness)
         self.store.set(self.key, self.seal.wrap(self.key, f"{n} {self.progress.encode()}"))
 
     def run(self):

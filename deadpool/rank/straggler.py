@@ -18,7 +18,7 @@ How it travels (no store request of its own)::
                  the *smallest* compute time of its last ``ft.straggler.steps`` steps
     node agent   copies its ranks' words into its sealed node record (``agent.node``, ``cmp``),
                  written every ``ft.agent_interval_s`` anyway
-    coordinator  ``watchdog.NodeLiveness.compute`` -> ``StragglerDetector.observe`` (O(ranks) of
+    coordinator  ``liveness.NodeLiveness.compute`` -> ``StragglerDetector.observe`` (O(ranks) of
                  arithmetic per record read, O(nodes) store reads, as before)
 
 The rule (``StragglerDetector``): rank r is slow in a record when the smallest compute time of

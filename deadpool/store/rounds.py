@@ -19,7 +19,7 @@ on one polls the store. The counters are not sealed (``auth.py``).
 its word of the node's board, rings the agent's doorbell, and reads the results from the board's
 header, with no store request.
 The agent folds its ranks' words into its sealed node record (``agent.node``); the coordinator
-folds the nodes' (``watchdog.NodeLiveness``) and pushes each result as a sealed event, which every
+folds the nodes' (``liveness.NodeLiveness``) and pushes each result as a sealed event, which every
 agent writes on its board (``Coordinator._agree``). Per round: O(nodes) requests, all sealed.
 """
 

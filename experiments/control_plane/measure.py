@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from deadpool.agent.events import EventLog
-from deadpool.rank.watchdog import NodeLiveness
+from deadpool.control.liveness import NodeLiveness
 from deadpool.store import auth
 from deadpool.store.protocol import Keys, Seal
 from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, OPS, REACT_CPU,

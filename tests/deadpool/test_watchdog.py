@@ -1,4 +1,5 @@
-from deadpool.rank.watchdog import Liveness, Progress
+from deadpool.control.liveness import Liveness
+from deadpool.rank.watchdog import Progress
 
 
 class Clock:

@@ -1,7 +1,8 @@
 """The first build's own progress bound: a stage's build is one long call, as long as its size."""
 
+from deadpool.control.liveness import Liveness
 from deadpool.model import stage_params
-from deadpool.rank.watchdog import Liveness, build_phase, phase_bound
+from deadpool.rank.watchdog import build_phase, phase_bound
 
 
 def test_a_long_build_is_not_a_hang_until_its_own_bound():

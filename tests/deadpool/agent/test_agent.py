@@ -14,7 +14,8 @@ from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, NodeBoard
 from deadpool.agent.client import BoardHeartbeat, NodeLink
 from deadpool.agent.events import EventFollower, EventLog, WakeListener, event_key
 from deadpool.agent.node import NODES_CHANGED, NodeAgent, node_key
-from deadpool.rank.watchdog import NodeLiveness, Progress
+from deadpool.control.liveness import NodeLiveness
+from deadpool.rank.watchdog import Progress
 from deadpool.store import auth
 from deadpool.store.protocol import Keys, Plan, Seal, Source, wake_coordinator
 from deadpool.store.wire import decode_plan, fetch_plan, publish_plan

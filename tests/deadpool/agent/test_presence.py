@@ -119,7 +119,7 @@ def test_cut_off_when_a_connection_gets_no_answer(monkeypatch):
 
 
 def test_a_node_lost_by_presence_is_read_as_its_processes_exiting_on_the_coordinator_s_thread():
-    from deadpool.rank.watchdog import NodeLiveness
+    from deadpool.control.liveness import NodeLiveness
 
     live = NodeLiveness(1.0, 10.0, 3.0, lambda s: s // 2)
     live.observe_node(1, '1 0 5 2 0 {"exit":{"3":0}}')  # slot 3 had already exited cleanly

@@ -12,7 +12,7 @@ from deadpool.agent.board import NodeBoard, pack, unpack
 from deadpool.agent.client import NodeLink
 from deadpool.agent.node import NodeAgent, node_key
 from deadpool.control.coordinator import Coordinator
-from deadpool.rank.watchdog import NodeLiveness
+from deadpool.control.liveness import NodeLiveness
 from deadpool.store import auth
 from deadpool.store.protocol import Keys, Plan, Seal, Source
 from deadpool.store.rounds import BoardRounds, StoreRounds

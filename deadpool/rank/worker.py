@@ -45,7 +45,7 @@ from deadpool.rank.groups import layout_group_keys
 from deadpool.rank.heartbeat import Heartbeat
 from deadpool.rank.trainer import Trainer
 from deadpool.rank.watchdog import Progress, build_phase
-from deadpool.recovery import restore
+from deadpool.recovery import pause, restore
 from deadpool.settings import layout_cfg
 from deadpool.store import auth, reports
 from deadpool.store.protocol import JOIN_GENERATION_ENV, Keys, Plan, RankTimings, Seal, now
@@ -237,7 +237,9 @@ class Worker:
             while plan is not None:
                 self.adopt_layout(plan)
                 rank = plan.rank_of_slot(self.slot)
-                if plan.action == "stop" or self.slot in plan.retire:  # (migrated: recovery.migrate)
+                if self.slot in plan.retire:  # migrated: stays until the spare trained a step
+                    return pause.retire(self, plan)
+                if plan.action == "stop":
                     return 0
                 if rank is not None:
                     if plan.action in ("checkpoint", "checkpoint_and_stop"):

@@ -21,10 +21,18 @@ It is the failure protocol (``deadpool.recovery``) entered without a failure, at
               moving processes in ``Plan.retire``: they exit on reading it, and the survivors
               keep their processes and the groups the spares do not touch
     account   a ``RecoveryRecord`` (outcome ``migrated``) completed like any other
+    retire    the retired processes stay until g+1 runs: once its record completed (every rank
+              took its first step and is protected again) the coordinator seals
+              ``pause.running_key(g+1)`` and they exit (``pause.retire``). If g+1 is aborted
+              first (a spare died before its first step), they exit on the abort and the next
+              plan restores the moved rank from its buddies' replicas, like any failure's
 
 What it does not do (partial): the moving rank's state travels rank -> buddy (the pause step's
-replication) -> spare, not straight from the rank to the spare; the old process exits when the
-plan is out, not after the spare's first step (its state is safe in the replicas by then); a
+replication) -> spare, not straight from the rank to the spare (issue 39's second half: the plan
+would need a source naming the retiring slot, not a rank of g+1, a pair group between a process
+outside g+1 and the spare, and the coordinator watching the retiring process during g+1's
+transfer to fall back to the replica); a retired process waiting for g+1 is not a source the
+next plan can use (a spare dying before its first step costs the replica route, as today); a
 node agent left with no process stays up until the job ends. Without node agents (no board to
 push the pause to) nothing migrates: stragglers are only reported and drains refused.
 """
@@ -36,7 +44,7 @@ import time
 
 from deadpool.control.drain import Requests
 from deadpool.rank import straggler
-from deadpool.recovery import detect, plan, timeline
+from deadpool.recovery import detect, pause, plan, timeline
 from deadpool.store.protocol import Keys, Plan
 
 PAUSE_MOVE_S = 3.0  # not every rank holds at the pause this long after it was pushed: move it
@@ -58,6 +66,7 @@ class Migrations:
         self.t_detect = 0.0
         self.gen = coord.gen
         self._rate = (time.monotonic(), coord.job_step)  # to place T past the records' lag
+        self.retiring: tuple[int, list[int]] | None = None  # (g+1, slots) waiting for g+1 to run
 
     # -- what to move ---------------------------------------------------------------------------
     def _new_generation(self, coord) -> None:
@@ -119,6 +128,7 @@ class Migrations:
     def poll(self, coord) -> bool:
         """Called by the coordinator's loop when no recovery is open; True when it planned a
         migration (the loop then goes round again)."""
+        self._release_retired(coord)
         if coord.gen != self.gen:
             self._new_generation(coord)
         self._drains(coord)
@@ -129,12 +139,27 @@ class Migrations:
             return False
         g, T, t0 = self.pause
         if self._all_paused(coord, T):
-            self._done(coord, migrate(coord, dict(self.wanted), self.t_detect))
+            what, retired = migrate(coord, dict(self.wanted), self.t_detect)
+            self.retiring = (coord.gen, retired) if retired else None
+            self._done(coord, what)
             return True
         if time.monotonic() - t0 > PAUSE_MOVE_S:
             coord.log(f"[coordinator] gen {g}: not every rank held at step {T}; moving the pause")
             self._push_pause(coord, later=T)
         return False
+
+    def _release_retired(self, coord) -> None:
+        """The loop asks only with no record open: generation g+1 still current means its record
+        completed (every rank took its first step), and the retired processes may go. A newer
+        generation means g+1 was aborted: they left on its abort."""
+        if self.retiring is None:
+            return
+        g, slots = self.retiring
+        self.retiring = None
+        if coord.gen == g:
+            key = pause.running_key(g)
+            coord.store.set(key, coord.seal.wrap(key, "1"))
+            coord.log(f"[coordinator] gen {g} runs: retired slot(s) {slots} may exit")
 
     def _push_pause(self, coord, later: int = -1) -> None:
         """T: far enough past the newest step the records showed that no rank reaches it before
@@ -158,10 +183,11 @@ class Migrations:
         self.detector.restarted(max(coord.job_step, 0))
 
 
-def migrate(coord, moving: dict[int, str], t_detect: float) -> str:
+def migrate(coord, moving: dict[int, str], t_detect: float) -> tuple[str, list[int]]:
     """Steps 2-6 of a recovery for ranks ``moving`` (rank -> why), every rank paused at a step
     boundary: abort, collect, plan (their state from the pause step's replicas, every other rank
-    live), give each a spare, publish plan g+1 retiring their processes. Returns what moved."""
+    live), give each a spare, publish plan g+1 retiring their processes. Returns what moved and
+    the slots retired."""
     g = coord.gen
     keys = Keys(g)
     coord.announce_abort(f"migrating rank(s) {sorted(moving)}")
@@ -169,7 +195,7 @@ def migrate(coord, moving: dict[int, str], t_detect: float) -> str:
     statuses = detect.collect_statuses(coord, failed, keys)
     if failed:  # a process died meanwhile: an ordinary recovery (asked again later if need be)
         coord.recover(failed, time.time())
-        return "interrupted by a failure"
+        return "interrupted by a failure", []
     faults = detect.collect_faults(coord, set(moving))
     decision = plan.decide(coord, {r: st for r, st in statuses.items() if r not in moving})
     rec = timeline.open_record(coord, moving, faults, decision, t_detect, [])
@@ -200,4 +226,4 @@ def migrate(coord, moving: dict[int, str], t_detect: float) -> str:
     what = f"rank(s) {sorted(need)} -> spare slot(s) {used} at step {decision.resume_step}"
     coord.log(f"[coordinator] gen {g + 1}: migrated {what} ({', '.join(sorted(set(moving.values())))}"
               f"; {decision.steps_recomputed} step(s) recomputed)")
-    return what
+    return what, nxt.retire

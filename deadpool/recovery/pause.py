@@ -11,6 +11,12 @@ recovery protocol at its step 3 with every rank live at T.
 
 A pause moved to a later step (the coordinator's first guess was passed by a rank that had not
 seen the word yet) releases the ranks holding at the old one: they train on to the new step.
+
+A process whose slot plan g+1 names in ``Plan.retire`` (its rank moved to a spare) does not exit
+on reading the plan: ``retire`` keeps it until the coordinator seals ``running_key(g+1)`` (every
+rank of g+1 took its first step and is protected again: ``Migrations.poll``), or g+1 is aborted
+first (the spare died before its first step: the next plan restores the rank from its buddies'
+replicas, as any failure's), or the job ends.
 """
 
 from __future__ import annotations
@@ -18,6 +24,35 @@ from __future__ import annotations
 import time
 
 from deadpool.rank.straggler import pack_paused
+from deadpool.store.protocol import Keys
+
+RETIRE_POLL_S = 0.02  # a store round trip per poll, from one process, for a few steps
+
+
+def running_key(g: int) -> str:
+    """The coordinator's sealed word that generation ``g`` runs (collected with ``g``'s keys)."""
+    return f"g{g}/running"
+
+
+def retire(worker, plan) -> int:
+    """This process's slot is in ``plan.retire``: wait until generation ``plan.generation`` runs,
+    is aborted, or the job ends (or the coordinator is lost); returns the exit code (0)."""
+    g, store, seal = plan.generation, worker.store, worker.seal
+    keys, n = Keys(g), 0
+    while True:
+        if seal.flag(store, running_key(g)):
+            why = "running (every rank took its first step)"
+        elif seal.flag(store, keys.abort):
+            why = "aborted before it ran"
+        elif worker.lost.is_set() or worker._job_done() or worker._job_stopped(n):
+            why = "ended with the job"
+        else:
+            n += 1
+            time.sleep(RETIRE_POLL_S)
+            continue
+        print(f"[slot {worker.slot}] retired: generation {g} {why} (t={time.time():.6f})",
+              flush=True)
+        return 0
 
 
 def hold_at_pause(tr, comm) -> None:

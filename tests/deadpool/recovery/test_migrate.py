@@ -5,11 +5,14 @@ free off the node, and the pause is placed past the steps the records may lag by
 from __future__ import annotations
 
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 from deadpool.control import drain
+from deadpool.recovery import pause
 from deadpool.recovery.migrate import Migrations
-from deadpool.store.protocol import Plan, Seal, Source
+from deadpool.store.protocol import Keys, Plan, Seal, Source
 from deadpool.store.wire import decode_plan, encode_plan
 from deadpool.topology import ParallelDims
 
@@ -102,3 +105,54 @@ def test_without_node_agents_a_drain_is_refused():
     m.poll(coord)
     got = answers(coord, [i])[i]
     assert not got["ok"] and "node agents" in got["message"]
+
+
+def test_retired_processes_are_released_only_once_the_new_generation_runs():
+    coord, logs, _ = fake_coord(spares=[8])
+    m = Migrations(coord)
+    coord.members.generation = 1
+    coord.gen, coord.pending = 1, object()  # plan 1 out, its record open (no first step yet)
+    m.retiring = (1, [3])
+    key = pause.running_key(1)
+    # the loop asks only with no record open; while one is, nothing is released
+    assert not coord.store.check([key])
+    coord.pending = None  # the record completed: every rank of generation 1 took a step
+    m.poll(coord)
+    assert coord.seal.open(key, coord.store.get(key)) == "1" and m.retiring is None
+    assert any("retired slot(s) [3] may exit" in x for x in logs)
+    # generation 1 aborted before it ran (a recovery planned 2): no word, they left on the abort
+    coord2, _, _ = fake_coord(spares=[8])
+    m2 = Migrations(coord2)
+    m2.retiring, coord2.gen = (1, [3]), 2
+    m2.poll(coord2)
+    assert not coord2.store.check([pause.running_key(1)]) and m2.retiring is None
+
+
+def _retiring(coord, g=1):
+    worker = SimpleNamespace(store=coord.store, seal=coord.seal, slot=3, lost=threading.Event(),
+                             _job_done=lambda: False, _job_stopped=lambda n: False)
+    plan = Plan(g, "train", {0: 0, 1: 8}, 12, {}, retire=[3])
+    out = []
+    t = threading.Thread(target=lambda: out.append(pause.retire(worker, plan)), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_retired_process_waits_for_the_running_word_or_the_abort():
+    coord, _, _ = fake_coord(spares=[8])
+    t, out = _retiring(coord)
+    time.sleep(0.2)
+    assert t.is_alive()  # plan 1 alone does not release it
+    key = pause.running_key(1)
+    coord.store.set(key, Seal("another job").wrap(key, "1"))  # a forged word is ignored
+    time.sleep(0.1)
+    assert t.is_alive()
+    coord.store.set(key, coord.seal.wrap(key, "1"))
+    t.join(5)
+    assert not t.is_alive() and out == [0]
+    coord, _, _ = fake_coord(spares=[8])
+    t, out = _retiring(coord)
+    abort = Keys(1).abort
+    coord.store.set(abort, coord.seal.wrap(abort, "spare lost"))
+    t.join(5)
+    assert not t.is_alive() and out == [0]

@@ -200,6 +200,23 @@ class Topology:
         return self.wards()[0]
 
 
+def node_slots(cfg: dict, node: int) -> list[int]:
+    """The launch slots of ``node``: ``ranks_per_node`` consecutive slots (the spares after the
+    ranks, on nodes of their own once the ranks' nodes are full). Every launcher lays a job's
+    processes out so (one node agent per node, or srun's block distribution)."""
+    dims = ParallelDims.from_config(cfg["parallel"])
+    n = dims.world_size + int(cfg["ft"]["num_spares"])
+    rpn = dims.ranks_per_node
+    return [s for s in range(node * rpn, min(n, (node + 1) * rpn))]
+
+
+def num_nodes(cfg: dict) -> int:
+    """How many nodes ``node_slots`` fills: the ranks and the spares, ``ranks_per_node`` each."""
+    dims = ParallelDims.from_config(cfg["parallel"])
+    n = dims.world_size + int(cfg["ft"]["num_spares"])
+    return -(-n // dims.ranks_per_node)
+
+
 def repl_name(direction: str, j: int) -> str:
     """The name of the replication group to the j-th buddy (``out``) or from the j-th ward
     (``in``): ``repl_out``, ``repl_out1``, ... (the first keeps the name it had with one buddy)."""

@@ -9,6 +9,7 @@ imported, so a broken module fails here by name rather than by import error).
 - at most ``MAX_TOP_MODULES`` modules at the top of ``deadpool/`` (beside its packages);
 - every package's ``__init__.py`` says what the package owns (a docstring);
 - imports run one way, down the layers of ``LAYERS``: launch -> control -> rank -> mechanisms;
+- no module imports an entry point (a ``__main__``): what two commands share lives in a module;
 - every module path the text names (docstrings, comments, strings, docs, configs: a
   ``deadpool/<path>.py`` or a ``deadpool.<dotted>`` name) resolves: to a module or package, or
   to a name at the top of the longest module it starts with (a module that moved leaves no
@@ -226,6 +227,12 @@ def test_imports_run_down_the_layers():
           if m.startswith("deadpool") and layer(t) > layer(m)]
     assert not up, "imports that run up the layers (launch 3 > control 2 > rank 1 > mechanisms 0):\n" + "\n".join(up)
 
+
+
+def test_no_module_imports_an_entry_point():
+    graph = import_graph()
+    found = [f"  {m} imports {t}" for m in sorted(graph) for t in sorted(graph[m]) if t.endswith(".__main__")]
+    assert not found, "imports of an entry point (python -m ...):\n" + "\n".join(found)
 
 # a dotted name under deadpool (not inside a longer dotted or path name), a path of a module or
 # folder under deadpool/; a dotted name ending in a file's suffix is a file name (a config's)

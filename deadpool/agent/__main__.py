@@ -57,26 +57,11 @@ from deadpool.rank import netif
 from deadpool.rank.groups import layout_group_keys
 from deadpool.store import auth
 from deadpool.store.protocol import Seal
-from deadpool.topology import ParallelDims
+from deadpool.topology import node_slots, num_nodes
 
 PR_SET_PDEATHSIG = 1
 LAST_RECORD_S = 2.0  # the agent's last record (its processes' exits), written within this or not
 ROUNDS_IDLE_S = 0.1  # the agent looks at its ranks' words when its doorbell rings, or this often
-
-
-def node_slots(cfg: dict, node: int) -> list[int]:
-    """The launch slots of ``node``: ``ranks_per_node`` consecutive slots (the spares after the
-    ranks, on nodes of their own once the ranks' nodes are full)."""
-    dims = ParallelDims.from_config(cfg["parallel"])
-    n = dims.world_size + int(cfg["ft"]["num_spares"])
-    rpn = dims.ranks_per_node
-    return [s for s in range(node * rpn, min(n, (node + 1) * rpn))]
-
-
-def num_nodes(cfg: dict) -> int:
-    dims = ParallelDims.from_config(cfg["parallel"])
-    n = dims.world_size + int(cfg["ft"]["num_spares"])
-    return -(-n // dims.ranks_per_node)
 
 
 def node_dir(cfg: dict, node: int, environ=os.environ) -> Path:

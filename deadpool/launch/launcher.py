@@ -25,7 +25,7 @@ from pathlib import Path
 from deadpool.launch.procs import job_env, process_stopped, sigkill, start_worker
 from deadpool.store import auth
 from deadpool.store.protocol import JOIN_GENERATION_ENV, Keys
-from deadpool.topology import ParallelDims
+from deadpool.topology import ParallelDims, node_slots, num_nodes
 
 
 class Launcher:
@@ -145,8 +145,6 @@ class AgentLauncher(Launcher):
     only its silent record would show it."""
 
     def __init__(self, run_dir: Path, job_json: Path, secret: str | None, cfg: dict, live, events):
-        from deadpool.agent.__main__ import node_slots, num_nodes
-
         self.run_dir, self.job_json, self.secret = Path(run_dir), Path(job_json), secret
         self.live, self.events = live, events
         self.nodes = {n: node_slots(cfg, n) for n in range(num_nodes(cfg))}

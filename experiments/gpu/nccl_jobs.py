@@ -53,7 +53,7 @@ def job_overrides(name: str, steps: int, device: str = "cuda") -> list[str]:
 
 def dry_run(name: str, steps: int, out_dir: Path) -> dict:
     from deadpool.launch.config import compose_config
-    from deadpool.topology import ParallelDims
+    from deadpool.topology import ParallelDims, node_slots, num_nodes
 
     cfg = compose_config(job_overrides(name, steps), Path(out_dir) / "dry")
     assert cfg["backend"] == "nccl" and cfg["launcher"]["share_gpu"]
@@ -61,8 +61,6 @@ def dry_run(name: str, steps: int, out_dir: Path) -> dict:
     plan = {"overrides": job_overrides(name, steps), "faults": cfg["faults"]["events"],
             "parallel": {k: p[k] for k in ("dp", "tp", "pp")}}
     if name == "S5":  # the node layout as the node agents lay it out
-        from deadpool.agent.__main__ import node_slots, num_nodes
-
         dims = ParallelDims.from_config(p)
         nodes = {n: node_slots(cfg, n) for n in range(num_nodes(cfg))}
         world, spares, rpn = dims.world_size, cfg["ft"]["num_spares"], dims.ranks_per_node

@@ -299,7 +299,7 @@ def _swap(policy, slots: dict[int, int], spares: dict[int, int], dead_slots: set
 
 @pytest.mark.parametrize("layout", [(2, 4, 2, 4), (4, 2, 1, 4), (2, 8, 1, 8), (4, 2, 2, 2)], ids=str)
 def test_tensor_parallel_groups_stay_inside_a_node_when_a_node_is_lost_after_a_lone_rank(layout):
-    """The layout of ``agent.node_slots`` (slot // ranks_per_node, two spare nodes after the
+    """The layout of ``topology.node_slots`` (slot // ranks_per_node, two spare nodes after the
     ranks'): rank 0 dies alone (its node keeps no spare: its TP group must span two nodes), then
     each other node in turn is lost with every process on it; every other TP group must stay
     inside one node. ``first_free`` scatters the lost node's ranks over both spare nodes."""

@@ -80,7 +80,7 @@ def final_slots(run_dir: Path) -> dict[int, int]:
 
 def on_one_spare_node(run_dir: Path, ranks) -> bool:
     """``ranks`` finished on one node of spares, together (ft.spare_policy=same_node_first:
-    nodes of 2 slots, slot // 2, as ``agent.node_slots`` lays them out)."""
+    nodes of 2 slots, slot // 2, as ``topology.node_slots`` lays them out)."""
     slots = final_slots(run_dir)
     return len({slots[r] // 2 for r in ranks}) == 1 and all(slots[r] >= 4 for r in ranks)
 

@@ -8,12 +8,12 @@ import signal
 
 import pytest
 
-from deadpool.agent.__main__ import (SRUN_TASK_ENV, child_env, describe, node_dir, node_slots,
-                                     num_nodes, slurm_node)
+from deadpool.agent.__main__ import SRUN_TASK_ENV, child_env, describe, node_dir, slurm_node
 from deadpool.agent.board import NODE_INDEX_ENV
 from deadpool.control.liveness import NodeLiveness
 from deadpool.launch.job import uses_agents
 from deadpool.launch.launcher import ExternalAgentLauncher
+from deadpool.topology import node_slots, num_nodes
 
 
 def _cfg(tmp_path, dp=16, spares=4, rpn=4, launcher="slurm", agents=True):

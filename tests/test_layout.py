@@ -35,8 +35,8 @@ GRAPH_PACKAGES = ("deadpool", "sim")
 SIZED_DIRS = ("deadpool", "sim", "experiments", "paper_figures")
 MAX_LINES = 450
 MAX_TOP_MODULES = 10
-# where a module path may be named: the sources, tests, docs and configs (not the run outputs
-# under experiments/results/, which record what a past tree printed)
+# where a module path may be named: the sources, tests, docs and configs (under
+# experiments/results/ only the notes: the run outputs record what a past tree printed)
 TEXT_DIRS = ("deadpool", "sim", "experiments", "paper_figures", "tests", "docs", "conf")
 TEXT_SUFFIXES = (".py", ".md", ".yaml", ".yml", ".sh", ".sbatch", ".toml")
 TEXT_SKIP = ("experiments/results/",)
@@ -286,7 +286,7 @@ def text_files() -> list[Path]:
     for d in TEXT_DIRS:
         files += [p for p in sorted((ROOT / d).rglob("*")) if p.suffix in TEXT_SUFFIXES
                   and "__pycache__" not in p.parts
-                  and not str(p.relative_to(ROOT)).startswith(TEXT_SKIP)]
+                  and (p.suffix == ".md" or not str(p.relative_to(ROOT)).startswith(TEXT_SKIP))]
     return [p for p in files if p != Path(__file__).resolve()]  # (this file names stale ones)
 
 

@@ -228,11 +228,11 @@ def test_imports_run_down_the_layers():
     assert not up, "imports that run up the layers (launch 3 > control 2 > rank 1 > mechanisms 0):\n" + "\n".join(up)
 
 
-
 def test_no_module_imports_an_entry_point():
     graph = import_graph()
     found = [f"  {m} imports {t}" for m in sorted(graph) for t in sorted(graph[m]) if t.endswith(".__main__")]
     assert not found, "imports of an entry point (python -m ...):\n" + "\n".join(found)
+
 
 # a dotted name under deadpool (not inside a longer dotted or path name), a path of a module or
 # folder under deadpool/; a dotted name ending in a file's suffix is a file name (a config's)

@@ -14,12 +14,15 @@ It is the failure protocol (``deadpool.recovery``) entered without a failure, at
               board had the word, the pause moves on (its peers wait on it inside step T)
     abort     every rank paused at T: abort g (steps 2-3 of a recovery: collect statuses; every
               rank reports live at T)
-    plan      the moving ranks' processes leave the plan; the planner finds their state at T in
-              their buddies' replicas (with ZeRO the shard's replica plus a data-parallel peer's
-              parameters), every other rank keeps its live state: resume at T, 0 steps
+    plan      the moving ranks' processes leave the plan; each moving rank's state at T comes
+              from its own process (``Source("retiring", <its slot>)``, ``from_retiring``: the
+              pause snapshot, checked by the spare against the checksums of that process's
+              sealed status), or, where that process stopped beating or reported no snapshot of
+              T, from its buddies' replicas (with ZeRO the shard's replica plus a data-parallel
+              peer's parameters); every other rank keeps its live state: resume at T, 0 steps
               recomputed; a spare per moving rank (``plan.assign_spares``); plan g+1 names the
-              moving processes in ``Plan.retire``: they exit on reading it, and the survivors
-              keep their processes and the groups the spares do not touch
+              moving processes in ``Plan.retire``: they send their state (``pause.send_own``),
+              and the survivors keep their processes and the groups the spares do not touch
     account   a ``RecoveryRecord`` (outcome ``migrated``) completed like any other
     retire    the retired processes stay until g+1 runs: once its record completed (every rank
               took its first step and is protected again) the coordinator seals
@@ -27,13 +30,13 @@ It is the failure protocol (``deadpool.recovery``) entered without a failure, at
               first (a spare died before its first step), they exit on the abort and the next
               plan restores the moved rank from its buddies' replicas, like any failure's
 
-What it does not do (partial): the moving rank's state travels rank -> buddy (the pause step's
-replication) -> spare, not straight from the rank to the spare (issue 39's second half: the plan
-would need a source naming the retiring slot, not a rank of g+1, a pair group between a process
-outside g+1 and the spare, and the coordinator watching the retiring process during g+1's
-transfer to fall back to the replica); a retired process waiting for g+1 is not a source the
-next plan can use (a spare dying before its first step costs the replica route, as today); a
-node agent left with no process stays up until the job ends. Without node agents (no board to
+What it does not do (partial): the coordinator does not watch a retiring process (it is in no
+rank of g+1): one dying after the plan named it fails the spare's receive, and g+1 ends the way
+any failed transfer does (tested only with the spare killed in its receive: the next plan takes
+the buddy's replica to another spare, 0 steps recomputed; a retiring process killed mid-send is
+not tested); a retired process waiting for g+1 is not a source the next plan can use (it reports
+no status); the pause step is still replicated to the buddies (the fallback needs it); a node
+agent left with no process stays up until the job ends. Without node agents (no board to
 push the pause to) nothing migrates: stragglers are only reported and drains refused.
 """
 
@@ -45,7 +48,7 @@ import time
 from deadpool.control.drain import Requests
 from deadpool.rank import straggler
 from deadpool.recovery import detect, pause, plan, timeline
-from deadpool.store.protocol import Keys, Plan
+from deadpool.store.protocol import Keys, Plan, Source
 
 PAUSE_MOVE_S = 3.0  # not every rank holds at the pause this long after it was pushed: move it
 
@@ -209,6 +212,7 @@ def migrate(coord, moving: dict[int, str], t_detect: float) -> tuple[str, list[i
         coord.log(f"[coordinator] gen {g + 1}: migration of rank(s) {sorted(moving)} cancelled "
                   "(no spare, or their state is not in the replicas); resuming as before")
         rec.update(resume_step=decision.resume_step, steps_recomputed=decision.steps_recomputed)
+    from_retiring(coord, decision, statuses, old, need)
     rec.update(spare_slot=timeline.one_or_list(used), sources=decision.described_sources(),
                **({} if faults else {"fault": "none"}))
     keep = plan.groups_to_keep(coord, statuses, need, g + 1)
@@ -227,3 +231,15 @@ def migrate(coord, moving: dict[int, str], t_detect: float) -> tuple[str, list[i
     coord.log(f"[coordinator] gen {g + 1}: migrated {what} ({', '.join(sorted(set(moving.values())))}"
               f"; {decision.steps_recomputed} step(s) recomputed)")
     return what, nxt.retire
+
+
+def from_retiring(coord, decision, statuses: dict, old: dict[int, int], need) -> None:
+    """Each moved rank's state from its own process (``Source`` kind ``retiring``: the pause
+    step's snapshot, checked against the checksums its sealed status reported), where that
+    process is still beating and reported the snapshot; else the buddies' replicas stay."""
+    S = decision.resume_step
+    for r in need:
+        st = statuses.get(r)
+        crc = None if st is None else st.crcs.get(f"own/{S}")
+        if crc is not None and not coord.lost(old[r]):
+            decision.sources[r] = Source("retiring", old[r], crc=list(crc))

@@ -13,17 +13,24 @@ A pause moved to a later step (the coordinator's first guess was passed by a ran
 seen the word yet) releases the ranks holding at the old one: they train on to the new step.
 
 A process whose slot plan g+1 names in ``Plan.retire`` (its rank moved to a spare) does not exit
-on reading the plan: ``retire`` keeps it until the coordinator seals ``running_key(g+1)`` (every
-rank of g+1 took its first step and is protected again: ``Migrations.poll``), or g+1 is aborted
-first (the spare died before its first step: the next plan restores the rank from its buddies'
-replicas, as any failure's), or the job ends.
+on reading the plan: where the plan names it as its old rank's source (``Source`` kind
+``retiring``) it sends the pause step's snapshot to the spare (``send_own``: a 2-process gloo
+group of its own, ``xfer/s<slot>-<rank>`` in g+1's namespace; the spare checks the bytes against
+the checksums this process's sealed status reported), and ``retire`` keeps it until the
+coordinator seals ``running_key(g+1)`` (every rank of g+1 took its first step and is protected
+again: ``Migrations.poll``), or g+1 is aborted first (the spare died before its first step: the
+next plan restores the rank from its buddies' replicas, as any failure's), or the job ends.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
+from deadpool.rank.comm import _new_group
 from deadpool.rank.straggler import pack_paused
+from deadpool.snapshot.transfer import outgoing
+from deadpool.snapshot.wire import post_sends
 from deadpool.store.protocol import Keys
 
 RETIRE_POLL_S = 0.02  # a store round trip per poll, from one process, for a few steps
@@ -39,6 +46,7 @@ def retire(worker, plan) -> int:
     is aborted, or the job ends (or the coordinator is lost); returns the exit code (0)."""
     g, store, seal = plan.generation, worker.store, worker.seal
     keys, n = Keys(g), 0
+    send_own(worker, plan)
     while True:
         if seal.flag(store, running_key(g)):
             why = "running (every rank took its first step)"
@@ -74,3 +82,33 @@ def hold_at_pause(tr, comm) -> None:
     while link.board.pause == (comm.topo.generation, T):
         comm.raise_if_aborted()
         time.sleep(0.005)
+
+
+def send_own(worker, plan) -> threading.Thread | None:
+    """Send this process's snapshot of ``plan.resume_step`` to the rank the plan says takes it
+    from here (``Source("retiring", <this slot>)``), on a daemon thread: the process exits when
+    the generation runs or is aborted, whatever the send is doing (the spare's receive then
+    fails, g+1 is aborted, and the next plan takes the buddy's replica)."""
+    to = [r for r, src in sorted(plan.sources.items())
+          if src.kind == "retiring" and src.holder == worker.slot]
+    if not to:
+        return None
+    (rank,), S, eng = to, plan.resume_step, worker.trainer.engine
+    piece = outgoing(eng, "peer", rank, S, None, worker.trainer.header)  # the local snapshot
+    prefix = f"g{plan.generation}/xfer/s{worker.slot}-{rank}/"
+    timeout = float(worker.ft["pg_timeout_s"])
+
+    def send():
+        try:
+            pg = _new_group("gloo", worker.open_store(), prefix, 0, 2, timeout)
+            for w in post_sends(pg, 1, S, *piece, "all", eng.chunk_bytes,
+                                after_first_chunk=lambda: worker.injector.fire(S, "transfer")):
+                w.wait()
+            print(f"[slot {worker.slot}] sent rank {rank}'s state at step {S} to its spare",
+                  flush=True)
+        except Exception as e:  # the spare gone, or the generation aborted: the replica route
+            print(f"[slot {worker.slot}] sending rank {rank}'s state failed: {e}", flush=True)
+
+    t = threading.Thread(target=send, name="send-own", daemon=True)
+    t.start()
+    return t

@@ -139,6 +139,8 @@ def transfers(worker, plan: Plan, rank: int):
     # ones sent with it (snapshot.transfer)
     if mine.kind == "peer":
         recvs.append((mine.holder, mine.holder, "all", mine.crc))  # its own: bad = (q, q, S)
+    elif mine.kind == "retiring":  # from the slot that held the rank (recovery.pause.send_own)
+        recvs.append((retiring_peer(mine.holder), rank, "all", mine.crc))
     elif mine.kind == "replica":
         sharded = mine.shared_from is not None or mine.params_from is not None
         region = "unique" if sharded else "all"
@@ -154,8 +156,16 @@ def install_checks(plan: Plan, rank: int) -> dict:
     names (a peer sends its own state, a replica holder its ward's, or ``Source.owner``'s), the
     holder to blame, and the rank it becomes."""
     src = plan.sources[rank]
+    if src.kind == "retiring":  # its own state, from a process that holds no rank now
+        return {"owner": rank, "holder": -1, "rank": rank}
     owner = src.holder if src.kind == "peer" else rank if src.owner is None else src.owner
     return {"owner": owner, "holder": src.holder, "rank": rank}
+
+
+def retiring_peer(slot: int) -> str:
+    """The name a retiring process takes in its transfer's pair group (``xfer/s<slot>-<rank>``,
+    group rank 0): not a rank of the generation."""
+    return f"s{slot}"
 
 
 def _report_corrupt(worker, plan: Plan, rank: int, comm: Communicator, e: CorruptState):

@@ -102,8 +102,11 @@ def transfer(eng, comm, sends: list[tuple], recvs: list[tuple], step: int):
     when the plan names none). Returns ``(buffer, header, crc)`` or None.
     """
     me = comm.topo.rank
-    # one 2-rank group per (holder, receiver), created in one global order (deadlock-free)
-    pairs = sorted({(me, dst) for dst, _, _ in sends} | {(r[0], me) for r in recvs})
+    # one 2-rank group per (holder, receiver), created in one global order (deadlock-free); a
+    # retiring process (a slot's name, not a rank: ``recovery.restore.retiring_peer``) pairs with
+    # its receiver alone, last
+    pairs = sorted({(me, dst) for dst, _, _ in sends} | {(r[0], me) for r in recvs},
+                   key=lambda p: (isinstance(p[0], str), str(p[0]) if isinstance(p[0], str) else p))
     for a, b in pairs:
         comm.pair_group(comm.build_store, a, b)
     works = []
@@ -125,7 +128,7 @@ def transfer(eng, comm, sends: list[tuple], recvs: list[tuple], step: int):
                 raise CorruptState(f"{region} state of rank {owner} at step {step} from rank "
                                    f"{src} is not the copy its holder reported (got step "
                                    f"{got_step}, region {got_region}; checksums {want})",
-                                   src, owner, step)
+                                   src if isinstance(src, int) else -1, owner, step)
             c = tuple(want[:2])
             if region in ("all", "shared"):
                 crc[0] = c[0]

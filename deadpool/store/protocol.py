@@ -186,9 +186,13 @@ class Source:
                  whose master weights together are the parameters)
         init     drawn afresh from the seed (the state of step 0)
         disk     read from the disk checkpoint in ``dir``
+        retiring a planned swap (``recovery.migrate``): the rank's own process, leaving it
+                 (``Plan.retire``), sends its snapshot of the resume step; ``holder`` is that
+                 process's launch slot, not a rank (it is in no rank of the plan)
     """
 
-    KINDS: ClassVar[tuple[str, ...]] = ("live", "local", "peer", "replica", "init", "disk")
+    KINDS: ClassVar[tuple[str, ...]] = ("live", "local", "peer", "replica", "init", "disk",
+                                        "retiring")
 
     kind: str
     holder: int
@@ -212,6 +216,8 @@ class Source:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     def describe(self) -> str:
+        if self.kind == "retiring":
+            return f"retiring from slot {self.holder}"
         if self.params_from is not None:
             return (f"{self.kind} from rank {self.holder} + parameters from the master shards on "
                     f"ranks {list(self.params_from)}")
@@ -234,8 +240,9 @@ class Plan:
     # the generation's parallel layout where it is not the job's configured one (an in-place
     # elastic job: {"dp", "global_dp", "replicas"}, recovery.elastic); empty = as configured
     layout: dict = field(default_factory=dict)
-    # slots whose processes must exit on reading this plan: ranks a migration moved to spares
-    # (``recovery.migrate``; their state left through the pause step's replicas)
+    # slots whose processes leave after this plan: ranks a migration moved to spares
+    # (``recovery.migrate``): they send their state (``Source`` kind ``retiring``) and exit once
+    # the generation runs (``recovery.pause.retire``)
     retire: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:

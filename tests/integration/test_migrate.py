@@ -72,6 +72,8 @@ def test_a_slow_rank_is_migrated_without_losing_a_step(tmp_path):
     assert rec["detected_by"] == "straggler" and rec["failed_rank"] == 1, rec
     assert rec["fault"] == "slow" and rec["steps_recomputed"] == 0 and rec["spare_slot"] == 4
     assert 10 < rec["resume_step"] < 45
+    # its state came from its own process (the retiring slot), not its buddy's replica
+    assert rec["sources"] == {"1": "retiring from slot 1"}, rec["sources"]
     equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
     assert equal, why
     # rank 1's steps after the resume step ran on the spare, and the slow process is gone
@@ -104,7 +106,7 @@ def test_a_slow_rank_is_migrated_without_losing_a_step(tmp_path):
     assert rec2["failed_slot"] == 4 and rec2["spare_slot"] == 5 and rec2["steps_recomputed"] == 0
     assert rec2["resume_step"] == moved["resume_step"], (moved, rec2)
     why, t_left = retired_at(tmp_path / "spare_dies", 1)
-    assert why.startswith("aborted"), why
+    assert why.startswith("aborted") and t_left > rec2["t_kill"], (why, t_left, rec2)
     equal, why = compare_final_states(tmp_path / "spare_dies", tmp_path / "ref")
     assert equal, why
 
@@ -161,5 +163,11 @@ def test_draining_a_node_moves_its_ranks_and_its_processes_leave(tmp_path, monke
     (rec,) = s["recoveries"]
     assert rec["detected_by"] == "drain" and rec["failed_rank"] == [2, 3], rec
     assert rec["steps_recomputed"] == 0 and sorted(rec["spare_slot"]) == [8, 9]
+    # each rank's state from its own (retiring) process, which left after the spares' first step
+    assert rec["sources"] == {"2": "retiring from slot 2", "3": "retiring from slot 3"}, rec
+    first = min(first_step_at(run_dir, 8), first_step_at(run_dir, 9))
+    for slot in (2, 3):
+        why, t_left = retired_at(run_dir, slot)
+        assert why.startswith("running") and t_left > first, (slot, why)
     equal, why = compare_final_states(run_dir, tmp_path / "ref")
     assert equal, why

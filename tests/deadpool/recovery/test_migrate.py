@@ -10,9 +10,10 @@ import time
 from types import SimpleNamespace
 
 from deadpool.control import drain
-from deadpool.recovery import pause
-from deadpool.recovery.migrate import Migrations
-from deadpool.store.protocol import Keys, Plan, Seal, Source
+from deadpool.recovery import pause, restore
+from deadpool.recovery.migrate import Migrations, from_retiring
+from deadpool.recovery.plan import RecoveryDecision
+from deadpool.store.protocol import Keys, Plan, RankStatus, Seal, Source
 from deadpool.store.wire import decode_plan, encode_plan
 from deadpool.topology import ParallelDims
 
@@ -156,3 +157,45 @@ def test_a_retired_process_waits_for_the_running_word_or_the_abort():
     coord.store.set(abort, coord.seal.wrap(abort, "spare lost"))
     t.join(5)
     assert not t.is_alive() and out == [0]
+
+
+def test_a_moved_ranks_state_comes_from_its_own_process_with_its_sealed_checksums():
+    coord, _, _ = fake_coord(spares=[8])
+    lost: set[int] = set()
+    coord.lost = lambda slot: slot in lost
+    statuses = {1: RankStatus(1, 1, 7, [7], {}, crcs={"own/7": [11, 12, 13], "own/6": [1, 2, 3]}),
+                3: RankStatus(3, 3, 7, [7], {}, crcs={})}  # 3 reported no snapshot of 7
+    replica = Source("replica", 2, crc=[4, 5, 6])
+    d = RecoveryDecision(resume_step=7, steps_recomputed=0,
+                 sources={0: Source("live", 0), 1: replica, 3: Source("replica", 0)})
+    from_retiring(coord, d, statuses, {1: 1, 3: 3}, [1, 3])
+    assert d.sources[1] == Source("retiring", 1, crc=[11, 12, 13])  # the status's, step 7's
+    assert d.sources[3] == Source("replica", 0)
+    assert d.described_sources()["1"] == "retiring from slot 1"
+    # the retiring process stopped beating: its buddy's replica stays
+    d.sources[1], lost = replica, {1}
+    from_retiring(coord, d, statuses, {1: 1, 3: 3}, [1, 3])
+    assert d.sources[1] is replica
+    # the plan carries it, in full and as a delta
+    a = Plan(0, "train", {r: r for r in range(4)}, 0, {r: Source("live", r) for r in range(4)})
+    b = Plan(1, "train", {0: 0, 1: 8, 2: 2, 3: 3}, 7,
+             {0: Source("live", 0), 1: Source("retiring", 1, crc=[11, 12, 13]),
+              2: Source("live", 2), 3: Source("live", 3)}, retire=[1])
+    for got in (decode_plan(encode_plan(b, None), None), decode_plan(encode_plan(b, a), a)):
+        assert got.sources == b.sources and got.retire == [1]
+
+
+def test_the_spare_receives_from_the_retiring_slot_and_the_buddy_sends_nothing():
+    plan = Plan(1, "train", {0: 0, 1: 8, 2: 2, 3: 3}, 7,
+                {0: Source("live", 0), 1: Source("retiring", 1, crc=[11, 12, 13]),
+                 2: Source("live", 2), 3: Source("live", 3)}, retire=[1])
+
+    def worker(has_state):
+        eng = SimpleNamespace(repl_region="all")
+        return SimpleNamespace(trainer=SimpleNamespace(step=7, dirty=False, engine=eng,
+                                                       header=lambda: {}), has_state=has_state)
+    sends, recvs = restore.transfers(worker(False), plan, 1)
+    assert sends == [] and recvs == [("s1", 1, "all", [11, 12, 13])]  # checked against these
+    assert restore.install_checks(plan, 1) == {"owner": 1, "holder": -1, "rank": 1}
+    for r in (0, 2, 3):  # (rank 1's buddy too: no replica moves)
+        assert restore.transfers(worker(True), plan, r) == ([], [])

@@ -30,14 +30,17 @@ It is the failure protocol (``deadpool.recovery``) entered without a failure, at
               first (a spare died before its first step), they exit on the abort and the next
               plan restores the moved rank from its buddies' replicas, like any failure's
 
+A retiring process that dies after the plan named it fails the spare's receive (a collective
+error): the next plan keeps the spare on the rank and gives it the buddy's replica, no rank lost,
+0 steps recomputed (tests/integration/test_migrate.py, with a spare killed in its receive too).
+
 What it does not do (partial): the coordinator does not watch a retiring process (it is in no
-rank of g+1): one dying after the plan named it fails the spare's receive, and g+1 ends the way
-any failed transfer does (tested only with the spare killed in its receive: the next plan takes
-the buddy's replica to another spare, 0 steps recomputed; a retiring process killed mid-send is
-not tested); a retired process waiting for g+1 is not a source the next plan can use (it reports
-no status); the pause step is still replicated to the buddies (the fallback needs it); a node
-agent left with no process stays up until the job ends. Without node agents (no board to
-push the pause to) nothing migrates: stragglers are only reported and drains refused.
+rank of g+1): one that hangs rather than dies leaves the spare waiting in its receive, which
+only the transfer's own timeouts end (untested); a retired process waiting for g+1 is not a
+source the next plan can use (it reports no status); the pause step is still replicated to the
+buddies (the fallback needs it); a node agent left with no process stays up until the job ends.
+Without node agents (no board to push the pause to) nothing migrates: stragglers are only
+reported and drains refused.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Planned swaps with real processes (recovery/migrate.py): a straggler and a drained node are
 moved to warm spares at a step boundary, no step lost or recomputed, and the final state is
-bitwise equal to a failure-free run of the same seed. Every rank's state is distinct (ZeRO-1
+bitwise equal to a failure-free run of the same seed. The moved rank's state comes from its own
+(retiring) process, which exits only after the spare's first step; a spare or a retiring process
+killed in the transfer falls back to the buddy's replica. Every rank's state is distinct (ZeRO-1
 shards at dp > 1, and at dp2 x tp2 x pp2 each rank's (pp, tp) slice), so a state sent to the
 wrong rank would show."""
 
@@ -108,6 +110,22 @@ def test_a_slow_rank_is_migrated_without_losing_a_step(tmp_path):
     why, t_left = retired_at(tmp_path / "spare_dies", 1)
     assert why.startswith("aborted") and t_left > rec2["t_kill"], (why, t_left, rec2)
     equal, why = compare_final_states(tmp_path / "spare_dies", tmp_path / "ref")
+    assert equal, why
+
+    # the retiring process dies while it sends: the spare's receive fails, and the next plan
+    # keeps the spare on the rank with its buddy's replica (no rank lost, no spare used)
+    kill = "{slot: 1, step: 0, kind: kill, phase: transfer}"
+    s3 = run_job(compose_train(base + [ev.replace("}]", f"}}, {kill}]")], tmp_path / "source_dies"),
+                 log=quiet)
+    assert s3["outcome"] == "completed", s3["message"]
+    moved, rec3 = s3["recoveries"]
+    assert moved["sources"] == {"1": "retiring from slot 1"}, moved
+    assert moved["outcome"].startswith("interrupted") and rec3["failed_slot"] == [], rec3
+    assert rec3["sources"]["1"].startswith("replica from rank 2"), rec3["sources"]
+    assert rec3["steps_recomputed"] == 0 and rec3["resume_step"] == moved["resume_step"], rec3
+    assert {r["slot"] for r in metrics(tmp_path / "source_dies")
+            if r["rank"] == 1 and r["step"] > rec3["resume_step"]} == {4}
+    equal, why = compare_final_states(tmp_path / "source_dies", tmp_path / "ref")
     assert equal, why
 
 

@@ -44,7 +44,6 @@ TEXT_SKIP = ("experiments/results/",)
 RETIRED = {"protocol_wire": "deadpool.store.wire"}
 # files whose stale names a change in flight rewrites (checked apart, as an expected failure):
 # remove an entry once its file passes
-PENDING = {"deadpool/store/protocol.py"}
 
 # Layer of a module: the entry of its longest dotted prefix here (a module may import its own
 # layer or a lower one, never a higher one). Mechanisms are the default for modules of deadpool/
@@ -371,12 +370,7 @@ def test_the_name_check_resolves_modules_names_and_paths(tmp_path):
 
 
 def test_every_named_module_path_exists():
-    files = [p for p in text_files() if str(p.relative_to(ROOT)) not in PENDING]
+    files = list(text_files())
     stale = stale_names(files, _modules(("deadpool",)))
     assert not stale, "names of deadpool modules or paths that do not exist:\n" + "\n".join(stale)
 
-
-@pytest.mark.xfail(reason="PENDING: stale names that a change in flight rewrites", strict=False)
-def test_pending_files_name_existing_module_paths():
-    stale = stale_names([ROOT / f for f in sorted(PENDING)], _modules(("deadpool",)))
-    assert not stale, "\n".join(stale)

@@ -324,7 +324,7 @@ def assign_spares(coord, lost: dict[int, int] | None = None
 def node_of_slot(coord):
     """``slot -> node``: the launcher's map under node agents (``launcher.AgentLauncher``, which
     also knows the nodes of a regrow), else ``slot // parallel.ranks_per_node``, the layout of
-    ``agent.node_slots`` that the local launcher and srun's block distribution (``--slot-from-env``
+    ``topology.node_slots`` that the local launcher and srun's block distribution (``--slot-from-env``
     with ``ranks_per_node`` tasks per node) share."""
     known = getattr(coord.launcher, "node_of_slot", None) or {}
     rpn = coord.dims.ranks_per_node

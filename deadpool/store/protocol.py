@@ -8,7 +8,7 @@ Messages, each a dataclass with its JSON form:
 
     Plan            coordinator -> every process: who is which rank in generation g, where each
                     rank's state comes from (``Source``), which groups survivors keep; on the
-                    wire in full or as a delta against the previous plan (``protocol_wire``)
+                    wire in full or as a delta against the previous plan (``deadpool.store.wire``)
     RankStatus      a process -> coordinator after an abort: what it can resume from
     RankTimings     a rank -> coordinator: when it passed each phase of a recovery
     RecoveryRecord  the coordinator's account of one recovery (summary.json's ``recoveries``)
@@ -80,7 +80,7 @@ class Keys:
 
     @staticmethod
     def plan(generation: int) -> str:
-        """Plan ``generation`` in its wire form (``protocol_wire.encode_plan``): a delta against
+        """Plan ``generation`` in its wire form (``deadpool.store.wire.encode_plan``): a delta against
         the plan written before it (in full for a job's first plan). A process reading plans in
         order decodes it against the plan it holds."""
         return f"plan/{generation}"
@@ -88,7 +88,7 @@ class Keys:
     @staticmethod
     def plan_full(generation: int) -> str:
         """The same plan in full (``encode_plan(plan, None)``), for a process that holds no plan
-        or another one (started later, or ``protocol_wire.BaseMismatch`` on the delta)."""
+        or another one (started later, or ``deadpool.store.wire.BaseMismatch`` on the delta)."""
         return f"plan/{generation}/full"
 
     @staticmethod

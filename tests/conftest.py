@@ -16,8 +16,10 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # an interpreter start and a torch import saved per process, about half of the suite's CPU time on
 # 2 cores. The default (a new interpreter per process) runs in test_agents (which finds processes
 # by command line) and wherever a job starts from the command line: test_experiments, test_slurm,
-# the verify test in test_hotswap.
-FORKED = ["launcher.fork_workers=true"]
+# the verify test in test_hotswap. Their node agents are forks of one zygote (launcher.fork_agents:
+# one more interpreter start and torch import saved per node, ~40 % of a tiny job's CPU) except
+# where the jobs start from the command line without FORKED.
+FORKED = ["launcher.fork_workers=true", "launcher.fork_agents=true"]
 
 # A tiny pipelined job's micro-batches in tests: parallel.microbatches=auto picks >= 9 (pp - 1)
 # (8 at pp=2, batch 8); 4 still runs 1F1B's warm-up, steady and cool-down phases on every stage,

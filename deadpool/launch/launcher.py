@@ -4,7 +4,8 @@
 machine, so process exit is observable (``poll``) and a hung process can be fenced (SIGKILL).
 ``AgentLauncher`` starts one node agent per (simulated) node instead, each the parent of its
 node's processes (new interpreters, or with ``launcher.fork_workers`` forks of the agent:
-``fork_worker``). Under Slurm srun starts the processes (experiments/slurm/): with node agents
+``fork_worker``); the agents themselves are new interpreters, or with ``launcher.fork_agents``
+forks of one pre-imported interpreter (``deadpool.launch.zygote``). Under Slurm srun starts the processes (experiments/slurm/): with node agents
 (``launcher.agents``) ``ExternalAgentLauncher`` knows the nodes but holds no process, and learns
 and fences through the agents' records and the event log; without them ``ExternalLauncher`` has
 no handles: failures are seen through heartbeats and collective errors only, and fencing is a
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from deadpool.launch.procs import job_env, process_stopped, sigkill, start_worker
+from deadpool.launch.zygote import ZygoteChild, ZygoteClient
 from deadpool.store import auth
 from deadpool.store.protocol import JOIN_GENERATION_ENV, Keys
 from deadpool.topology import ParallelDims, node_slots, num_nodes
@@ -150,18 +152,41 @@ class AgentLauncher(Launcher):
         self.nodes = {n: node_slots(cfg, n) for n in range(num_nodes(cfg))}
         self.node_of_slot = {s: n for n, slots in self.nodes.items() for s in slots}
         self.ranks_per_node = ParallelDims.from_config(cfg["parallel"]).ranks_per_node
-        self.agents: dict[int, subprocess.Popen] = {}
+        self.agents: dict[int, subprocess.Popen | ZygoteChild] = {}
         self.fenced: set[int] = set()
+        # launcher.fork_agents: the agents are forks of one zygote (None until the first start;
+        # False once it could not start: Popen from then on)
+        self.zygote = None if cfg["launcher"].get("fork_agents") else False
 
     def start(self, slots: list[int], env: dict | None = None, extra: tuple = ()) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         env = env or job_env(self.secret)
         for node in sorted({self.node_of_slot[s] for s in slots}):
             log = self.run_dir / "logs" / f"agent{node}.log"
-            self.agents[node] = subprocess.Popen(
-                [sys.executable, "-m", "deadpool.agent", "--job", str(self.job_json),
-                 "--node", str(node), *extra],
-                stdout=open(log, "a"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            argv = ["--job", str(self.job_json), "--node", str(node), *extra]
+            self.agents[node] = self._forked(argv, env, log, node)
+            if self.agents[node] is None:
+                self.agents[node] = subprocess.Popen(
+                    [sys.executable, "-m", "deadpool.agent", *argv], stdout=open(log, "a"),
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def _forked(self, argv: list[str], env: dict, log: Path, node: int) -> ZygoteChild | None:
+        """The agent forked by the zygote (started at the first call), or None: no zygote (not
+        asked for, or it failed: said once, and the job's agents are new interpreters)."""
+        try:
+            if self.zygote is None:
+                self.zygote = ZygoteClient(self.job_json, job_env(self.secret),
+                                           self.run_dir / "logs" / "zygote.log")
+            if self.zygote:
+                return self.zygote.spawn("deadpool.agent.__main__", argv, env, log,
+                                         name=f"dp-agent{node}")
+        except Exception as e:
+            print(f"[deadpool] launcher.fork_agents: the zygote failed ({type(e).__name__}: {e}); "
+                  "node agents start as new interpreters", file=sys.stderr, flush=True)
+            if self.zygote:
+                self.zygote.close(timeout_s=5.0)
+            self.zygote = False
+        return None
 
     def add_slots(self, n: int, generation: int) -> list[int]:
         """New nodes (``ranks_per_node`` slots each), each with its own agent that follows the
@@ -223,6 +248,8 @@ class AgentLauncher(Launcher):
             except subprocess.TimeoutExpired:
                 self.kill_node(node)
                 p.wait()
+        if self.zygote:  # its agents have exited: it follows them
+            self.zygote.close()
 
     def log_tail(self, slot: int, lines: int = 20) -> str:
         try:

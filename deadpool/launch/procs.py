@@ -132,7 +132,8 @@ def fork_main(main, argv: list[str], log: Path, env: dict, preexec_fn=None,
     """Fork this process and run ``main(argv)`` in the child as ``python -m`` would run it in a
     new interpreter: stdout and stderr appended to ``log``, no descriptor of the parent's kept,
     ``env`` as its whole environment, a session of its own (or ``preexec_fn``), default signal
-    handlers; an exception is printed and exits 1, ``SystemExit`` exits with its code, and the
+    handlers; an exception is printed and exits 1, ``SystemExit`` exits with its code (so does an
+    int that ``main`` returns), and the
     child never returns into the caller's code. ``module.T_EXEC`` (the worker's start time) is set
     to ``t_exec``. Its command line stays the parent's; ``name`` becomes its process name (``ps
     -o comm``, ``/proc/<pid>/comm``, 15 characters at most).
@@ -177,8 +178,8 @@ def fork_main(main, argv: list[str], log: Path, env: dict, preexec_fn=None,
         if module is not None:
             module.T_EXEC = time.time() if t_exec is None else t_exec
         sys.argv = [getattr(module, "__file__", "") or sys.argv[0], *argv]
-        main(argv)
-        code = 0
+        code = main(argv)  # (an int: the exit status, as ``python -m``'s ``sys.exit(main())``)
+        code = code if isinstance(code, int) else 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0

@@ -37,7 +37,7 @@ from deadpool.policies import SPARE_POLICIES, make_policy
 from deadpool.rank.groups import keepable_keys
 from deadpool.rank.strategies import strategy_of
 from deadpool.recovery import (detect, disk, elastic, fallbacks, finish, migrate, plan, preempt,
-                               rollback, timeline)
+                               rollback, suspicion, timeline)
 from deadpool.settings import layout_cfg
 from deadpool.store import reports
 from deadpool.store.protocol import Keys, Plan, RecoveryRecord, Seal, Source, announce_abort, finished_key
@@ -122,6 +122,8 @@ class Coordinator(Observer):
         self._beating = threading.Thread(target=self._beat, name="coordinator-heartbeat",
                                          daemon=True)
         self.migrations = migrate.Migrations(self)  # stragglers and drains (recovery.migrate)
+        # liveness-only suspects whose fencing would lose a copy get a second look (detect)
+        self.suspicion = suspicion.for_coordinator(self)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _set_cfg(self, cfg: dict) -> None:

@@ -161,6 +161,8 @@ def write_outputs(cfg: dict, coord, run_dir: Path, wall_s: float) -> dict:
         },
         "recoveries": [r.to_dict() for r in coord.recoveries],
         "stop": getattr(coord, "stop_record", None),  # a signal's stop (recovery.preempt)
+        # liveness-only suspicions held back, as they ended (recovery.suspicion)
+        "liveness_held_back": getattr(getattr(coord, "suspicion", None), "held", []),
         # from the ranks' own digests (checkpoint.final): nothing read back from disk
         "final_digest": final_digest(finals, coord.dims.world_size),
         # bytes of the final checkpoint's files, every rank's part (checkpoint.final)

@@ -48,6 +48,10 @@ Kinds::
     slow       from step ``step`` on, this process sleeps ``delay_s`` in every step, counted as
                its own compute (a throttled GPU: ``deadpool.rank.straggler``); it stays with the
                process, so the spare that takes its rank over is not slow (``phase`` optional)
+    stall      the thread that reached the phase sleeps ``delay_s`` once, then goes on, while
+               the heartbeat thread keeps beating (a transient hiccup: a GC pause, a file-system
+               stall); in a phase that must progress, longer than ``ft.progress_timeout_s`` it
+               looks like a hang to the progress watchdog (a false detection to survive)
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class Fault(str, enum.Enum):
     CORRUPT = "corrupt"
     SPIKE = "spike"
     SLOW = "slow"
+    STALL = "stall"
 
 
 class InjectedFault(RuntimeError):
@@ -93,7 +98,7 @@ class FaultEvent:
     phase: str
     kind: Fault
     slot: int | None = None
-    delay_s: float = 0.0  # a ``slow`` fault's sleep per step
+    delay_s: float = 0.0  # a ``slow`` fault's sleep per step; a ``stall``'s one sleep
 
     @classmethod
     def from_cfg(cls, d) -> "FaultEvent":
@@ -175,6 +180,8 @@ class FaultInjector:
                 time.sleep(3600)
         elif ev.kind is Fault.SLOW:
             self.delay_s = ev.delay_s
+        elif ev.kind is Fault.STALL:
+            time.sleep(ev.delay_s)  # this thread only; the heartbeat beats on
         elif ev.kind is Fault.CORRUPT:
             in_step = ev.phase in TRAIN_PHASES and ev.phase not in ("snapshot_copy", "replication")
             hook = self.on_flip if in_step else self.on_corrupt

@@ -51,6 +51,9 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
     for slot in hung:
         if slot in by_slot:
             failed.setdefault(by_slot[slot], "progress")
+    held = getattr(coord, "suspicion", None)  # liveness-only suspects that would cost a copy
+    if held is not None:
+        failed = held.filter(failed, members.ranks.__getitem__, coord.gen)
     if not failed and _collective_error(coord, keys):
         for rank in _crash_reports(coord, members.ranks):
             failed[rank] = "exception"
@@ -148,13 +151,16 @@ def check_spares(coord) -> None:
 
 def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, RankStatus]:
     """Wait for every process of the aborted generation to report; whoever dies, stops or
-    stays silent past ``status_timeout_s`` is declared failed (added to ``failed``) and fenced."""
+    stays silent past ``status_timeout_s`` is declared failed (added to ``failed``) and fenced,
+    unless the silent ones still beat and hold the only copies of some rank's state: then they
+    get one more hold window (``suspicion.Suspicions.status_grace``)."""
     ranks, launcher = coord.members.ranks, coord.launcher
     deadline = time.monotonic() + float(coord.ft["status_timeout_s"])
     statuses: dict[int, RankStatus] = {}
     pending = coord.rank_reports(keys, "status", [r for r in ranks if r not in failed],
                                  lambda who: forged(coord, f"status for {who}"))
     by_slot = {s: r for r, s in ranks.items()}
+    held, graced = getattr(coord, "suspicion", None), False
     while True:
         coord.read_heartbeats()
         for rank, text in pending.poll().items():
@@ -182,6 +188,10 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
             pending.forget(failed)
         if len(statuses) + len(failed) >= len(ranks):
             return statuses
+        if time.monotonic() > deadline and not graced and held is not None:
+            graced = True  # once: silent but beating ranks that hold the only copies
+            silent = [r for r in ranks if r not in failed and r not in statuses]
+            deadline += held.status_grace(statuses, silent, ranks.__getitem__)
         if time.monotonic() > deadline:
             for rank, slot in ranks.items():
                 if rank not in failed and rank not in statuses:

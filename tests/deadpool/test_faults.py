@@ -52,3 +52,14 @@ def test_a_stop_agent_fault_stops_the_node_agent_and_not_the_process(monkeypatch
     monkeypatch.setenv(NODE_DIR_ENV, "/nonexistent")
     inj.fire(2, "mid_step")
     assert sent == [(os.getppid(), signal.SIGSTOP)]
+
+
+def test_a_stall_sleeps_its_thread_once_and_goes_on(monkeypatch):
+    slept = []
+    monkeypatch.setattr("deadpool.rank.faults.time.sleep", slept.append)
+    inj = FaultInjector([{"rank": 1, "step": 3, "phase": "forward", "kind": "stall",
+                          "delay_s": 5}], slot=1)
+    inj.set_rank(1)
+    for step in range(6):
+        inj.fire(step, "forward")  # returns: the thread goes on (a hang never would)
+    assert slept == [5.0]

@@ -21,7 +21,8 @@ from pathlib import Path
 from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NODE_DIR_ENV,
                                   NODE_INDEX_ENV, Doorbell, NodeBoard, open_doorbell, ring,
                                   waker_name)
-from deadpool.agent.files import CRASH, file_context, plan_file, read_file, report_file, write_whole
+from deadpool.agent.files import (CRASH, file_context, plan_file, read_file, report_path,
+                                  write_whole)
 from deadpool.rank.watchdog import Progress
 from deadpool.store import auth, reports
 from deadpool.store.protocol import Keys, Seal
@@ -34,7 +35,7 @@ def write_report(board, node_dir: Path, index: int, generation: int, kind: str, 
     process of that record is the count's only writer)."""
     seal = seal or Seal(None)
     n = board.reports(index) + 1
-    path = report_file(node_dir, index, n)
+    path = report_path(os.fspath(node_dir), index, n)
     write_whole(path, seal.wrap(file_context(path), json.dumps(
         {"g": generation, "kind": kind, "rank": rank, "text": text})))
     board.set_reports(index, n)

@@ -17,22 +17,30 @@ CRASH = "crash"  # a report kind the agent posts at once under the process's own
 def write_whole(path: Path, text: str) -> None:
     """Write ``path`` so that a reader sees all of ``text`` or no file (never through a link:
     the temporary file is created anew, ``O_EXCL | O_NOFOLLOW``)."""
-    tmp = path.with_suffix(".tmp")
+    path = os.fspath(path)  # (strings, not pathlib, on this path: a recovery writes one per rank)
+    tmp = os.path.splitext(path)[0] + ".tmp"
     try:
-        tmp.unlink()
+        os.unlink(tmp)
     except FileNotFoundError:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    try:
+        os.write(fd, text.encode("utf-8"))
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
 def read_file(path: Path) -> str:
     """A node file's text, never through a symbolic link."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd) as f:
-        return f.read()
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8")
 
 
 def plan_file(node_dir: Path, generation: int) -> Path:
@@ -43,13 +51,18 @@ def plan_file(node_dir: Path, generation: int) -> Path:
 def report_file(node_dir: Path, index: int, n: int) -> Path:
     """The ``n``-th report of the process of local record ``index`` (``agent.client.NodeLink
     .report``): JSON ``{"g", "kind", "rank", "text"}``, sealed (``file_context``)."""
-    return Path(node_dir) / f"report-{index}-{n}.json"
+    return Path(report_path(os.fspath(node_dir), index, n))
+
+
+def report_path(node_dir: str, index: int, n: int) -> str:
+    """``report_file`` as a string (the reports' own path: no pathlib per report)."""
+    return f"{node_dir}/report-{index}-{n}.json"
 
 
 def file_context(path: Path) -> str:
     """The seal context of a node file: its name (a sealed plan or report cannot be replayed
     under another name; the directory is private to the job's user, ``agent.shm``)."""
-    return f"node-file/{Path(path).name}"
+    return f"node-file/{os.path.basename(path)}"
 
 
 def read_report(path: Path, seal, on_forged=None) -> dict | None:
@@ -57,13 +70,13 @@ def read_report(path: Path, seal, on_forged=None) -> dict | None:
     not JSON, or fails its seal (``on_forged(name)`` is then called)."""
     try:
         raw = read_file(path)
-        path.unlink()
+        os.unlink(path)
     except OSError:
         return None  # (the rank writes the file before the word: not expected)
     text = seal.open(file_context(path), raw)
     if text is None:
         if on_forged is not None:
-            on_forged(path.name)
+            on_forged(os.path.basename(path))
         return None
     try:
         return json.loads(text)

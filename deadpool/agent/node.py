@@ -46,13 +46,14 @@ per node and kind of report instead of one per rank.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
 
 from deadpool.agent.board import COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NodeBoard
 from deadpool.agent.files import (CRASH, file_context, plan_file, read_file,  # noqa: F401
-                                  read_report, report_file, write_whole)
+                                  read_report, report_file, report_path, write_whole)
 from deadpool.control.liveness import Liveness
 from deadpool.launch.procs import process_stopped
 from deadpool.rank.watchdog import IDLE, PEER_WAIT
@@ -292,12 +293,12 @@ class NodeAgent:
         one more arrives). Reports of generations two behind the newest are dropped, and so is
         a file that fails its seal (``on_forged``). A crash report goes out at once as
         ``crash/<slot>`` of the process that wrote it (``client.report_crash``)."""
-        crashes = {}
+        crashes, where = {}, os.fspath(self.node_dir)
         with self.lock:
             for i in range(self.board.num_slots):
                 n, done = self.board.reports(i), self._reports_read.get(i, 0)
                 for k in range(done + 1, n + 1):
-                    r = read_report(report_file(self.node_dir, i, k), self.seal, self.on_forged)
+                    r = read_report(report_path(where, i, k), self.seal, self.on_forged)
                     if r is None or r["kind"] == CRASH:
                         if r is not None:
                             crashes[self.slots[i]] = r["text"]

@@ -138,7 +138,7 @@ def namespace(secret: str) -> str:
 def _tag(secret: str, text: str, context: str) -> str:
     ctx = context.encode("utf-8")
     msg = len(ctx).to_bytes(4, "big") + ctx + text.encode("utf-8")
-    return hmac.new(_derive(secret, b"seal"), msg, hashlib.sha256).hexdigest()
+    return hmac.digest(_derive(secret, b"seal"), msg, "sha256").hex()  # (one-shot: C, no object)
 
 
 def seal(secret: str, text: str, *, context: str = "") -> str:

@@ -169,7 +169,8 @@ class ZygoteClient:
     zygote's stdin and waits for it: it exits once its agents have. The zygote must be closed
     only after the launcher has waited for its agents."""
 
-    def __init__(self, job_json: Path, env: dict, log: Path, ready_timeout_s: float = 300.0):
+    def __init__(self, job_json: Path, env: dict, log: Path, ready_timeout_s: float = 300.0,
+                 preload: tuple = PRELOAD):
         self.cond = threading.Condition()
         self.children: dict[int, ZygoteChild] = {}
         self.exits: dict[int, int] = {}  # reported before the start line was read
@@ -177,7 +178,8 @@ class ZygoteClient:
         self.lost, self.ready, self.next_id = False, False, 0
         with open(log, "a") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "deadpool.launch.zygote", "--job", str(job_json)],
+                [sys.executable, "-m", "deadpool.launch.zygote", "--job", str(job_json),
+                 "--preload", ",".join(preload)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                 start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True, name="zygote-reader")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 import torch.nn as nn
 
 from deadpool.model import (GPT, RMSNorm, check_activation_checkpointing, init_values_,
@@ -36,6 +37,12 @@ from deadpool.parallel.tensor.layers import (ColumnParallelLinear, ParallelBlock
                                              VocabParallelEmbedding, shard)
 from deadpool.parallel.tensor.ops import copy_to_tp, vocab_parallel_cross_entropy
 from deadpool.topology import layer_chunks, layer_range  # noqa: F401 (layer_range re-exported)
+
+# Stages are built on the meta device first (``empty_stage``), where torch's parameter init runs
+# Python meta kernels that import torch._dynamo on first use: about 1 s of CPU. Imported with
+# this module instead, a process that forks ranks after importing the worker (a node agent under
+# ``launcher.fork_workers``, the launcher's zygote) pays it once for all of them, not once per
+# rank; a new interpreter pays it as before. The import starts no thread.
 
 
 class StageModel(nn.Module):

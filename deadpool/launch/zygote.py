@@ -179,7 +179,9 @@ class ZygoteClient:
         with open(log, "a") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "deadpool.launch.zygote", "--job", str(job_json),
-                 "--preload", ",".join(preload)],
+                 # (the default unnamed: a search for agents or ranks by command line must not
+                 # find the zygote)
+                 *(["--preload", ",".join(preload)] if preload != PRELOAD else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
                 start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True, name="zygote-reader")

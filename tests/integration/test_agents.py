@@ -62,6 +62,8 @@ def agent_pid(run_dir: Path, node: int) -> int | None:
     for pid in job_processes(run_dir):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"dp-agent{node}":
+                return pid  # forked by the zygote (launcher.fork_agents): its name tells
         except OSError:
             continue
         if b"deadpool.agent" in argv and argv[argv.index(b"--node") + 1] == str(node).encode():

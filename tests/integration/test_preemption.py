@@ -70,14 +70,22 @@ class Job:
         raise AssertionError(f"no step {step} within {timeout_s} s:\n{self.out}")
 
     def agents(self) -> list[int]:
-        """The node agents: the job process's children (forked ranks are the agents')."""
-        found = []
+        """The node agents: the job process's children (forked ranks are the agents'), or with
+        launcher.fork_agents its zygote's (named dp-agent<n>)."""
+        parent, found = {}, []
         for d in Path("/proc").iterdir():
             try:
-                if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                        == self.p.pid and b"deadpool.agent" in (d / "cmdline").read_bytes():
-                    found.append(int(d.name))
+                if d.name.isdigit():
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError):
+                pass
+        for pid, ppid in parent.items():
+            try:
+                if (ppid == self.p.pid and b"deadpool.agent" in Path(f"/proc/{pid}/cmdline")
+                        .read_bytes()) or (parent.get(ppid) == self.p.pid and Path(
+                        f"/proc/{pid}/comm").read_text().startswith("dp-agent")):
+                    found.append(pid)
+            except OSError:
                 pass
         return found
 

@@ -44,7 +44,9 @@ Kinds::
     exception  raise in the thread that reached the phase (the step, or a helper thread)
     hang       that thread sleeps forever while the process and its heartbeat live on
                (a stuck kernel or collective: only the progress watchdog can see it)
-    corrupt    flip bytes in the replicas this process holds (caught by the checksum when used)
+    corrupt    flip bytes in the replicas this process holds (caught by the checksum when used);
+               in a step phase, one parameter bit: ``where: shard_copy`` (default) a copy of a
+               dp peer's shard, ``where: tp_replicated`` a norm weight (``recovery.integrity``)
     slow       from step ``step`` on, this process sleeps ``delay_s`` in every step, counted as
                its own compute (a throttled GPU: ``deadpool.rank.straggler``); it stays with the
                process, so the spare that takes its rank over is not slow (``phase`` optional)
@@ -99,6 +101,7 @@ class FaultEvent:
     kind: Fault
     slot: int | None = None
     delay_s: float = 0.0  # a ``slow`` fault's sleep per step; a ``stall``'s one sleep
+    where: str = ""       # a ``corrupt`` fault's parameter in a step: "" / shard_copy, tp_replicated
 
     @classmethod
     def from_cfg(cls, d) -> "FaultEvent":
@@ -108,8 +111,11 @@ class FaultEvent:
         rank, slot = d.get("rank"), d.get("slot")
         if (rank is None) == (slot is None):
             raise ValueError(f"fault {dict(d)} must name exactly one of rank or slot")
+        where = str(d.get("where") or "")
+        if where not in ("", "shard_copy", "tp_replicated"):
+            raise ValueError(f"fault where {where!r} is not shard_copy or tp_replicated")
         return cls(None if rank is None else int(rank), int(d["step"]), phase, Fault(str(d["kind"])),
-                   None if slot is None else int(slot), float(d.get("delay_s", 0.0)))
+                   None if slot is None else int(slot), float(d.get("delay_s", 0.0)), where)
 
     @property
     def key(self) -> str:
@@ -185,6 +191,7 @@ class FaultInjector:
         elif ev.kind is Fault.CORRUPT:
             in_step = ev.phase in TRAIN_PHASES and ev.phase not in ("snapshot_copy", "replication")
             hook = self.on_flip if in_step else self.on_corrupt
+            self.where = ev.where  # read by on_flip
             if hook is not None:
                 hook()
         elif ev.kind is Fault.SPIKE:

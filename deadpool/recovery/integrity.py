@@ -21,6 +21,22 @@ live state could tell; the snapshot keeps the evidence. On a mismatch::
                          again, a rank whose re-run differs from its remembered checksum names
                          itself and is swapped out as above (the peers' re-runs agree then)
 
+Tensor-parallel peers must hold the same bits of the parameters each holds whole (the RMSNorm
+weights, ``tensor.layers.tp_replicated``). A rank with tp > 1 also compares, in the same place
+and on the same sync, the XXH3-64 of those elements of its previous snapshot's host copy (tiny)
+with its tp peers': one all-reduce of ``2 x tp`` int64 over the job's own tp group. Only this
+sees a corruption of one tp rank's norm weights that its dp peers share (a corrupt norm gradient
+averaged over dp), and it is the only comparison at dp 1. It is judged like dp: a strict
+majority names the ranks off it, no majority (tp 2) re-runs and the rank whose re-run differs
+names itself. A rank's verdict joins both groups' (``verdict``: one report, a rank named by
+either is a culprit). A rank named by a tp majority is resumed from the newest agreed snapshot,
+not the disputed one: its dp peers may hold the same corrupt norms, or at dp 1 its buddy's
+replica of the disputed step holds them. The coordinator acts on one rank's report (the lowest
+rank's, ``rollback.poll``); ranks of other groups may have reported differently (a dp majority
+beside a tp dispute): either way the job resumes from a snapshot every group agreed on or from
+the majority's, and every reporting rank remembers its checksums, so a rank sent back before the
+disputed step names itself when its re-run differs.
+
 Spikes (``recovery.spike``): the rank that sees a non-finite or outlying loss / gradient norm
 names no one; the job rolls back to the newest snapshot at or before that step, whose batch is
 added to the skip list every rank reads from then on (``detected_by: spike``).
@@ -31,8 +47,9 @@ rank waits for the abort rather than snapshot over the evidence. The coordinator
 ``poll``, ``restrict``, ``open_record``, called from ``Coordinator.recover``) caps every survivor's steps at
 the resume step it chose, so ``plan.decide`` can only pick that step or an older one.
 
-Partial: tensor-parallel replicated norm weights are not compared across tp (each tp rank's
-parameters are hashed as one region); a corruption of this rank's own ZeRO shard of the
+Partial: compared are the parameters over dp and the tp-replicated norm weights over tp; the
+optimizer state (moments, fp32 master shard) is never compared (nothing else holds it); the
+tp-sharded parameters have no peer to compare with at dp 1; a corruption of this rank's own ZeRO shard of the
 parameters is all-gathered to every peer and is invisible to any comparison (as with every
 checksum scheme: only a re-run could see it); ``ft.replicate=full`` replicas of a named rank at
 the disputed step are marked bad (they hold its corrupt parameters), so the plan takes an older
@@ -47,7 +64,9 @@ import time
 
 import torch
 
+from deadpool.parallel.tensor.layers import tp_replicated
 from deadpool.recovery.spike import SpikeRule, add_skip, position
+from deadpool.snapshot.layout import checksum
 from deadpool.store import reports
 from deadpool.store.protocol import Seal, wake_coordinator
 
@@ -68,6 +87,38 @@ def judge(crcs: list[int | None]) -> tuple[bool, list[int] | None]:
     if known.count(top) * 2 <= len(known):
         return False, None
     return False, [i for i, c in enumerate(crcs) if c is not None and c != top]
+
+
+GROUP_WHAT = {"dp": "data-parallel peers", "tp": "tensor-parallel peers"}
+
+
+def verdict(results: dict[str, tuple[list[int], list]], step: int):
+    """One rank's verdict on its groups' comparisons of ``step``: ``results`` maps "dp" / "tp" to
+    ``(group ranks, [checksum or None per member])``. Returns None when every group agrees, else
+    ``(culprits, older, why)``: the global ranks named by any group's strict majority (a rank
+    named by either is a culprit), ``older`` (the job must resume from the newest agreed
+    snapshot rather than the disputed one: some group had no majority, or a tp group named a
+    rank, whose snapshot of ``step`` may not be trusted: see ``Guard._judge``) and the reason."""
+    named: set[int] = set()
+    older, whys = False, []
+    for group, (ranks, crcs) in results.items():
+        agree, off = judge(crcs)
+        if agree:
+            continue
+        what = GROUP_WHAT.get(group, f"{group} peers")
+        if off is None:
+            older = True
+            whys.append(f"{what} {ranks} differ at step {step}, no majority")
+            continue
+        names = [ranks[i] for i in off]
+        named.update(names)
+        older = older or group != "dp"
+        part = "tensor-parallel-replicated parameters" if group == "tp" else "parameters"
+        whys.append(f"{what} {ranks} differ at step {step}: {part} of ranks {names} differ "
+                    "from the majority")
+    if not whys:
+        return None
+    return sorted(named), older, "; ".join(whys)
 
 
 def _signed(u: int) -> int:
@@ -92,11 +143,13 @@ class Guard:
         self.seal = getattr(injector, "seal", None) or Seal(None)  # the reports are sealed
         self.prev: int | None = None    # the previous snapshot of this generation (to compare)
         self.agreed: int | None = None  # newest step the group agreed on (or the resume step)
-        self.disputed: dict[int, int] = {}  # step -> own shared checksum the peers disputed
+        self.disputed: dict[int, dict] = {}  # step -> own checksums ({"dp": .., "tp": ..}) disputed
         self.flip = self.spike = False  # armed faults (rank/faults.py: corrupt in the step, spike)
         self.check_s = 0.0              # time spent comparing (metrics: integrity_check_s)
-        self.pending = None             # (all-reduce result, step): posted before the step's sync
-        injector.on_flip = lambda: setattr(self, "flip", True)
+        self.pending = None             # ({group: (all-reduce result, own crc)}, step): posted
+        self._runs = (None, [])         # (optimizer, its tp-replicated element ranges)
+        # a corrupt fault's ``where`` (rank/faults.py): a copy of a peer's shard or a norm weight
+        injector.on_flip = lambda: setattr(self, "flip", getattr(injector, "where", "") or FLIP_SHARD)
         injector.on_spike = lambda: setattr(self, "spike", True)
 
     def position(self, step: int) -> int:
@@ -122,8 +175,14 @@ class Guard:
         it at the same steps."""
         t0 = time.perf_counter()
         self.pending = None
-        if snapshot_next and self.compare and self.prev is not None and comm.has("dp"):
-            self.pending = (*self._post(tr, comm, self.prev), self.prev)
+        if snapshot_next and self.compare and self.prev is not None:
+            posted = {}
+            if comm.has("dp"):
+                posted["dp"] = self._post(tr, comm, "dp", own_crc(tr.engine, self.prev))
+            runs = self.replicated(tr) if comm.has("tp") else []
+            if runs:  # the same on every tp peer: one stage's parameters
+                posted["tp"] = self._post(tr, comm, "tp", own_tp_crc(tr.engine, self.prev, runs))
+            self.pending = (posted, self.prev) if posted else None
         self.check_s = time.perf_counter() - t0
 
     def at_snapshot(self, tr, comm) -> None:
@@ -131,48 +190,54 @@ class Guard:
         flip to the state about to be snapshotted."""
         t0 = time.perf_counter()
         if self.pending is not None:
-            (t, mine, step), self.pending = self.pending, None
-            self._judge(tr, comm, step, mine, t.cpu().tolist())
+            (posted, step), self.pending = self.pending, None
+            self._judge(tr, comm, step, {g: (mine, t.cpu().tolist())
+                                         for g, (t, mine) in posted.items()})
         self.check_s += time.perf_counter() - t0
         if self.flip:
-            self.flip = False
-            flip_param_bit(tr.opt)
+            where, self.flip = self.flip, False
+            flip_param_bit(tr.opt, where, self.replicated(tr))
         self.prev = tr.step
 
-    def _post(self, tr, comm, step: int) -> tuple[torch.Tensor, int | None]:
-        ranks = comm.group_ranks["dp"]
-        mine = own_crc(tr.engine, step)
+    def replicated(self, tr) -> list[tuple[int, int]]:
+        """The element ranges of ``tr.opt.flat_params`` every tp rank holds whole (cached)."""
+        if self._runs[0] is not tr.opt:
+            self._runs = (tr.opt, replicated_runs(tr.stage, tr.opt))
+        return self._runs[1]
+
+    def _post(self, tr, comm, group: str, mine: int | None) -> tuple[torch.Tensor, int | None]:
+        ranks = comm.group_ranks[group]
         t = torch.zeros(len(ranks), 2, dtype=torch.int64)
         if mine is not None:
             t[ranks.index(comm.topo.rank)] = torch.tensor([1, _signed(mine)])
         t = t.to(tr.device)
-        comm.allreduce(t, "dp")
+        comm.allreduce(t, group)
         return t, mine
 
-    def _judge(self, tr, comm, step: int, mine: int | None, rows: list) -> None:
-        ranks = comm.group_ranks["dp"]
-        crcs = [c if ok else None for ok, c in rows]
-        agree, culprits = judge(crcs)
+    def _judge(self, tr, comm, step: int, got: dict) -> None:
+        """``got``: group -> (own checksum, all-reduced rows). One report at most."""
+        mine = {g: _signed(m) for g, (m, _) in got.items() if m is not None}
+        found = verdict({g: (comm.group_ranks[g], [c if ok else None for ok, c in rows])
+                         for g, (_, rows) in got.items()}, step)
         if step in self.disputed:  # the replay of a disputed step: does it differ from itself?
             before = self.disputed.pop(step)
-            if mine is not None and _signed(mine) != before:
+            if any(g in mine and mine[g] != c for g, c in before.items()):
                 self._report(tr, comm, "corruption", step, culprits=[comm.topo.rank], cap=step,
                              why=f"its re-run of step {step} differs from its first run")
-            if agree:
-                self.agreed = step
-                return
-        if agree:
+        if found is None:
             self.agreed = step
             return
-        if culprits is None:  # no majority: re-run both from the newest agreed snapshot
-            if mine is not None:
-                self.disputed[step] = _signed(mine)
-            self._report(tr, comm, "corruption", step, culprits=[], cap=self.agreed,
-                         why=f"data-parallel peers {ranks} disagree at step {step}, no majority")
-        else:
-            self._report(tr, comm, "corruption", step, culprits=[ranks[i] for i in culprits],
-                         cap=step, why=f"parameters of ranks {[ranks[i] for i in culprits]} "
-                                       f"differ from the majority of {ranks} at step {step}")
+        # remembered whatever the verdict: the coordinator acts on one rank's report, which may
+        # send this rank back before ``step`` too (a re-run that differs then names it)
+        self.disputed[step] = mine
+        culprits, older, why = found
+        # a data-parallel majority: resume from the disputed step (the majority's parameters, the
+        # culprit's optimizer shard from its buddy). Otherwise from the newest agreed snapshot:
+        # with no majority nobody knows which copy is right, and a rank a tp group names may
+        # have its dp peers corrupt alike (a corrupt norm gradient is averaged over dp) or no dp
+        # peer at all (its replica of ``step`` would hold its corrupt parameters)
+        self._report(tr, comm, "corruption", step, culprits=culprits,
+                     cap=self.agreed if older else step, why=why)
 
     # -- spikes --------------------------------------------------------------------------------------
     def after_step(self, tr, comm, s: int, loss: float | None, norm: float | None) -> None:
@@ -212,15 +277,56 @@ def own_crc(engine, step: int) -> int | None:
     return None
 
 
-def flip_param_bit(opt) -> None:
+def own_tp_crc(engine, step: int, runs: list[tuple[int, int]]) -> int | None:
+    """This rank's checksum of the tensor-parallel-replicated elements (``runs`` of the flat
+    parameters) in its snapshot of ``step`` (host copy, once copied), or None as ``own_crc``."""
+    for slot in engine.slots:
+        if slot.step == step:
+            slot.copied.wait()
+            if slot.step != step:
+                return None
+            e = next(e for e in engine.layout.entries if e.name == "params")
+            size = e.dtype.itemsize
+            parts = [slot.flat[e.offset + a * size:e.offset + b * size] for a, b in runs]
+            return checksum(torch.cat(parts))
+    return None
+
+
+def replicated_runs(stage, opt) -> list[tuple[int, int]]:
+    """``[(a, b), ...]``: the element ranges of ``opt.flat_params`` held by parameters every tp
+    rank holds whole (``tensor.layers.tp_replicated``: the norms), adjacent ones merged."""
+    at = {id(p): off for p, off in zip(opt.params, opt.offsets)}
+    runs: list[tuple[int, int]] = []
+    for a, b in sorted((at[id(p)], at[id(p)] + p.numel()) for n, p in stage.named_parameters()
+                       if tp_replicated(n) and id(p) in at):
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    return runs
+
+
+FLIP_SHARD, FLIP_TP = "shard_copy", "tp_replicated"  # a ``corrupt`` fault's ``where``
+
+
+def flip_param_bit(opt, where: str = FLIP_SHARD, runs=()) -> None:
     """Fault injection (``corrupt`` in the step): flip the lowest mantissa bit of one parameter
-    element this rank holds as a copy of a peer's shard (its own shard is its master weights in
-    fp32, which the all-gather would hand to every peer: no comparison could see that)."""
+    element. ``shard_copy``: one this rank holds as a copy of a peer's shard (its own shard is
+    its master weights in fp32, which the all-gather would hand to every peer: no comparison
+    could see that). ``tp_replicated``: one of a tp-replicated parameter (``runs``, a norm), out
+    of the owned shard when it can be (at dp 1 its master weight: the flip stays), which only
+    its tensor-parallel peers can tell from theirs."""
     flat = opt.flat_params
     lo, hi = opt.shard_range if opt.shard else (0, 0)
-    i = 0 if lo > 0 or not opt.shard else hi  # the first element outside the owned shard
-    if i >= opt.numel:
-        i = 0
+    if where == FLIP_TP:
+        if not runs:
+            raise ValueError("corrupt where=tp_replicated: this stage has no replicated parameter")
+        i = next((j for a, b in runs for j in (a, max(a, hi)) if j < b and not lo <= j < hi),
+                 runs[0][0])
+    else:
+        i = 0 if lo > 0 or not opt.shard else hi  # the first element outside the owned shard
+        if i >= opt.numel:
+            i = 0
     with torch.no_grad():
         bits = flat[i:i + 1].view(torch.int16 if flat.element_size() == 2 else torch.int32)
         bits ^= 1

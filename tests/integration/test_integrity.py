@@ -1,7 +1,8 @@
 """Silent data corruption and loss spikes with real processes (deadpool/recovery/integrity.py).
 
 ``corrupt`` flips one bit of a parameter a rank holds as a copy of a data-parallel peer's ZeRO
-shard; nothing fails, so only the peers' snapshot checksums can see it. ``spike`` makes a rank's
+shard, or (``where: tp_replicated``) of a norm weight every tensor-parallel rank holds whole;
+nothing fails, so only the peers' snapshot checksums (dp, tp) can see it. ``spike`` makes a rank's
 loss non-finite. Each run ends bitwise equal to a failure-free run of the same seed (for a
 spike: one given the same skipped batch), with every rank's state distinct (ZeRO on, dp > 1:
 the optimizer shards differ), so a state routed to the wrong rank or a corruption left in fails.
@@ -24,6 +25,7 @@ DP4 = ["model=tiny", "parallel=dp4", "num_steps=8", "ft.num_spares=1", "log_ever
 DP2 = ["model=tiny", "parallel=dp2", "num_steps=8", "ft.num_spares=1", "log_every_steps=0"]
 D3 = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=8", "ft.num_spares=1",
       "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
+TP2_PP2 = D3 + ["parallel.dp=1"]  # no data-parallel peer: only the tp comparison can see a flip
 
 
 def run(args, run_dir):
@@ -32,8 +34,9 @@ def run(args, run_dir):
     return summary
 
 
-def corrupt(rank: int, step: int) -> str:
-    return f"faults.events=[{{rank: {rank}, step: {step}, phase: optimizer, kind: corrupt}}]"
+def corrupt(rank: int, step: int, where: str = "shard_copy") -> str:
+    return (f"faults.events=[{{rank: {rank}, step: {step}, phase: optimizer, kind: corrupt, "
+            f"where: {where}}}]")
 
 
 @pytest.mark.slow
@@ -68,6 +71,27 @@ def test_corruption_at_dp2_tp2_pp2_is_found_by_re_running_and_the_state_matches(
     assert swap["detected_by"] == "corruption" and swap["failed_rank"] == 5
     assert swap["spare_slot"] == 8 and swap["outcome"] == "hot-swapped"
     equal, why = compare_final_states(tmp_path / "run", tmp_path / "ref")
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_a_flipped_norm_at_tp2_pp2_is_found_by_its_tp_peer_re_run_and_the_state_matches(
+        tmp_path, failure_free):
+    """dp 1 x tp 2 x pp 2: rank 3 (stage 1, tp rank 1) flips a bit of a norm weight, which
+    every tp rank holds whole, after step 3 (state 4, snapshotted; at dp 1 it is its master
+    weight, so the flip stays). No dp group exists; the tp pair (2, 3) compares the norms of
+    snapshot 4 at the next snapshot, has no majority, and both re-run from the newest agreed
+    snapshot; rank 3's re-run differs from its first run, it names itself and the spare takes
+    its rank from its buddy's replica of the re-run step 4. Every rank's state is its own
+    model shard (distinct), so a wrong route or a flip left in fails the comparison."""
+    ref_dir, _ = failure_free(TP2_PP2)
+    s = run(TP2_PP2 + [corrupt(3, 3, where="tp_replicated")], tmp_path / "run")
+    dispute, swap = s["recoveries"]
+    assert dispute["detected_by"] == "corruption" and dispute["failed_rank"] == []
+    assert dispute["failed_at_step"] == 4 and dispute["resume_step"] < 4
+    assert swap["detected_by"] == "corruption" and swap["failed_rank"] == 3
+    assert swap["spare_slot"] == 4 and swap["outcome"] == "hot-swapped"
+    equal, why = compare_final_states(tmp_path / "run", ref_dir)
     assert equal, why
 
 

@@ -13,6 +13,13 @@ last saw each counter change.
                                                       waiting on peers (PEER_WAIT phases) or has
                                                       nothing to do (IDLE phases)
 
+A phase's progress bound adapts to the job (``Liveness.stalled``): never below ``ADAPT_FACTOR``
+times the longest that phase was seen to take in this job, capped at ``ADAPT_CAP`` x
+``progress_timeout_s`` (NVIDIA resiliency-ext computes its timeouts from observed intervals the
+same way). A host that was once slow in a phase gets the benefit of the doubt there; a real hang
+is still found, at most ``ADAPT_CAP`` progress timeouts in. It only lengthens a bound, so it
+never declares anyone sooner than the configured timeout.
+
 A rank stuck in a peer-wait phase is not to blame while some peer is stuck elsewhere; if no rank
 progresses and every stalled one is waiting on peers, the generation itself is stuck (a collective that never
 completes): the coordinator aborts it, and whoever cannot answer is fenced.
@@ -31,6 +38,9 @@ from collections import deque
 
 from deadpool.rank.watchdog import IDLE, PEER_WAIT, phase_bound
 
+ADAPT_FACTOR = 3.0  # a phase's bound: at least this x the longest it was seen to take ...
+ADAPT_CAP = 2.0     # ... but never above this x progress_timeout_s
+
 
 class Liveness:
     """Coordinator side: when each slot's heartbeat and progress counters last changed."""
@@ -42,6 +52,7 @@ class Liveness:
         self._prog: dict[int, tuple[int, float]] = {}       # slot -> (progress, t seen changing)
         self.step: dict[int, int] = {}
         self.phase: dict[int, str] = {}
+        self.longest: dict[str, float] = {}  # watched phase -> the longest it was seen to take
         self.lock = threading.Lock()
 
     def observe(self, slot: int, value: str | bytes | None) -> None:
@@ -65,9 +76,24 @@ class Liveness:
                 return  # an older beat written again (a replay): no news, and no progress either
             if last is None or beat > last[0]:
                 self._beat[slot] = (beat, now)
-            if self._prog.get(slot, (None,))[0] != prog:
+            seen = self._prog.get(slot)
+            if seen is None or seen[0] != prog:
+                if seen is not None:  # the phase read last ended (or more than one did): an
+                    self._took(self.phase.get(slot, "start"), now - seen[1])  # over-estimate
                 self._prog[slot] = (prog, now)
             self.step[slot], self.phase[slot] = step, phase
+
+    def _took(self, phase: str, seconds: float) -> None:
+        name = phase.partition("/")[0]
+        if name not in IDLE and name not in PEER_WAIT and seconds > self.longest.get(name, 0.0):
+            self.longest[name] = seconds
+
+    def bound(self, phase: str) -> float:
+        """The progress bound of ``phase`` now: its own (``watchdog.phase_bound``), lengthened to
+        ``ADAPT_FACTOR`` x the longest it took in this job, at most ``ADAPT_CAP`` x ``progress_s``."""
+        adapted = min(ADAPT_FACTOR * self.longest.get(phase.partition("/")[0], 0.0),
+                      ADAPT_CAP * self.progress_s)
+        return max(phase_bound(phase, self.progress_s), adapted)
 
     def reset_progress(self, slot: int) -> None:
         """Start the progress clock anew (a process was just given work)."""
@@ -100,7 +126,7 @@ class Liveness:
         if self.phase.get(slot, "start") in IDLE:
             return False
         age = self.progress_age(slot)
-        return age is not None and age > phase_bound(self.phase.get(slot, ""), self.progress_s)
+        return age is not None and age > self.bound(self.phase.get(slot, ""))
 
     def hung(self, slots: list[int]) -> tuple[list[int], bool]:
         """(slots whose training thread is hung, whether the whole group is stuck in peer waits)."""

@@ -16,7 +16,11 @@ timeout: experiments/results/runtime/false_positives). Hence the rule::
                                                                    suspected ("confirmed"),
                                                                    else forgotten ("cleared")
 
-``hold_s`` is ``ft.liveness_hold_s`` (null: one more ``progress_timeout_s``, at most
+A liveness-only suspect is judged only once it has been suspected for ``settle_s`` (two node
+records, ``settle_seconds``): a rank and its holder that stall together are seen a beat apart
+(each process's heartbeat, each node's record, has its own phase), and judged alone the first
+would be fenced (a swap) and its holder then killed for its silence. ``hold_s`` is
+``ft.liveness_hold_s`` (null: one more ``progress_timeout_s``, at most
 ``HOLD_CAP_S``), so a real hang of a rank and its holder still ends as before, ``hold_s`` later;
 nothing waits unboundedly. After an abort the same rule extends, once and by ``hold_s``, the
 wait for statuses of silent ranks whose heartbeats live, when the statuses in hand cover no rank
@@ -62,6 +66,13 @@ def copies_survive(dims, ft: dict, replicates: bool, fenced, generation: int = 0
     return got.resume_step is not None
 
 
+def settle_seconds(ft: dict) -> float:
+    """How long a liveness-only suspect waits for others before it is judged: two node records
+    (``ft.agent_interval_s``; each node writes one per interval, at its own moment), so that a
+    rank and its holder seen stalled a beat apart on two nodes are judged as one set."""
+    return 2 * float(ft.get("agent_interval_s", 0.25))
+
+
 def hold_seconds(ft: dict) -> float:
     """How long a held-back suspicion waits for a second judgement (``ft.liveness_hold_s``)."""
     own = ft.get("liveness_hold_s")
@@ -77,10 +88,12 @@ class Suspicions:
     decision from the statuses in hand (``plan.decide``). ``for_coordinator`` wires them."""
 
     def __init__(self, hold_s: float, survive, liveness_only, decide=None, log=print,
-                 clock=time.monotonic):
+                 clock=time.monotonic, settle_s: float = 0.0):
         self.hold_s, self.survive, self.liveness_only = hold_s, survive, liveness_only
         self.decide = decide  # statuses -> the plan's decision (``status_grace``)
+        self.settle_s = settle_s
         self.log, self.clock = log, clock
+        self.seen: dict[int, float] = {}   # rank -> when it was first suspected (liveness only)
         self.since: dict[int, float] = {}  # rank -> when its suspicion was first held back
         self.held: list[dict] = []  # one record per hold: ranks, how, outcome, held_s
         self._open: dict[int, dict] = {}  # rank -> its open record
@@ -88,25 +101,41 @@ class Suspicions:
 
     def filter(self, failed: dict[int, str], slot_of, generation: int) -> dict[int, str]:
         """The ranks of ``failed`` (rank -> how detected) to fence now: those with hard evidence,
-        and liveness-only ones unless fencing them would leave a rank's state without a copy and
-        their hold has not run out. Must be called on every detection pass (an empty ``failed``
-        included): a held rank absent from it has cleared."""
+        and liveness-only ones suspected for ``settle_s`` (so that a rank and its holder stalled
+        a beat apart are judged together), unless fencing every liveness-only suspect would leave
+        a rank's state without a copy and the hold has not run out. Must be called on every
+        detection pass (an empty ``failed`` included): a held rank absent from it has cleared."""
         if generation != self.generation:  # a new plan: old suspicions are moot
             self._close_all("superseded")
+            self.seen.clear()
             self.generation = generation
+        now = self.clock()
         soft = {r for r, how in failed.items()
                 if how in LIVENESS_ONLY and self.liveness_only(slot_of(r))}
-        for r in [r for r in self.since if r not in soft]:
+        for r in [r for r in self.seen if r not in soft]:
+            del self.seen[r]
             self._close(r, "cleared")
         if not soft:
             return failed
-        hard = set(failed) - soft
-        if self.survive(set(failed)) or not self.survive(hard):
-            # a swap at worst; or the hard ones lose a copy anyway: holding back gains nothing
-            for r in [r for r in self.since if r in failed]:
+        for r in soft:
+            self.seen.setdefault(r, now)
+        hard = {r: how for r, how in failed.items() if r not in soft}
+        ripe = {r for r in soft if now - self.seen[r] >= self.settle_s or r in self.since}
+        if not ripe:
+            return hard
+        if self.hold_s <= 0 or not self.survive(set(hard)):
+            # the hard ones lose a copy anyway: holding back gains nothing
+            for r in [r for r in self.since if r in ripe]:
                 self._close(r, "confirmed")
-            return failed
-        now = self.clock()
+            return {r: how for r, how in failed.items() if r in hard or r in ripe}
+        if self.survive(set(failed)):
+            # a swap at worst; a rank already held keeps its hold (its partner may have woken
+            # a moment before it: fencing it now would be a needless swap)
+            out = {r for r in ripe if r not in self.since
+                   or now - self.since[r] >= self.hold_s}
+            for r in [r for r in self.since if r in out]:
+                self._close(r, "confirmed")
+            return {r: how for r, how in failed.items() if r in hard or r in out}
         fresh = sorted(r for r in soft if r not in self.since)
         if fresh:
             rec = {"ranks": fresh, "how": {str(r): failed[r] for r in fresh},
@@ -125,7 +154,7 @@ class Suspicions:
             for r in sorted(soft):
                 self._close(r, "confirmed")
             return failed
-        return {r: how for r, how in failed.items() if r in hard}
+        return hard
 
     def status_grace(self, statuses, silent, slot_of) -> float:
         """Seconds more to wait for the statuses of ``silent`` ranks after an abort: ``hold_s``,
@@ -190,4 +219,5 @@ def for_coordinator(coord) -> Suspicions:
                       lambda fenced: copies_survive(coord.dims, coord.ft, coord.replicates,
                                                     fenced, coord.gen),
                       lambda slot: liveness_only(coord, slot),
-                      decide=lambda statuses: plan.decide(coord, statuses), log=coord.log)
+                      decide=lambda statuses: plan.decide(coord, statuses), log=coord.log,
+                      settle_s=settle_seconds(coord.ft))

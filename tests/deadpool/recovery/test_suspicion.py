@@ -89,12 +89,28 @@ def test_a_truly_hung_pair_is_fenced_once_the_hold_runs_out():
     s = suspicions(ring_survive, clock)
     pair = {1: "progress", 2: "progress"}
     assert s.filter(pair, int, 0) == {}
-    clock.t += 1.0
-    assert s.filter({1: "progress"}, int, 0) == {1: "progress"}  # 1 alone: a swap is safe
-    assert s.filter(pair, int, 0) == {}  # 2 again: a fresh hold of 2 with 1 ...
     clock.t += 3.0
-    assert s.filter(pair, int, 0) == pair  # ... bounded by the oldest suspicion: fenced
-    assert s.since == {}
+    assert s.filter(pair, int, 0) == pair  # still stalled when the hold ran out: fenced
+    assert s.since == {} and s.held[0]["outcome"] == "confirmed"
+
+
+def test_a_held_rank_whose_partner_woke_first_keeps_its_hold():
+    clock = Clock()
+    s = suspicions(ring_survive, clock)
+    assert s.filter({1: "progress", 2: "progress"}, int, 0) == {}
+    clock.t += 1.0
+    # 2 woke a moment before 1: fencing 1 alone would be safe but needless
+    assert s.filter({1: "progress"}, int, 0) == {}
+    clock.t += 0.01
+    assert s.filter({}, int, 0) == {}
+    assert s.held[0]["outcome"] == "cleared" and s.held[0]["cleared"] == [2, 1]
+    # alone and still stalled when its hold runs out, it is fenced (a swap)
+    assert s.filter({1: "progress", 2: "progress"}, int, 0) == {}
+    clock.t += 1.0
+    assert s.filter({1: "progress"}, int, 0) == {}
+    clock.t += 2.0
+    assert s.filter({1: "progress"}, int, 0) == {1: "progress"}
+    assert s.held[1]["outcome"] == "mixed"
 
 
 def test_the_hold_is_bounded_by_the_oldest_suspicion_however_many_join():
@@ -192,3 +208,59 @@ def test_the_coordinator_fences_a_hung_pair_after_the_hold(coord):
     assert run(coord, 20.0) == {1: "progress", 2: "progress"}
     (rec,) = coord.suspicion.held
     assert rec["outcome"] == "confirmed" and 3.0 <= rec["held_s"] <= 3.5
+
+
+def test_a_silent_beating_holder_of_the_only_copy_gets_longer_to_report_its_status(tmp_path):
+    import threading
+    import time
+
+    from deadpool.store import reports
+
+    coord = coordinator(tmp_path, ["ft.status_timeout_s=0.3", "ft.liveness_hold_s=2"])
+    keys = Keys(0)
+    for s in range(5):
+        beat(coord, s, 1, 1)
+    # rank 1 exited; 2 holds the only replica of its shard and answers 0.8 s after the abort
+    for r, ward in ((0, 3), (3, 2)):
+        reports.post(coord.store, coord.seal, keys.status(r),
+                     RankStatus(r, r, 7, [6, 7], {ward: [6, 7]}).to_json())
+    late = RankStatus(2, 2, 7, [6, 7], {1: [6, 7]}).to_json()
+    timer = threading.Timer(0.8, lambda: reports.post(coord.store, coord.seal, keys.status(2), late))
+    timer.start()
+    failed = {1: "exit"}
+    t0 = time.monotonic()
+    statuses = detect.collect_statuses(coord, failed, keys)
+    timer.join()
+    assert sorted(statuses) == [0, 2, 3] and failed == {1: "exit"}, failed
+    assert time.monotonic() - t0 < 2.3  # bounded: the status timeout plus one hold at most
+    assert coord.suspicion.held[-1]["outcome"] == "status_wait"
+    assert plan.decide(coord, statuses).resume_step == 7
+
+
+def test_a_rank_and_its_holder_suspected_a_beat_apart_are_judged_together():
+    pair = {1: "progress", 2: "progress"}
+    for settle_s, fenced_alone in ((0.5, False), (0.0, True)):
+        clock = Clock()
+        s = Suspicions(3.0, ring_survive, lambda slot: True, log=lambda line: None, clock=clock,
+                       settle_s=settle_s)
+        got = s.filter({1: "progress"}, int, 0)  # 2's stall is seen one record later
+        assert (got == {1: "progress"}) is fenced_alone
+        if fenced_alone:
+            continue  # (today's course: 1 fenced, then 2 silent to the abort)
+        assert got == {}
+        clock.t += 0.25
+        assert s.filter(pair, int, 0) == {}
+        clock.t += 0.25  # 1 ripe: the pair is judged as one and held
+        assert s.filter(pair, int, 0) == {} and s.held[0]["ranks"] == [1, 2]
+        clock.t += 3.0
+        assert s.filter(pair, int, 0) == pair  # still stalled after the hold: fenced
+
+
+def test_a_lone_slow_rank_waits_only_the_settle_time():
+    clock = Clock()
+    s = Suspicions(3.0, ring_survive, lambda slot: True, log=lambda line: None, clock=clock,
+                   settle_s=0.5)
+    assert s.filter({1: "progress", 0: "exit"}, int, 0) == {0: "exit"}  # hard: at once
+    clock.t += 0.5
+    assert s.filter({1: "progress"}, int, 0) == {1: "progress"}
+    assert s.held == []

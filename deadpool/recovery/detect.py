@@ -160,7 +160,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
     pending = coord.rank_reports(keys, "status", [r for r in ranks if r not in failed],
                                  lambda who: forged(coord, f"status for {who}"))
     by_slot = {s: r for r, s in ranks.items()}
-    held, graced, survives = getattr(coord, "suspicion", None), False, {}
+    held, graced = getattr(coord, "suspicion", None), False
     if getattr(getattr(coord, "stopper", None), "why", None) is not None:
         held = None  # a stop keeps its own deadline (ft.stop_timeout_s): no grace
     while True:
@@ -186,7 +186,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
         pending.forget(failed)
         silent = pending.missing
         if silent and all((coord.live.beat_age(ranks[r]) or 0.0) > coord.live.soft_s
-                          for r in silent) and _may_fence(held, survives, set(failed) | set(silent)):
+                          for r in silent) and _may_fence(held, set(failed) | set(silent)):
             failed.update((r, "heartbeat") for r in silent)
             launcher.fence([ranks[r] for r in silent])
             pending.forget(failed)
@@ -205,14 +205,9 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
         time.sleep(0.002)
 
 
-def _may_fence(held, cache: dict, ranks: set[int]) -> bool:
-    """Fencing ``ranks`` on liveness alone leaves every rank a copy (asked once per set)."""
-    if held is None:
-        return True
-    key = frozenset(ranks)
-    if key not in cache:
-        cache[key] = held.survive(ranks)
-    return cache[key]
+def _may_fence(held, ranks: set[int]) -> bool:
+    """Fencing ``ranks`` on liveness alone leaves every rank a copy (``Suspicions.survive``)."""
+    return held is None or held.survive(ranks)
 
 
 def collect_bad_sources(coord, keys: Keys) -> list[dict]:

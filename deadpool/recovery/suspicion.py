@@ -89,7 +89,8 @@ class Suspicions:
 
     def __init__(self, hold_s: float, survive, liveness_only, decide=None, log=print,
                  clock=time.monotonic, settle_s: float = 0.0):
-        self.hold_s, self.survive, self.liveness_only = hold_s, survive, liveness_only
+        self.hold_s, self._survive, self.liveness_only = hold_s, survive, liveness_only
+        self._survives: dict[frozenset, bool] = {}  # of this generation (asked every pass)
         self.decide = decide  # statuses -> the plan's decision (``status_grace``)
         self.settle_s = settle_s
         self.log, self.clock = log, clock
@@ -108,6 +109,7 @@ class Suspicions:
         if generation != self.generation:  # a new plan: old suspicions are moot
             self._close_all("superseded")
             self.seen.clear()
+            self._survives.clear()
             self.generation = generation
         now = self.clock()
         soft = {r for r, how in failed.items()
@@ -155,6 +157,14 @@ class Suspicions:
                 self._close(r, "confirmed")
             return failed
         return hard
+
+    def survive(self, fenced) -> bool:
+        """``copies_survive`` of the current layout, once per set and generation (``filter``
+        asks on every detection pass while a hold lasts; the plan is linear in the ranks)."""
+        key = frozenset(fenced)
+        if key not in self._survives:
+            self._survives[key] = self._survive(set(key))
+        return self._survives[key]
 
     def status_grace(self, statuses, silent, slot_of) -> float:
         """Seconds more to wait for the statuses of ``silent`` ranks after an abort: ``hold_s``,

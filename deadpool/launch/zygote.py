@@ -18,10 +18,12 @@ writes to. The protocol, one line each way::
                                   started 3 <pid>        | failed 3 <why>
                                   exit <pid> <code>      (a signal's exit is -signum)
 
-It never outlives the launcher's side: at the end of its stdin (the launcher closed it, or died
-and the kernel closed it) it takes no more requests and exits once every agent it forked has
-exited (they leave by themselves as agents started by ``Popen`` would: the job's end, a fence, or
-the coordinator's loss). ``ZygoteClient`` is the launcher's side: it starts this process, asks it
+It never outlives the job: it exits when the last agent it forked has exited (the job's agents
+are gone: a later request finds it gone, and the launcher starts that agent by ``Popen``), and at
+the end of its stdin (the launcher closed it, or died and the kernel closed it) it takes no more
+requests and exits once every agent it forked has (they leave by themselves as agents started by
+``Popen`` would: the job's end, a fence, or the coordinator's loss). So a stopped (SIGSTOP)
+coordinator does not keep it: its agents' exits end it. ``ZygoteClient`` is the launcher's side: it starts this process, asks it
 for agents and hands back, per agent, a ``ZygoteChild`` with the part of ``subprocess.Popen`` the
 launcher uses (``pid``, ``poll``, ``wait``, ``returncode``), fed by one reader thread.
 """
@@ -65,7 +67,7 @@ class Zygote:
     def __init__(self, out: int = 1, inp: int = 0):
         self.out, self.inp = out, inp
         self.children: set[int] = set()
-        self.buf, self.open = b"", True
+        self.buf, self.open, self.forked = b"", True, False
 
     def say(self, line: str) -> None:
         try:
@@ -81,7 +83,7 @@ class Zygote:
         signal.set_wakeup_fd(w)
         self.wakeup_w = w
         self.say("ready")
-        while self.open or self.children:
+        while self.children or (self.open and not self.forked):
             watch = [r, self.inp] if self.open else [r]
             try:
                 ready, _, _ = select.select(watch, [], [], 1.0)
@@ -118,6 +120,7 @@ class Zygote:
             self.say(f"failed {req.get('id')} {type(e).__name__}: {e}".replace("\n", " "))
             return
         self.children.add(child.pid)
+        self.forked = True
         self.say(f"started {req['id']} {child.pid}")
 
     def reap(self) -> None:
@@ -221,8 +224,11 @@ class ZygoteClient:
             rid, self.next_id = self.next_id, self.next_id + 1
             req = {"id": rid, "module": module, "argv": [str(a) for a in argv], "env": env,
                    "log": str(log), "name": name}
-            self.proc.stdin.write((json.dumps(req) + "\n").encode())
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write((json.dumps(req) + "\n").encode())
+                self.proc.stdin.flush()
+            except OSError as e:  # (it left with its last agent, or died)
+                raise RuntimeError(f"the zygote is gone ({e})") from e
             if not self.cond.wait_for(lambda: rid in self.answers or self.lost, timeout_s):
                 raise TimeoutError(f"the zygote did not fork within {timeout_s} s")
             answer = self.answers.pop(rid, "lost")

@@ -23,16 +23,15 @@ are gone: a later request finds it gone, and the launcher starts that agent by `
 the end of its stdin (the launcher closed it, or died and the kernel closed it) it takes no more
 requests and exits once every agent it forked has (they leave by themselves as agents started by
 ``Popen`` would: the job's end, a fence, or the coordinator's loss). So a stopped (SIGSTOP)
-coordinator does not keep it: its agents' exits end it. ``ZygoteClient`` is the launcher's side: it starts this process, asks it
-for agents and hands back, per agent, a ``ZygoteChild`` with the part of ``subprocess.Popen`` the
-launcher uses (``pid``, ``poll``, ``wait``, ``returncode``), fed by one reader thread.
+coordinator does not keep it: its agents' exits end it.
+
+``ZygoteClient`` is the launcher's side: it starts this process, asks it for agents and hands
+back, per agent, a ``ZygoteChild`` with the part of ``subprocess.Popen`` the launcher uses
+(``pid``, ``poll``, ``wait``, ``returncode``), fed by one reader thread. Only the local launcher
+uses it: agents that srun or ``ip netns exec`` start (experiments/testbed) are new interpreters.
 """
 
 from __future__ import annotations
-
-import time
-
-T_EXEC = time.time()
 
 import argparse
 import importlib
@@ -43,6 +42,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from deadpool.launch.procs import fork_main
@@ -50,7 +50,7 @@ from deadpool.launch.procs import fork_main
 PRELOAD = ("deadpool.agent.__main__", "deadpool.rank.worker")  # an agent and, forked, its ranks
 
 
-def _child_setup(wakeup_w: int) -> None:
+def _child_setup() -> None:
     """In a forked agent, before its main: what ``Popen(start_new_session=True)`` gives a child
     and the zygote's own plumbing must not leak into it (the wake-up descriptor, stdin)."""
     signal.set_wakeup_fd(-1)
@@ -81,7 +81,6 @@ class Zygote:
         os.set_blocking(w, False)
         signal.signal(signal.SIGCHLD, lambda *a: None)  # (a handler: the wake-up fd needs one)
         signal.set_wakeup_fd(w)
-        self.wakeup_w = w
         self.say("ready")
         while self.children or (self.open and not self.forked):
             watch = [r, self.inp] if self.open else [r]
@@ -114,7 +113,7 @@ class Zygote:
         try:
             module = importlib.import_module(req["module"])
             child = fork_main(module.main, list(req["argv"]), req["log"], dict(req["env"]),
-                              preexec_fn=lambda: _child_setup(self.wakeup_w), module=module,
+                              preexec_fn=_child_setup, module=module,
                               name=req.get("name", ""))
         except Exception as e:  # (the launcher starts that one by Popen instead)
             self.say(f"failed {req.get('id')} {type(e).__name__}: {e}".replace("\n", " "))

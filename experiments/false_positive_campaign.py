@@ -68,10 +68,14 @@ def main() -> None:
                 fired[d] = fired.get(d, 0) + 1
             row = {"run": i, "layout": layout, "seed": i, "outcome": outcome,
                    "recoveries": len(detected), "detected_by": "/".join(detected),
+                   # liveness suspicions held back (recovery.suspicion): outcomes, "/"-joined
+                   "held_back": "" if s is None else "/".join(
+                       h["outcome"] for h in s.get("liveness_held_back", [])),
                    "load_1min": round(load, 1), "wall_s": round(time.time() - t0, 1)}
             rows.append(row)
             print(f"{i:3d} {layout:10s} {outcome:10s} recoveries={len(detected)} "
-                  f"{row['detected_by'] or '-':20s} load {load:5.1f}  {row['wall_s']:6.1f}s",
+                  f"{row['detected_by'] or '-':20s} held {row['held_back'] or '-':10s} "
+                  f"load {load:5.1f}  {row['wall_s']:6.1f}s",
                   flush=True)
     with open(out / "runs.csv", "w", newline="") as f:
         w = csv.DictWriter(f, list(rows[0]))

@@ -101,7 +101,7 @@ class FaultEvent:
     kind: Fault
     slot: int | None = None
     delay_s: float = 0.0  # a ``slow`` fault's sleep per step; a ``stall``'s one sleep
-    where: str = ""       # a ``corrupt`` fault's parameter in a step: "" / shard_copy, tp_replicated
+    where: str = ""       # a ``corrupt`` fault's parameter in a step: shard_copy, tp_replicated
 
     @classmethod
     def from_cfg(cls, d) -> "FaultEvent":

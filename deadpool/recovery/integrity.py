@@ -47,13 +47,15 @@ rank waits for the abort rather than snapshot over the evidence. The coordinator
 ``poll``, ``restrict``, ``open_record``, called from ``Coordinator.recover``) caps every survivor's steps at
 the resume step it chose, so ``plan.decide`` can only pick that step or an older one.
 
-Partial: compared are the parameters over dp and the tp-replicated norm weights over tp; the
-optimizer state (moments, fp32 master shard) is never compared (nothing else holds it); the
-tp-sharded parameters have no peer to compare with at dp 1; a corruption of this rank's own ZeRO shard of the
-parameters is all-gathered to every peer and is invisible to any comparison (as with every
-checksum scheme: only a re-run could see it); ``ft.replicate=full`` replicas of a named rank at
-the disputed step are marked bad (they hold its corrupt parameters), so the plan takes an older
-step.
+Partial: compared are the shared region over dp (the parameters; the optimizer state too when
+it is not sharded) and the tp-replicated norm weights over tp; a ZeRO optimizer shard (nothing
+else holds it) and, at dp 1, the tp-sharded parameters have no peer to compare with; a
+corruption of this rank's own ZeRO shard of the parameters is all-gathered to every peer and is
+invisible to any comparison (as with every checksum scheme: only a re-run could see it);
+``ft.replicate=full`` replicas of a named rank at the disputed step are marked bad (they hold
+its corrupt parameters), so the plan takes an older step. The coordinator acts on one report;
+ranks of different groups may report differently (above), which the tests cover in-process
+(tests/deadpool/recovery/test_integrity_tp.py), not with processes.
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ class Guard:
         self.pending = None             # ({group: (all-reduce result, own crc)}, step): posted
         self._runs = (None, [])         # (optimizer, its tp-replicated element ranges)
         # a corrupt fault's ``where`` (rank/faults.py): a copy of a peer's shard or a norm weight
-        injector.on_flip = lambda: setattr(self, "flip", getattr(injector, "where", "") or FLIP_SHARD)
+        injector.on_flip = lambda: setattr(self, "flip",
+                                           getattr(injector, "where", "") or FLIP_SHARD)
         injector.on_spike = lambda: setattr(self, "spike", True)
 
     def position(self, step: int) -> int:

@@ -26,6 +26,7 @@ DP2 = ["model=tiny", "parallel=dp2", "num_steps=8", "ft.num_spares=1", "log_ever
 D3 = ["model=tiny", "parallel=dp2_tp2_pp2", "num_steps=8", "ft.num_spares=1",
       "ft.replication_chunk_mb=0.5", "log_every_steps=0"]
 TP2_PP2 = D3 + ["parallel.dp=1"]  # no data-parallel peer: only the tp comparison can see a flip
+TP4 = D3 + ["parallel.dp=1", "parallel.tp=4", "parallel.pp=1", "parallel.ranks_per_node=4"]
 
 
 def run(args, run_dir):
@@ -91,6 +92,23 @@ def test_a_flipped_norm_at_tp2_pp2_is_found_by_its_tp_peer_re_run_and_the_state_
     assert dispute["failed_at_step"] == 4 and dispute["resume_step"] < 4
     assert swap["detected_by"] == "corruption" and swap["failed_rank"] == 3
     assert swap["spare_slot"] == 4 and swap["outcome"] == "hot-swapped"
+    equal, why = compare_final_states(tmp_path / "run", ref_dir)
+    assert equal, why
+
+
+@pytest.mark.slow
+def test_a_flipped_norm_at_tp4_is_named_by_the_tp_majority_and_resumed_from_the_agreed_step(
+        tmp_path, failure_free):
+    """dp 1 x tp 4: rank 2's norm weight flipped into state 4; the tp majority names it at the
+    next snapshot. Its buddy's replica of step 4 holds the flip (at dp 1 a replica is the whole
+    state), so the job resumes from the newest agreed snapshot, 3, the spare from the replica of
+    step 3 (resuming at 4 restores the flip: found again, the job stops)."""
+    ref_dir, _ = failure_free(TP4)
+    s = run(TP4 + [corrupt(2, 3, where="tp_replicated")], tmp_path / "run")
+    (rec,) = s["recoveries"]
+    assert rec["detected_by"] == "corruption" and rec["failed_rank"] == 2
+    assert rec["failed_at_step"] == 4 and rec["resume_step"] == 3
+    assert rec["spare_slot"] == 4 and rec["outcome"] == "hot-swapped"
     equal, why = compare_final_states(tmp_path / "run", ref_dir)
     assert equal, why
 

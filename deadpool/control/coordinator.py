@@ -98,6 +98,7 @@ class Coordinator(Observer):
         self.bad: set[tuple[int, int, int]] = set()  # (holder, owner, step) copies found corrupt
         self.recoveries = timeline.RecoveryLog(cfg, log)  # on disk as each completes
         self.pending: RecoveryRecord | None = restart  # the open record (recovery.timeline)
+        self.abort_cause: str | None = None  # an abort with no rank failed: why (detect.failures)
         self.outcome = "running"
         self.message = ""
         self.finals: dict[int, dict] = {}  # rank -> final digest record, once the job is done

@@ -60,6 +60,10 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
         if not failed:
             return {}, time.time()  # a collective broke; culprit not yet known
     check_spares(coord)
+    mig = getattr(coord, "migrations", None)  # retired processes still owed to this generation
+    if mig is not None and mig.retiring_lost(coord) and not failed:
+        coord.abort_cause = "retiring_lost"
+        return {}, time.time()
     if not failed and stuck:
         coord.log(f"[coordinator] gen {coord.gen}: no rank progressed for "
                   f"{coord.ft['progress_timeout_s']} s, all waiting on each other; regrouping")

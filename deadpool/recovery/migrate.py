@@ -34,9 +34,12 @@ A retiring process that dies after the plan named it fails the spare's receive (
 error): the next plan keeps the spare on the rank and gives it the buddy's replica, no rank lost,
 0 steps recomputed (tests/integration/test_migrate.py, with a spare killed in its receive too).
 
-What it does not do (partial): the coordinator does not watch a retiring process (it is in no
-rank of g+1): one that hangs rather than dies leaves the spare waiting in its receive, which
-only the transfer's own timeouts end (untested); a retired process waiting for g+1 is not a
+A retiring process that stops (SIGSTOP, a hang the node agent sees as a stopped process, or a
+lost beat) before g+1 ran is fenced by the coordinator, which watches the retired slots until
+then (``Migrations.retiring_lost``, from ``detect.failures``), and g+1 is aborted at once
+(``detected_by: retiring_lost``) rather than left to the spare's receive timeout; the next plan
+is the same as for a death. What it does not do (partial): a retiring process whose training
+thread hangs while its heartbeat thread beats is not seen (no progress is asked of it); a retired process waiting for g+1 is not a
 source the next plan can use (it reports no status); the pause step is still replicated to the
 buddies (the fallback needs it); a node agent left with no process stays up until the job ends.
 Without node agents (no board to push the pause to) nothing migrates: stragglers are only
@@ -153,6 +156,25 @@ class Migrations:
             coord.log(f"[coordinator] gen {g}: not every rank held at step {T}; moving the pause")
             self._push_pause(coord, later=T)
         return False
+
+    def retiring_lost(self, coord) -> list[int]:
+        """Retired processes that died or stopped (the node's record says so, or their beat is
+        lost) while generation g+1, which may still take a moved rank's state from them, has not
+        run yet: fenced now, and forgotten. A stopped sender would leave the spare waiting in
+        its receive for the transfer's own timeouts; the caller aborts g+1 instead (when nothing
+        else failed), and the next plan takes the rank from its buddies' replicas at the same
+        step (the pause step is replicated for this)."""
+        if self.retiring is None or coord.gen != self.retiring[0]:
+            return []
+        g, slots = self.retiring
+        gone = [s for s in slots if coord.launcher.poll(s) is not None or coord.lost(s)]
+        if gone:
+            left = [s for s in slots if s not in gone]
+            self.retiring = (g, left) if left else None
+            coord.launcher.fence(gone)
+            coord.log(f"[coordinator] gen {g}: retiring slot(s) {gone} died or stopped before "
+                      "the generation ran; fenced")
+        return gone
 
     def _release_retired(self, coord) -> None:
         """The loop asks only with no record open: generation g+1 still current means its record

@@ -74,12 +74,13 @@ def open_record(coord, failed: dict[int, str], faults: dict[int, dict], decision
                 t_detect: float, bad: list[dict]) -> RecoveryRecord:
     """The record of the recovery from ``failed`` (before they leave the membership)."""
     dead = sorted(failed)
+    cause, coord.abort_cause = getattr(coord, "abort_cause", None), None
     t_kill = min(min([f["t"] for f in faults.values()] or [t_detect]), t_detect)
     rec = RecoveryRecord(
         coord.gen + 1, failed_rank=one_or_list(dead),
         failed_slot=one_or_list([coord.members.ranks[d] for d in dead]),
         fault=next(iter(faults.values()))["kind"] if faults else "unknown",
-        detected_by=failed[dead[0]] if dead else "collective_error",
+        detected_by=failed[dead[0]] if dead else cause or "collective_error",
         resume_step=decision.resume_step, steps_recomputed=decision.steps_recomputed,
         detect_s=t_detect - t_kill, t_kill=t_kill, t_detect=t_detect)
     if bad:

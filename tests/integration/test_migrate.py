@@ -2,7 +2,7 @@
 moved to warm spares at a step boundary, no step lost or recomputed, and the final state is
 bitwise equal to a failure-free run of the same seed. The moved rank's state comes from its own
 (retiring) process, which exits only after the spare's first step; a spare or a retiring process
-killed in the transfer falls back to the buddy's replica. Every rank's state is distinct (ZeRO-1
+killed (or a retiring process stopped) in the transfer falls back to the buddy's replica. Every rank's state is distinct (ZeRO-1
 shards at dp > 1, and at dp2 x tp2 x pp2 each rank's (pp, tp) slice), so a state sent to the
 wrong rank would show."""
 
@@ -126,6 +126,21 @@ def test_a_slow_rank_is_migrated_without_losing_a_step(tmp_path):
     assert {r["slot"] for r in metrics(tmp_path / "source_dies")
             if r["rank"] == 1 and r["step"] > rec3["resume_step"]} == {4}
     equal, why = compare_final_states(tmp_path / "source_dies", tmp_path / "ref")
+    assert equal, why
+
+    # the retiring process stops while it sends (SIGSTOP: no exit, no broken connection, the
+    # spare left waiting in its receive): the coordinator watches the retired slot until g+1
+    # runs, fences it and aborts g+1 at once; the next plan is a death's
+    stop = "{slot: 1, step: 0, kind: stop, phase: transfer}"
+    s4 = run_job(compose_train(base + [ev.replace("}]", f"}}, {stop}]")], tmp_path / "source_stops"),
+                 log=quiet)
+    assert s4["outcome"] == "completed", s4["message"]
+    moved, rec4 = s4["recoveries"]
+    assert moved["outcome"].startswith("interrupted"), moved
+    assert rec4["detected_by"] == "retiring_lost" and rec4["failed_slot"] == [], rec4
+    assert rec4["sources"]["1"].startswith("replica from rank 2"), rec4["sources"]
+    assert rec4["steps_recomputed"] == 0 and rec4["resume_step"] == moved["resume_step"], rec4
+    equal, why = compare_final_states(tmp_path / "source_stops", tmp_path / "ref")
     assert equal, why
 
 

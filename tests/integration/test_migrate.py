@@ -128,11 +128,13 @@ def test_a_slow_rank_is_migrated_without_losing_a_step(tmp_path):
     equal, why = compare_final_states(tmp_path / "source_dies", tmp_path / "ref")
     assert equal, why
 
-    # the retiring process stops while it sends (SIGSTOP: no exit, no broken connection, the
-    # spare left waiting in its receive): the coordinator watches the retired slot until g+1
-    # runs, fences it and aborts g+1 at once; the next plan is a death's
+    # the retiring process stops while it sends (SIGSTOP after its first chunk, of many: no
+    # exit, no broken connection, the spare left waiting in its receive): the coordinator
+    # watches the retired slot until g+1 runs, fences it and aborts g+1 at once; the next plan
+    # is a death's. (Before, the spare waited out its receive: the progress timeout, 60 s.)
     stop = "{slot: 1, step: 0, kind: stop, phase: transfer}"
-    s4 = run_job(compose_train(base + [ev.replace("}]", f"}}, {stop}]")], tmp_path / "source_stops"),
+    s4 = run_job(compose_train(base + ["ft.replication_chunk_mb=0.01",
+                                       ev.replace("}]", f"}}, {stop}]")], tmp_path / "source_stops"),
                  log=quiet)
     assert s4["outcome"] == "completed", s4["message"]
     moved, rec4 = s4["recoveries"]

@@ -17,8 +17,9 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 # 2 cores. The default (a new interpreter per process) runs in test_agents (which finds processes
 # by command line) and wherever a job starts from the command line: test_experiments, test_slurm,
 # the verify test in test_hotswap. Their node agents are forks of one zygote (launcher.fork_agents:
-# one more interpreter start and torch import saved per node, ~40 % of a tiny job's CPU) except
-# where the jobs start from the command line without FORKED.
+# one more interpreter start and torch import saved per node; a tiny dp2 x tp2 x pp2 job with 5
+# agents: ~21 -> ~9 s of CPU, docs/runtime.md), except where a job starts from the command line
+# without FORKED.
 FORKED = ["launcher.fork_workers=true", "launcher.fork_agents=true"]
 
 # A tiny pipelined job's micro-batches in tests: parallel.microbatches=auto picks >= 9 (pp - 1)

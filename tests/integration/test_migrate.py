@@ -114,8 +114,10 @@ def test_a_slow_rank_is_migrated_without_losing_a_step(tmp_path):
 
     # the retiring process dies while it sends: the spare's receive fails, and the next plan
     # keeps the spare on the rank with its buddy's replica (no rank lost, no spare used)
+    # (its state in many chunks: a state sent whole in its first chunk would arrive)
     kill = "{slot: 1, step: 0, kind: kill, phase: transfer}"
-    s3 = run_job(compose_train(base + [ev.replace("}]", f"}}, {kill}]")], tmp_path / "source_dies"),
+    s3 = run_job(compose_train(base + ["ft.replication_chunk_mb=0.01",
+                                       ev.replace("}]", f"}}, {kill}]")], tmp_path / "source_dies"),
                  log=quiet)
     assert s3["outcome"] == "completed", s3["message"]
     moved, rec3 = s3["recoveries"]

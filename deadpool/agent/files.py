@@ -25,7 +25,9 @@ def write_whole(path: Path, text: str) -> None:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, text.encode("utf-8"))
+        data = memoryview(text.encode("utf-8"))
+        while data:  # (a write may take less than it was given)
+            data = data[os.write(fd, data):]
     finally:
         os.close(fd)
     os.replace(tmp, path)

@@ -273,26 +273,29 @@ class Guard:
 def own_crc(engine, step: int) -> int | None:
     """This rank's checksum of the parameters in its snapshot of ``step`` (once hashed), or
     None when that slot was reused or failed."""
+    slot = _copied(engine, step)
+    return None if slot is None else slot.crc[0]
+
+
+def _copied(engine, step: int):
+    """The snapshot slot of ``step`` once its copier is done with it, or None when there is none
+    or it was reused meanwhile."""
     for slot in engine.slots:
         if slot.step == step:
             slot.copied.wait()
-            return slot.crc[0] if slot.step == step else None
+            return slot if slot.step == step else None
     return None
 
 
 def own_tp_crc(engine, step: int, runs: list[tuple[int, int]]) -> int | None:
     """This rank's checksum of the tensor-parallel-replicated elements (``runs`` of the flat
     parameters) in its snapshot of ``step`` (host copy, once copied), or None as ``own_crc``."""
-    for slot in engine.slots:
-        if slot.step == step:
-            slot.copied.wait()
-            if slot.step != step:
-                return None
-            e = next(e for e in engine.layout.entries if e.name == "params")
-            size = e.dtype.itemsize
-            parts = [slot.flat[e.offset + a * size:e.offset + b * size] for a, b in runs]
-            return checksum(torch.cat(parts))
-    return None
+    slot = _copied(engine, step)
+    if slot is None:
+        return None
+    e = next(e for e in engine.layout.entries if e.name == "params")
+    size = e.dtype.itemsize
+    return checksum(torch.cat([slot.flat[e.offset + a * size:e.offset + b * size] for a, b in runs]))
 
 
 def replicated_runs(stage, opt) -> list[tuple[int, int]]:

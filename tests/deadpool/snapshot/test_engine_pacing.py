@@ -71,8 +71,8 @@ def engine(cuda: FakeCuda | None, n=1 << 12):
     state = [("w", torch.zeros(n)), ("m", torch.zeros(n))]
     eng = SnapshotEngine(state, num_local_slots=3)
     eng.repl_region = "none"  # a job of one rank (start_replication decides this)
-    if cuda is not None:
-        eng.pinned, eng._side_stream = True, cuda.Stream()
+    if cuda is not None:  # the CUDA path (keyed on the side stream); its ring stays unpinned,
+        eng._side_stream = cuda.Stream()  # as a host without a GPU cannot pin memory
     return eng, [t for _, t in state]
 
 

@@ -73,17 +73,7 @@ def failure_free(tmp_path_factory):
     return get
 
 
-# Under pytest-xdist (make test: -n 2 --dist loadgroup) a module of jobs runs on one worker, so its
-# module-scoped references run once; the modules that emulate hosts or start a local Slurm share
-# one worker (network namespaces, munge), one after the other.
-ONE_WORKER = {"test_multihost.py": "hosts", "test_slurm.py": "hosts"}
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path = item.path
-        if "slow" in item.keywords or path.parent.name == "integration":
-            item.add_marker(pytest.mark.xdist_group(ONE_WORKER.get(path.name, path.stem)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -113,6 +113,7 @@ def test_bench_overhead_quick_runs_end_to_end(tmp_path):
     assert set(res["ratios"]) == {"on/ddp", "off/ddp", "on/off"}
     (on,) = res["runs"]["on"]
     assert on["bytes_per_snapshot"] > 0 and on["param_gather_s"] > 0
+    assert 0 < on["integrity_check_share"] < 1  # the check's time on the thread, per step
     assert (tmp_path / "2" / "fp32" / "on-0" / "metrics.jsonl").exists()
 
 

@@ -417,7 +417,7 @@ class Trainer:
                "checkpoint_s": checkpoint_s,
                # the Young/Daly probe's measurements and this rank's proposed interval (once)
                "checkpoint_interval_proposal": self._proposal,
-               "val_loss": self._val_loss,
+               "val_loss": self._val_loss, "integrity_check_s": self.guard.check_s,  # on the thread
                "batch_digests": self._batch_digests, "skipped_batches": self.guard.skips,
                **self.throughput.fields(step_time_s, comm.topo.dims.world_size),
                "t": time.time()}

@@ -157,6 +157,7 @@ class AgentLauncher(Launcher):
         # launcher.fork_agents: the agents are forks of one zygote (None until the first start;
         # False once it could not start: Popen from then on)
         self.zygote = None if cfg["launcher"].get("fork_agents") else False
+        self.zygote_server = cfg["launcher"].get("zygote_server")  # zygote_server.py
 
     def start(self, slots: list[int], env: dict | None = None, extra: tuple = ()) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -176,7 +177,8 @@ class AgentLauncher(Launcher):
         try:
             if self.zygote is None:
                 self.zygote = ZygoteClient(self.job_json, job_env(self.secret),
-                                           self.run_dir / "logs" / "zygote.log")
+                                           self.run_dir / "logs" / "zygote.log",
+                                           server=self.zygote_server)
             if self.zygote:
                 return self.zygote.spawn("deadpool.agent.__main__", argv, env, log,
                                          name=f"dp-agent{node}")

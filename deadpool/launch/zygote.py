@@ -172,20 +172,28 @@ class ZygoteClient:
     only after the launcher has waited for its agents."""
 
     def __init__(self, job_json: Path, env: dict, log: Path, ready_timeout_s: float = 300.0,
-                 preload: tuple = PRELOAD):
+                 preload: tuple = PRELOAD, server: str | None = None):
         self.cond = threading.Condition()
         self.children: dict[int, ZygoteChild] = {}
         self.exits: dict[int, int] = {}  # reported before the start line was read
         self.answers: dict[int, str] = {}
         self.lost, self.ready, self.next_id = False, False, 0
-        with open(log, "a") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "deadpool.launch.zygote", "--job", str(job_json),
-                 # (the default unnamed: a search for agents or ranks by command line must not
-                 # find the zygote)
-                 *(["--preload", ",".join(preload)] if preload != PRELOAD else [])],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
-                start_new_session=True)
+        argv = [sys.executable, "-m", "deadpool.launch.zygote", "--job", str(job_json),
+                # (the default unnamed: a search for agents or ranks by command line must not
+                # find the zygote)
+                *(["--preload", ",".join(preload)] if preload != PRELOAD else [])]
+        self.proc = None
+        if server:  # launcher.zygote_server: a fork of a pre-imported interpreter
+            from deadpool.launch.zygote_server import ServedZygote
+            try:
+                self.proc = ServedZygote(server, argv, env, log)
+            except (OSError, RuntimeError) as e:
+                print(f"[deadpool] launcher.zygote_server {server}: {e}; starting the zygote "
+                      "as a new interpreter", flush=True)
+        if self.proc is None:
+            with open(log, "a") as err:
+                self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             stderr=err, env=env, start_new_session=True)
         self.reader = threading.Thread(target=self._read, daemon=True, name="zygote-reader")
         self.reader.start()
         with self.cond:

@@ -364,13 +364,17 @@ class Communicator(Abortable):
         self.allreduce(flat, group, on_posted=on_posted)
         flat.div_(len(self.group_ranks[group]))
 
-    def allreduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, on_posted=None) -> None:
-        """In-place all-reduce over ``group``, abortable."""
+    def allreduce(self, t: torch.Tensor, group: str, op=dist.ReduceOp.SUM, on_posted=None,
+                  wait: bool = True):
+        """In-place all-reduce over ``group``, abortable; ``wait=False``: posted only, the work
+        returned (``wait`` for it before reading ``t``)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         work = self.groups[group].allreduce([t], opts)
         if on_posted is not None:
             on_posted()
+        if not wait:
+            return work
         self.wait(work)
 
     def broadcast_async(self, t: torch.Tensor, group: str, src: int):

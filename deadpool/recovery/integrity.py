@@ -148,7 +148,7 @@ class Guard:
         self.disputed: dict[int, dict] = {}  # step -> own checksums ({"dp": .., "tp": ..}) disputed
         self.flip = self.spike = False  # armed faults (rank/faults.py: corrupt in the step, spike)
         self.check_s = 0.0              # time spent comparing (metrics: integrity_check_s)
-        self.pending = None             # ({group: (all-reduce result, own crc)}, step): posted
+        self.pending = None             # ({group: (all-reduce result, own crc, work)}, step): posted
         self._runs = (None, [])         # (optimizer, its tp-replicated element ranges)
         # a corrupt fault's ``where`` (rank/faults.py): a copy of a peer's shard or a norm weight
         injector.on_flip = lambda: setattr(self, "flip",
@@ -174,8 +174,10 @@ class Guard:
     def post_compare(self, tr, comm, snapshot_next: bool) -> None:
         """Before the step's host sync, when the step ends in a snapshot: post the dp all-reduce
         of the previous snapshot's checksum, so the step's one sync also completes it (on NCCL a
-        sync of its own per snapshot would cost the host a stall). Every rank of a group calls
-        it at the same steps."""
+        sync of its own per snapshot would cost the host a stall; on gloo it runs on gloo's
+        thread and ``at_snapshot`` waits for it: a wait here would hold this rank for its
+        slowest peer, which the next step's collectives wait for anyway). Every rank of a group
+        calls it at the same steps."""
         t0 = time.perf_counter()
         self.pending = None
         if snapshot_next and self.compare and self.prev is not None:
@@ -194,8 +196,11 @@ class Guard:
         t0 = time.perf_counter()
         if self.pending is not None:
             (posted, step), self.pending = self.pending, None
+            for _, _, work in posted.values():
+                if work is not None:
+                    comm.wait(work)
             self._judge(tr, comm, step, {g: (mine, t.cpu().tolist())
-                                         for g, (t, mine) in posted.items()})
+                                         for g, (t, mine, _) in posted.items()})
         self.check_s += time.perf_counter() - t0
         if self.flip:
             where, self.flip = self.flip, False
@@ -208,14 +213,18 @@ class Guard:
             self._runs = (tr.opt, replicated_runs(tr.stage, tr.opt))
         return self._runs[1]
 
-    def _post(self, tr, comm, group: str, mine: int | None) -> tuple[torch.Tensor, int | None]:
+    def _post(self, tr, comm, group: str, mine: int | None):
+        """(the all-reduced rows, own checksum, the work still to wait for or None)"""
         ranks = comm.group_ranks[group]
         t = torch.zeros(len(ranks), 2, dtype=torch.int64)
         if mine is not None:
             t[ranks.index(comm.topo.rank)] = torch.tensor([1, _signed(mine)])
         t = t.to(tr.device)
-        comm.allreduce(t, group)
-        return t, mine
+        work = comm.allreduce(t, group, wait=False)
+        if comm.stream_ordered:  # (NCCL: the stream waits, the step's sync completes it)
+            comm.wait(work)
+            work = None
+        return t, mine, work
 
     def _judge(self, tr, comm, step: int, got: dict) -> None:
         """``got``: group -> (own checksum, all-reduced rows). One report at most."""

@@ -141,7 +141,7 @@ def test_a_zygote_that_cannot_start_falls_back_to_new_interpreters(tmp_path, mon
     monkeypatch.setattr("deadpool.launch.launcher.ZygoteClient", broken)
     launcher = AgentLauncher.__new__(AgentLauncher)
     launcher.run_dir, launcher.job_json, launcher.secret = tmp_path, tmp_path / "job.json", None
-    launcher.zygote = None  # launcher.fork_agents=true
+    launcher.zygote, launcher.zygote_server = None, None  # launcher.fork_agents=true
     assert launcher._forked(["--node", "0"], {}, tmp_path / "agent0.log", 0) is None
     assert launcher.zygote is False  # Popen from then on, for this job
     assert "no zygote here" in capsys.readouterr().err

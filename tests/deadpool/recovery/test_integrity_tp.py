@@ -85,7 +85,9 @@ class World:
                                 weight_decay=0.0)
             comm = SimpleNamespace(topo=SimpleNamespace(rank=r), group_ranks=groups,
                                    has=groups.__contains__, store=self.store,
-                                   allreduce=lambda x, g, r=r: self.posted.append((r, g, x)),
+                                   # posted; completed once every member posted (``step``)
+                                   allreduce=lambda x, g, wait=True, r=r: self.posted.append((r, g, x)),
+                                   stream_ordered=False,
                                    raise_if_aborted=self._abort)
             inj = FaultInjector(list(faults), slot=r)
             inj.set_rank(r)

@@ -136,15 +136,17 @@ def details(res: dict, lo: int, hi: int) -> dict:
     snaps = sum(bool(r.get("snapshot")) for r in rows) / len(ranks) / (hi - lo + 1)
     gathers = [r["param_gather_s"] for r in rows if r.get("param_gather_s") is not None]
     # the silent-corruption check's time on the training thread (recovery/integrity.py), per step
-    # (steps without a snapshot count as 0); on gloo it includes the wait for the slowest peer
-    # its blocking all-reduce absorbs, which the step's next collective would otherwise pay
+    # (steps without a snapshot count as 0), and of it the wait for its all-reduce: the slowest
+    # peer's arrival, which the next step's collectives would otherwise wait for
     checks = [r.get("integrity_check_s") or 0.0 for r in rows]
+    waits = [r.get("integrity_wait_s") or 0.0 for r in rows]
     steps = [r["step_time_s"] for r in rows]
     last = max(rows, key=lambda r: r["step"])
     per_snapshot = res["summary"].get("replicated_bytes_per_rank_per_snapshot") or 0
     return {"snapshots_per_step": snaps, "interval_final": last.get("snapshot_interval"),
             "param_gather_s": statistics.median(gathers) if gathers else None,
             "integrity_check_share": sum(checks) / sum(steps),
+            "integrity_wait_share": sum(waits) / sum(steps),
             "bytes_per_snapshot": per_snapshot,
             "bytes_replicated_per_rank_per_step": per_snapshot * snaps}
 
@@ -252,8 +254,10 @@ def report(entry: dict, windows: dict, repeats: int) -> None:
         if arm == "off" and "param_gather_share_of_off_step" in entry:
             line += f" ({spread(entry['param_gather_share_of_off_step'])} of the step)"
         if not arm.startswith("off") and "nocheck" not in arm:
+            own = [(d["integrity_check_share"] - d["integrity_wait_share"]) * 100 for d in ds]
             line += (", silent-corruption check on the training thread "
-                     f"{spread([d['integrity_check_share'] * 100 for d in ds])} % of the step")
+                     f"{spread([d['integrity_check_share'] * 100 for d in ds])} % of the step, "
+                     f"of which its own work (not waiting for the peers' all-reduce) {spread(own)} %")
         if not arm.startswith("off"):
             per_step = statistics.median(d["bytes_replicated_per_rank_per_step"] for d in ds)
             line += (f", interval settled {[d['interval_final'] for d in ds]}, "

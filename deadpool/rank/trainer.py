@@ -398,7 +398,7 @@ class Trainer:
         ``skipped_steps``: steps so far whose update a non-finite norm skipped. Rank (last
         stage, dp 0, tp 0) prints progress."""
         rec = {"step": self.step, "rank": self.rank, "slot": self.slot, "pid": os.getpid(),
-               "generation": self.generation,
+               "generation": self.generation, "t": time.time(),
                "loss": None if loss is None else round(float(loss), 6), "step_time_s": step_time_s,
                "compute_s": self.clock.last_s,  # the step less its waits on peers (straggler.py)
                "lr": lr, "skipped_steps": self.skipped_steps,
@@ -417,10 +417,10 @@ class Trainer:
                "checkpoint_s": checkpoint_s,
                # the Young/Daly probe's measurements and this rank's proposed interval (once)
                "checkpoint_interval_proposal": self._proposal,
-               "val_loss": self._val_loss, "integrity_check_s": self.guard.check_s,  # on the thread
+               "val_loss": self._val_loss, "integrity_check_s": self.guard.check_s,
+               "integrity_wait_s": self.guard.wait_s,  # of the check, waiting for its peers
                "batch_digests": self._batch_digests, "skipped_batches": self.guard.skips,
-               **self.throughput.fields(step_time_s, comm.topo.dims.world_size),
-               "t": time.time()}
+               **self.throughput.fields(step_time_s, comm.topo.dims.world_size)}
         self._proposal = self._val_loss = None  # recorded once, in their step
         self.metrics.write(json.dumps(rec) + "\n")
         dims = comm.topo.dims

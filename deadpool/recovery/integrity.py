@@ -148,6 +148,7 @@ class Guard:
         self.disputed: dict[int, dict] = {}  # step -> own checksums ({"dp": .., "tp": ..}) disputed
         self.flip = self.spike = False  # armed faults (rank/faults.py: corrupt in the step, spike)
         self.check_s = 0.0              # time spent comparing (metrics: integrity_check_s)
+        self.wait_s = 0.0               # of it, waiting for the peers' all-reduce (integrity_wait_s)
         self.pending = None             # ({group: (all-reduce result, own crc, work)}, step): posted
         self._runs = (None, [])         # (optimizer, its tp-replicated element ranges)
         # a corrupt fault's ``where`` (rank/faults.py): a copy of a peer's shard or a norm weight
@@ -179,7 +180,7 @@ class Guard:
         slowest peer, which the next step's collectives wait for anyway). Every rank of a group
         calls it at the same steps."""
         t0 = time.perf_counter()
-        self.pending = None
+        self.pending, self.wait_s = None, 0.0
         if snapshot_next and self.compare and self.prev is not None:
             posted = {}
             if comm.has("dp"):
@@ -196,9 +197,11 @@ class Guard:
         t0 = time.perf_counter()
         if self.pending is not None:
             (posted, step), self.pending = self.pending, None
+            t1 = time.perf_counter()
             for _, _, work in posted.values():
-                if work is not None:
-                    comm.wait(work)
+                if work is not None:  # (the slowest peer's arrival: the wait the next step's
+                    comm.wait(work)   # collectives would otherwise hold)
+            self.wait_s += time.perf_counter() - t1
             self._judge(tr, comm, step, {g: (mine, t.cpu().tolist())
                                          for g, (t, mine, _) in posted.items()})
         self.check_s += time.perf_counter() - t0

@@ -39,6 +39,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -163,6 +164,60 @@ class ZygoteChild:
         return self.returncode
 
 
+class ServedZygote:
+    """A zygote forked by a zygote server (``zygote_server.py``), with the part of ``subprocess.Popen`` ``ZygoteClient`` uses
+    (``pid``, ``stdin``, ``stdout``, ``kill``, ``wait``). Not this process's child: its exit is
+    the end of its stdout (it alone holds the write end)."""
+
+    def __init__(self, server: str, argv: list[str], env: dict, log: Path, timeout_s: float = 30.0):
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                s.settimeout(timeout_s)
+                s.connect(server)
+                req = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}
+                socket.send_fds(s, [json.dumps(req).encode()], [in_r, out_w])
+                answer = s.recv(4096).decode()
+        except BaseException:
+            for fd in (in_w, out_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(in_r)
+            os.close(out_w)
+        if not answer.isdigit():
+            os.close(in_w)
+            os.close(out_r)
+            raise RuntimeError(f"the zygote server could not fork: {answer or 'no answer'}")
+        self.pid, self.returncode = int(answer), None
+        self.stdin, self.stdout = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb")
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                with open(f"/proc/{self.pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                        self.returncode = 0  # (its status is its server's to read)
+            except OSError:
+                self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
 class ZygoteClient:
     """The launcher's side of one zygote (``python -m deadpool.launch.zygote``).
 
@@ -184,7 +239,6 @@ class ZygoteClient:
                 *(["--preload", ",".join(preload)] if preload != PRELOAD else [])]
         self.proc = None
         if server:  # launcher.zygote_server: a fork of a pre-imported interpreter
-            from deadpool.launch.zygote_server import ServedZygote
             try:
                 self.proc = ServedZygote(server, argv, env, log)
             except (OSError, RuntimeError) as e:

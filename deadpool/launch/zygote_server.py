@@ -23,7 +23,6 @@ secret in ``env``); a socket whose directory others can reach is refused."""
 from __future__ import annotations
 
 import argparse
-import array
 import importlib
 import json
 import os
@@ -164,63 +163,6 @@ def _answer(srv: socket.socket) -> list[int]:
                 os.close(fd)
         conn.send(str(pid).encode())
         return [pid]
-
-
-class ServedZygote:
-    """A zygote forked by a server, with the part of ``subprocess.Popen`` ``ZygoteClient`` uses
-    (``pid``, ``stdin``, ``stdout``, ``kill``, ``wait``). Not this process's child: its exit is
-    the end of its stdout (it alone holds the write end)."""
-
-    def __init__(self, server: str, argv: list[str], env: dict, log: Path, timeout_s: float = 30.0):
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-                s.settimeout(timeout_s)
-                s.connect(server)
-                req = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}
-                socket.send_fds(s, [json.dumps(req).encode()], [in_r, out_w])
-                answer = s.recv(4096).decode()
-        except BaseException:
-            for fd in (in_w, out_r):
-                os.close(fd)
-            raise
-        finally:
-            os.close(in_r)
-            os.close(out_w)
-        if not answer.isdigit():
-            os.close(in_w)
-            os.close(out_r)
-            raise RuntimeError(f"the zygote server could not fork: {answer or 'no answer'}")
-        self.pid, self.returncode = int(answer), None
-        self.stdin, self.stdout = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb")
-        self._eof = False
-
-    def kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                with open(f"/proc/{self.pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
-                        self.returncode = 0  # (its status is its server's to read)
-            except OSError:
-                self.returncode = 0
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        import time
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                import subprocess
-                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
 
 
 def start(path: Path, timeout_s: float = 300.0, preload: tuple = PRELOAD, env=None):

@@ -62,6 +62,21 @@ def _child_setup() -> None:
         os.close(devnull)
 
 
+def wait_ready(watch: list, wake: int, timeout_s: float = 1.0) -> list:
+    """Those of ``watch`` ready to read within ``timeout_s``, or none once a signal wrote to the
+    wake-up descriptor ``wake`` (``signal.set_wakeup_fd``; drained here)."""
+    try:
+        ready, _, _ = select.select([*watch, wake], [], [], timeout_s)
+    except InterruptedError:
+        return []
+    if wake in ready:
+        try:
+            os.read(wake, 4096)
+        except BlockingIOError:
+            pass
+    return [x for x in ready if x != wake]
+
+
 class Zygote:
     """The forking loop; ``out`` is the report descriptor (stdout)."""
 
@@ -84,16 +99,7 @@ class Zygote:
         signal.set_wakeup_fd(w)
         self.say("ready")
         while self.children or (self.open and not self.forked):
-            watch = [r, self.inp] if self.open else [r]
-            try:
-                ready, _, _ = select.select(watch, [], [], 1.0)
-            except InterruptedError:
-                ready = []
-            if r in ready:
-                try:
-                    os.read(r, 4096)
-                except BlockingIOError:
-                    pass
+            ready = wait_ready([self.inp] if self.open else [], r)
             if self.open and self.inp in ready:
                 self.read_requests()
             self.reap()

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from deadpool.launch.procs import _close_descriptors_from
-from deadpool.launch.zygote import PRELOAD, Zygote
+from deadpool.launch.zygote import PRELOAD, Zygote, wait_ready
 
 PAD = 4096  # bytes of command line the server keeps for its zygotes' (a job file's path and more)
 MAX_REQUEST = 1 << 20
@@ -118,15 +118,7 @@ def serve(path: Path, preload=PRELOAD) -> int:
     children: set[int] = set()
     try:
         while not stop:
-            try:
-                ready, _, _ = select.select([srv, r, 0], [], [], 1.0)
-            except InterruptedError:
-                ready = []
-            if r in ready:
-                try:
-                    os.read(r, 4096)
-                except BlockingIOError:
-                    pass
+            ready = wait_ready([srv, 0], r)
             while children:  # reap the zygotes that ended
                 try:
                     pid, _ = os.waitpid(-1, os.WNOHANG)

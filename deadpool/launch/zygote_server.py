@@ -48,19 +48,27 @@ def private_socket_dir(path: Path) -> None:
                               "(a zygote server forks processes with the requests' secrets)")
 
 
-def set_command_line(argv: list[str]) -> bool:
-    """Write ``argv`` over this process's command line (``/proc/self/cmdline``, the memory the
-    kernel reads it from); False when it does not fit."""
+def _arg_area() -> tuple[int, int]:
+    """Where this process's command line lies in its memory (what ``/proc/self/cmdline`` reads)."""
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48, 49)
+    return int(fields[45]), int(fields[46])  # arg_start, arg_end (proc(5) fields 48, 49)
+
+
+def _command_line(argv: list[str], room: int) -> bytes:
     data = b"\0".join(a.encode() for a in argv) + b"\0"
-    if len(data) > end - start:
-        return False
+    if len(data) > room:  # (refused before the fork: a job whose processes no search could find)
+        raise ValueError(f"a command line of {len(data)} bytes, room for {room}")
+    return data.ljust(room, b"\0")
+
+
+def set_command_line(argv: list[str]) -> None:
+    """Write ``argv`` over this process's command line; ValueError when it does not fit."""
+    start, end = _arg_area()
+    data = _command_line(argv, end - start)
     with open("/proc/self/mem", "r+b", buffering=0) as mem:
         mem.seek(start)
-        mem.write(data.ljust(end - start, b"\0"))
-    return True
+        mem.write(data)
 
 
 def _zygote_main(req: dict, fds: list[int]) -> int:
@@ -146,6 +154,8 @@ def _answer(srv: socket.socket) -> list[int]:
             req = json.loads(msg)
             if len(fds) != 2 or not all(k in req for k in ("argv", "env", "cwd", "log")):
                 raise ValueError("a request carries argv, env, cwd, log and two descriptors")
+            start, end = _arg_area()
+            _command_line(req["argv"], end - start)
             pid = _fork_zygote(req, fds)
         except Exception as e:  # (the client starts its zygote by Popen instead)
             conn.send(f"failed {type(e).__name__}: {e}".encode())

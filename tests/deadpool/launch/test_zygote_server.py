@@ -79,3 +79,15 @@ def test_a_socket_others_can_reach_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="did not start"):
         zygote_server.start(shared / "sock", preload=(), env=ENV, timeout_s=60)
     assert not (shared / "sock").exists()
+
+
+def test_a_command_line_longer_than_the_room_is_refused_before_any_fork(server, tmp_path):
+    """Its processes could not be found by the job file: the launcher starts the zygote itself."""
+    long = tmp_path / ("d" * 200) / ("e" * 200)
+    for _ in range(25):  # (never made: only its name travels)
+        long = long / ("f" * 200)
+    z = ZygoteClient(long / "job.json", ENV, tmp_path / "zygote.log", preload=(), server=server)
+    try:
+        assert isinstance(z.proc, subprocess.Popen)
+    finally:
+        z.close(timeout_s=10.0)

@@ -230,7 +230,7 @@ class Coordinator(Observer):
         while waiting:
             self.tick()
             preempt.before_start(self)
-            waiting -= set(joined.poll())
+            waiting -= joined.poll_new().keys()
             for slot in sorted(waiting):
                 if self.launcher.poll(slot) is not None:
                     raise JobFailed(f"process in slot {slot} exited during start-up:\n"

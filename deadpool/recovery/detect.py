@@ -169,7 +169,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
         held = None  # a stop keeps its own deadline (ft.stop_timeout_s): no grace
     while True:
         coord.read_heartbeats()
-        for rank, text in pending.poll().items():
+        for rank, text in pending.poll_new().items():  # (each report once, not all per turn)
             if rank not in failed and rank not in statuses:
                 statuses[rank] = RankStatus.from_json(text)
         for slot in coord.suspects():

@@ -61,7 +61,7 @@ def collect_finals(coord) -> None:
     while True:
         coord.tick()
         coord.read_heartbeats()
-        for r, text in got.poll().items():
+        for r, text in got.poll_new().items():
             coord.finals.setdefault(r, json.loads(text))
         poll += 1
         wait.update(set(coord.finals), writers_progress(coord, wait.pending, poll))

@@ -44,7 +44,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from deadpool.rank.comm import resolve_backend
-from deadpool.rank.groups import all_groups, reusable_groups
+from deadpool.rank.groups import keepable_groups, reusable_groups
 from deadpool.recovery import detect
 from deadpool.store.protocol import RankStatus, Source
 from deadpool.topology import Topology
@@ -348,7 +348,6 @@ def groups_to_keep(coord, statuses: dict[int, RankStatus], replaced: list[int],
     backend = resolve_backend(coord.cfg["device"], coord.cfg.get("backend", "auto"))
     if coord.ft.get("rebuild", "affected") != "affected" or backend != "gloo":
         return []
-    members = all_groups(coord.dims, coord.ft["buddy_policy"],  # the layout's, every generation
-                         int(coord.ft.get("replicas", 1)))
+    members = keepable_groups(coord.dims, coord.ft["buddy_policy"])  # the layout's (cached)
     counts = {r: st.groups for r, st in statuses.items()}
     return reusable_groups(counts, members, set(replaced))

@@ -164,6 +164,7 @@ class Reports:
         self._keys: dict[int, str] = {}  # id -> key, made once (an id is a rank, or a node)
         self._by_name: dict[str, int] = {}  # a key's last part (what its index lists) -> id
         self._index_read = 0  # how much of the index earlier polls read (posted reports)
+        self._keyed = False  # posted: every id's key made (at the first read)
         self.budget = budget
         self._cursor = 0  # budgeted scans: the id the next poll starts at
 
@@ -186,10 +187,17 @@ class Reports:
                 self._missing_list = None
 
     def poll(self) -> dict[int, str]:
-        if not self._missing:
-            return self.got
-        self._take(self._read(self.missing))
+        self.poll_new()
         return self.got
+
+    def poll_new(self) -> dict[int, str]:
+        """``poll``, answering only the reports this poll took (a caller that acts on each
+        report once need not walk every report taken so far at every turn of its wait)."""
+        if not self._missing:
+            return {}
+        new = self._read(self._missing if self.posted else self.missing)
+        self._take(new)
+        return new
 
     def _take(self, new: dict[int, str]) -> None:
         if new:
@@ -199,22 +207,23 @@ class Reports:
     def _read(self, ids: list[int]) -> dict[int, str]:
         """The sealed values of the keys of ``ids`` that exist (posted: that the index listed
         since the last poll), id -> text."""
-        for i in ids:
-            if i not in self._keys:
-                self._keys[i] = key = self.key_of(i)
-                self._by_name[key.rpartition("/")[2]] = i
+        if not self.posted or not self._keyed:  # (posted: the ids only shrink, keyed once)
+            self._keyed = self.posted
+            for i in ids:
+                if i not in self._keys:
+                    self._keys[i] = key = self.key_of(i)
+                    self._by_name[key.rpartition("/")[2]] = i
         if not self.posted:
             keys = {i: self._keys[i] for i in ids}
             if self.budget is not None:
                 return _fetch(self.store, self.seal, keys, self._scan(ids), self._forged)
             return read(self.store, self.seal, keys, on_forged=self._forged)
-        value = peek(self.store, index_of(self._keys[ids[0]]))
+        value = peek(self.store, index_of(self._keys[next(iter(ids))]))
         if len(value) < self._index_read:  # deleted and begun again
             self._index_read = 0
         news = value[self._index_read:].decode(errors="replace").split(",")
         self._index_read = len(value)
-        wanted = set(ids)
-        listed_ids = {self._by_name[n] for n in news if self._by_name.get(n) in wanted}
+        listed_ids = {self._by_name[n] for n in news if self._by_name.get(n) in ids}
         keys = {i: self._keys[i] for i in sorted(listed_ids)}
         found = list(keys.values())
         if found and not self.store.check(found):  # a listed key that does not exist
@@ -288,11 +297,11 @@ class NodeReports(Reports):
                     del self._owing[n]
         super()._discard(ids)
 
-    def poll(self) -> dict[int, str]:
+    def poll_new(self) -> dict[int, str]:
         if not self._missing:
-            return self.got
+            return {}
         new = {}
-        for node, text in self._read(sorted(self._owing)).items():
+        for node, text in self._read(self._owing).items():  # (a dict: O(1) membership)
             try:
                 got = {int(r): t for r, t in json.loads(text).items()}
             except (ValueError, AttributeError):
@@ -300,4 +309,4 @@ class NodeReports(Reports):
             new.update((r, t) for r, t in got.items()
                        if r in self._missing and self._node[r] == node)
         self._take(new)
-        return self.got
+        return new

@@ -65,6 +65,7 @@ class FakeNodes:
             self.heap.append((now + periods["agent"] * i / max(1, len(nodes)), node))
         heapq.heapify(self.heap)
         self.reacts: list[tuple[float, int, str, int]] = []  # (due, node, what, generation)
+        self.woken = threading.Event()  # a follower queued a reaction: the runner looks at once
         self.win, self.lag = 0, 0.0
 
     def _fence(self, slot):
@@ -127,6 +128,7 @@ class FakeNodes:
                 with self.lock:
                     heapq.heappush(self.reacts, (time.monotonic() + self.periods["plan"], node,
                                                  ev["kind"], int(ev["g"])))
+                self.woken.set()
 
     def _log(self, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -196,10 +198,34 @@ class FakeNodes:
             self.stats[self.base + OPS] = self.store.ops
             self.stats[self.base + LAG] = self.lag
             self.stats[self.base + WIN] = self.win
-            if not (self.reacts and self.reacts[0][0] <= time.monotonic()):
-                time.sleep(min(0.002, max(0.0, self.heap[0][0] - time.monotonic())) if self.heap
-                           else 0)
+            # sleep until the next tick or reaction is due; a follower queuing a reaction, the
+            # benchmark's exit request and the end wake it (``watch``). (A 2 ms turn per runner,
+            # each checking the cross-process stop event, was most of the harness's own CPU, a
+            # cost no real node has, taken from the recovery it measures on 2 cores.)
+            nxt = min(self.heap[0][0] if self.heap else float("inf"),
+                      self.reacts[0][0] if self.reacts else float("inf"))
+            wait = nxt - time.monotonic()
+            if wait > 0:
+                self.woken.wait(wait)
+                self.woken.clear()
 
+
+WATCH_S = 0.002  # how often one thread per fake process reads the benchmark's exit request and stop
+
+
+def watch(stop, exit_req, local_stop: threading.Event, runners: list) -> None:
+    """The fake process's one reader of the benchmark's shared words: the exit request (each
+    runner then looks at once) and ``stop`` (a cross-process event: ``local_stop`` is what the
+    runners and followers check, without the lock every ``is_set`` of the shared one takes)."""
+    seen = exit_req.value
+    while not stop.wait(WATCH_S):
+        if exit_req.value != seen:
+            seen = exit_req.value
+            for fn in runners:
+                fn.woken.set()
+    local_stop.set()
+    for fn in runners:
+        fn.woken.set()
 
 _BY_SLOT: dict[int, tuple[object, dict]] = {}
 
@@ -234,13 +260,14 @@ def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags
     root = Path(tempfile.mkdtemp(prefix=f"p{first}_", dir=shm_root))  # (removed by the caller too)
     items = sorted(nodes.items())
     parts = [dict(items[i::threads]) for i in range(threads)]
-    runners = []
-    for i, part in enumerate(parts):
-        fn = FakeNodes(host, port, secret, part, world, rpn, periods, ft, flags, stats,
-                       (first + i) * FIELDS, window, exit_req, root / f"t{i}", decode)
-        runners.append(threading.Thread(target=fn.run, args=(stop,), daemon=True))
+    fns = [FakeNodes(host, port, secret, part, world, rpn, periods, ft, flags, stats,
+                     (first + i) * FIELDS, window, exit_req, root / f"t{i}", decode)
+           for i, part in enumerate(parts)]
+    local_stop = threading.Event()
+    runners = [threading.Thread(target=fn.run, args=(local_stop,), daemon=True) for fn in fns]
     for t in runners:
         t.start()
+    watch(stop, exit_req, local_stop, fns)
     for t in runners:
         t.join()
     shutil.rmtree(root, ignore_errors=True)

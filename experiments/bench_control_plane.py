@@ -77,8 +77,11 @@ another on its cores and a cluster on every node at once), ``plan_after_statuses
 the coordinator's last poll, planning, the plan), ``node_react_ms`` (one node's reaction, its
 ranks' status files and its agent sending them, mean CPU) and ``coordinator_recovery_cpu_s``
 (the coordinator thread's CPU from detection to plan)) and
-``DIR/runs.json``. Not modelled in either protocol: the progress line, group rendezvous and
-transfers.
+``DIR/runs.json``, which also holds ``recovery_cpu``: every process's CPU from the exit to plan 1
+less its steady-state rate over as long (the recovery's own work, in the fakes and in the
+coordinator's process, store included) and how many cores were busy meanwhile: on 2 cores the
+window is as long as that work takes on the cores the steady state leaves. Not modelled in
+either protocol: the progress line, group rendezvous and transfers.
 """
 
 from __future__ import annotations

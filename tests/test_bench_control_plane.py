@@ -86,7 +86,9 @@ def test_the_benchmark_writes_the_table_at_a_tiny_size(tmp_path):
         extra = [max(0, r["recovery_store_ops"]  # at 32 on a loaded machine: not "survived")
                      - 3 * r["recovery_store_ops_by_method"].get("compare_set", 0))
                  for r in (small, large)]
-        assert extra[1] <= 1.5 * extra[0] + 4, (p, extra, small, large)
+        # (the residual moves by a few between runs: how many polls found news, 3 requests
+        # instead of 1, is timing; 0 -> 5 was seen. Per-rank probing adds ~4 per added rank.)
+        assert extra[1] <= extra[0] + (LARGER - RANKS) // 2, (p, extra, small, large)
     assert row["ranks"] == "16" and row["protocol"] == "old" and row["dilation"] == "0.5"
     assert float(row["store_ops_per_s_per_rank"]) > 20  # ~155 per rank plus the spares' polling
     assert 0 < float(row["coordinator_cpu_frac"]) < 2

@@ -4,6 +4,7 @@ a silent node (``run_size``)."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import threading
@@ -21,6 +22,33 @@ from experiments.control_plane.coordinator_side import (BenchAgents, BenchCoordi
                                                         Stop, config, thread_cpu)
 from experiments.control_plane.fake_nodes import fake_nodes_process
 from experiments.control_plane.fake_ranks import fake_process
+
+
+def process_cpu(pids) -> dict[int, float]:
+    """CPU seconds (user + system) each process has used so far (Linux ``/proc``; {} elsewhere)."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def recovery_cpu(before: dict, after: dict, window_s: float, rate: dict, coordinator: int) -> dict:
+    """Where the machine's CPU went from the exit to plan 1 (``window_s``): each process's CPU
+    then, less what it spends in steady state over as long (``rate``: CPU seconds per second),
+    is the recovery's own work; ``window_cores`` what was busy in all (of ``os.cpu_count()``)."""
+    used = {p: after[p] - before[p] for p in after if p in before}
+    steady = {p: rate.get(p, 0.0) * window_s for p in used}
+    fakes = [p for p in used if p != coordinator]
+    return {"window_s": window_s, "window_cores": sum(used.values()) / max(window_s, 1e-9),
+            "steady_cores": sum(rate.get(p, 0.0) for p in used), "cores": os.cpu_count(),
+            "recovery_work_fakes_cpu_s": sum(used[p] - steady[p] for p in fakes),
+            "recovery_work_coordinator_process_cpu_s": used.get(coordinator, 0.0)
+            - steady.get(coordinator, 0.0)}
 
 
 def wait_for(cond, timeout_s: float, every_s: float = 0.01) -> bool:
@@ -174,11 +202,15 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         time.sleep(2 * periods["hb"] + 1.0)  # every schedule running
         window.value = 1
         time.sleep(periods["hb"] * 2)
+        pids = [os.getpid()] + [p.pid for p in procs]
         ops0, req0, t_a = fake_ops(), store.requests, time.time()
         cpu0, proc0 = thread_cpu(ct) + thread_cpu(coord._beating), time.process_time()
+        procs0 = process_cpu(pids)
         time.sleep(args.duration_s)
         ops1, req1, t_b = fake_ops(), store.requests, time.time()
         cpu1, proc1 = thread_cpu(ct) + thread_cpu(coord._beating), time.process_time()
+        procs1 = process_cpu(pids)
+        cpu_rate = {p: (procs1[p] - procs0[p]) / (t_b - t_a) for p in procs1 if p in procs0}
         # the rest of this process's CPU is the store's own thread (the main thread sleeps)
         out["store_cpu_frac"] = (proc1 - proc0 - (cpu1 - cpu0)) / (t_b - t_a)
         out["steady_lag_s"] = lag() / D
@@ -204,11 +236,15 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
         # exit: rank 1's process exits
         log("[bench] steady state measured; rank 1's process exits", flush=True)
         t_exit, react0 = time.time(), (total(REACT_CPU), total(REACT_N))
+        cpu_exit, m_exit = process_cpu(pids), time.monotonic()
         if protocol == "new":
             exit_req.value = coord.members.ranks[1]  # its agent's waitpid returns
         else:
             launcher.exited[coord.members.ranks[1]] = -9
             flags[coord.members.ranks[1]] = DEAD
+        if wait_for(lambda: 1 in coord.plans, 120 * D, every_s=0.005):
+            out["recovery_cpu"] = recovery_cpu(cpu_exit, process_cpu(pids),
+                                               time.monotonic() - m_exit, cpu_rate, os.getpid())
         if not wait_for(lambda: 1 in coord.plans and reads(1) >= alive(), 120 * D):
             out["failed"] = f"exit: plan 1 read by {int(reads(1))} of {alive()}"
             return out

@@ -12,10 +12,10 @@ from deadpool.launch.job import run_job
 from deadpool.launch.report import compare_final_states
 from tests.conftest import compose_train
 
-BASE = ["model=tiny", "parallel=dp4", "num_steps=40", "ft.num_spares=1", "log_every_steps=0",
+BASE = ["model=tiny", "parallel=dp4", "num_steps=24", "ft.num_spares=1", "log_every_steps=0",
         "ft.persist_interval_steps=0", "ft.snapshot_adapt_every_steps=8",
         "ft.snapshot_overhead_target=null",
-        "ft.replication_max_mb_per_s=1"]  # ~1 MB shard per rank: >= 1 s per snapshot, ~10 steps
+        "ft.replication_max_mb_per_s=2"]  # ~1.6 MB per rank: ~0.75 s per snapshot, ~7 steps
 quiet = lambda *a, **k: None  # noqa: E731
 
 
@@ -34,8 +34,10 @@ def test_slow_replication_widens_the_interval_and_recovery_stays_exact(tmp_path)
     assert all(r["step"] % r["snapshot_interval"] == 0 for r in rows if r["snapshot"])
     assert max(r["protection_lag_steps"] for r in rows if r["protection_lag_steps"] is not None) > 1
 
+    kill_step = 20
+    assert max(by_step[kill_step]) > 1  # the kill below lands while the interval is wide
     run = tmp_path / "kill"
-    kill = ["faults=kill_mid_step", "faults.events.0.step=30"]
+    kill = ["faults=kill_mid_step", f"faults.events.0.step={kill_step}"]
     s2 = run_job(compose_train(BASE + kill, run), log=quiet)
     assert s2["outcome"] == "completed", s2["message"]
     (rec,) = s2["recoveries"]

@@ -53,8 +53,9 @@ SlurmUser=$(id -un)
 SlurmdUser=root
 AuthType=auth/munge
 # a requeued job waits this long before it starts again (a job credential's lifetime; 120 s
-# by default): the walltime test of test_slurm.py requeues one
-AuthInfo=cred_expire=30
+# by default; long enough for a step launch on a loaded 2-core machine): the walltime test
+# of test_slurm.py requeues one
+AuthInfo=cred_expire=15
 CredType=cred/munge
 SlurmctldPort=${DEADPOOL_SLURMCTLD_PORT:-6817}
 SlurmdPort=$SLURMD_PORT

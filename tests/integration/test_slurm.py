@@ -305,7 +305,7 @@ def test_walltime_signal_writes_the_state_requeues_and_the_job_resumes_bitwise(s
     assert text.count("USR1: asking the coordinator") == 1, text
     stopped = json.loads((run_dir / "summary.json").read_text())
     assert stopped["outcome"] == "preempted", stopped.get("message")
-    # Slurm holds a requeued job back for a job credential's lifetime (local_cluster.sh: 30 s)
+    # Slurm holds a requeued job back for a job credential's lifetime (local_cluster.sh: 15 s)
     wait_for(lambda: job_state(env, job_id)[0] == "COMPLETED", 300, env, job_id, log,
              ended=("FAILED", "CANCELLED", "TIMEOUT"))
     text = log.read_text()

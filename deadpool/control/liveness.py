@@ -107,11 +107,6 @@ class Liveness:
         b = self._beat.get(slot)
         return None if b is None else self.clock() - b[1]
 
-    def silent_age(self, slot: int) -> float | None:
-        """How long the process has been silent on its own evidence (``NodeLiveness``): here
-        its own heartbeat key, which it writes itself, apart from its reports."""
-        return self.beat_age(slot)
-
     def progress_age(self, slot: int) -> float | None:
         p = self._prog.get(slot)
         return None if p is None else self.clock() - p[1]
@@ -264,20 +259,6 @@ class NodeLiveness:
         slow = self._slow.get(slot)
         own = None if slow is None else slow[0] + self.clock() - slow[1]
         return node if own is None else max(own, node or 0.0)
-
-    def silent_age(self, slot: int) -> float | None:
-        """How long the process of ``slot`` has been silent by its own beat, as its agent last
-        reported it; None while that report is itself old (its node's record unchanged for the
-        soft timeout). Its agent also carries its reports, so a stalled agent (a loaded host)
-        delays both its record and the statuses it forwards: that is no sign the process is
-        gone, and it must not make healthy ranks look dead together. A node whose record stays
-        unchanged is lost at ``node_timeout_s`` (``beat_lost``), or at once if its presence
-        connection ends."""
-        node = self.node_age(self.node_of(slot))
-        if node is None or node > self.soft_s:
-            return None
-        slow = self._slow.get(slot)
-        return 0.0 if slow is None else slow[0] + self.clock() - slow[1]
 
     def beat_lost(self, slot: int, is_stopped) -> bool:
         node = self.node_age(self.node_of(slot))

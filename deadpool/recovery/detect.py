@@ -185,14 +185,11 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
         # Every rank that has not answered also stopped beating (soft timeout): silent to the
         # abort and no heartbeat are two independent signals, so they are lost now rather than
         # at the hard timeout. It matters under srun, where no process handle shows an exit.
-        # Under node agents a rank's beat is judged only from a fresh record of its node
-        # (``silent_age``): the agent forwards its status too, and an agent stalled for a second
-        # on a loaded host delayed both, which fenced healthy ranks with the dead one.
         # (Liveness-only too: not while fencing them with the failed would lose a copy; they
         # are then judged at the deadline, ``status_grace``, or by the hard timeout.)
         pending.forget(failed)
         silent = pending.missing
-        if silent and all((coord.live.silent_age(ranks[r]) or 0.0) > coord.live.soft_s
+        if silent and all((coord.live.beat_age(ranks[r]) or 0.0) > coord.live.soft_s
                           for r in silent) and _may_fence(held, set(failed) | set(silent)):
             failed.update((r, "heartbeat") for r in silent)
             launcher.fence([ranks[r] for r in silent])

@@ -10,8 +10,6 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
-import pytest
-
 from deadpool.control.liveness import NodeLiveness
 from deadpool.rank import groups
 from deadpool.recovery import plan
@@ -158,23 +156,3 @@ def test_a_layouts_groups_are_enumerated_once_not_at_every_recovery(monkeypatch)
     assert enumerated == []
     assert first and again and set(first) != set(again)
     assert not any(1 in members[k] for k in first) and not any(2 in members[k] for k in again)
-
-
-def test_a_rank_is_silent_only_on_a_fresh_record_of_its_node():
-    """Under node agents a rank's status and its beat both come through its agent: a record that
-    is itself old (an agent stalled on a loaded host) says nothing of the rank (it used to make
-    every rank of the node look silent after the soft timeout, 1 s, and a status wait then
-    fenced them with the dead one); the node is lost at node_timeout_s instead."""
-    clock = Clock()
-    live = liveness(2, clock)
-    live.observe_node(0, '2 0 7 8 0 {"slow":{"3":[0.7,false]}}')  # slot 3 quiet 0.7 s
-    clock.t += 0.5
-    assert live.silent_age(3) == pytest.approx(1.2) and live.silent_age(1) == 0.0  # node 0's record is fresh
-    live.observe_node(1, "2 0 7 8 0")
-    clock.t += 0.7  # node 0's record 1.2 s old: past the soft timeout, short of node_timeout_s
-    assert live.silent_age(1) is None and live.silent_age(3) is None
-    assert live.beat_age(1) == pytest.approx(1.2) and live.beat_age(1) > live.soft_s  # (what the status wait used to judge by)
-    assert not live.beat_lost(1, lambda s: False)
-    assert live.silent_age(9) == 0.0  # node 1 spoke 0.7 s ago
-    clock.t += 2.0
-    assert live.beat_lost(1, lambda s: False)  # node 0 lost at node_timeout_s (3 s)

@@ -263,21 +263,3 @@ def test_each_recovery_goes_out_as_a_delta_against_the_plan_every_reader_holds(t
         held = decode_plan(text, held, coord._group_keys)  # no BaseMismatch
         assert held.assignments == coord.members.ranks and held.generation == g + 1
     assert held.assignments == {0: 0, 1: 4, 2: 5, 3: 3}
-
-
-def test_a_silent_rank_is_judged_by_its_own_silence_not_its_agents(tmp_path):
-    """The status wait fences the ranks that have not answered once they are all silent on their
-    own evidence (``silent_age``); a rank whose silence is unknown (its node's record is old: its
-    agent, which forwards its status, stalled) waits for the deadline instead."""
-    coord = coordinator(tmp_path, ["ft.status_timeout_s=0.3"])
-    keys = Keys(0)
-    for r in (0, 2):
-        post(coord, keys.status(r), RankStatus(r, r, 7, [6, 7], {}).to_json())
-    for s in range(5):
-        beat(coord, s, 1)
-    coord.live.soft_s = 0.0  # every beat is past the soft timeout at once
-    coord.live.silent_age = lambda slot: None  # but rank 3's own silence is not known
-    coord.suspicion = None  # (no hold window: the deadline is the status timeout)
-    failed = {1: "exit"}
-    statuses = detect.collect_statuses(coord, failed, keys)
-    assert sorted(statuses) == [0, 2] and failed == {1: "exit", 3: "no_status"}

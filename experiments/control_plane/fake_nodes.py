@@ -227,6 +227,7 @@ def watch(stop, exit_req, local_stop: threading.Event, runners: list) -> None:
     for fn in runners:
         fn.woken.set()
 
+
 _BY_SLOT: dict[int, tuple[object, dict]] = {}
 
 

@@ -44,6 +44,7 @@ def zygote_server() -> str | None:
         _SERVER.extend([None, None])
     if not _SERVER:
         import atexit
+        import shutil
         import tempfile
 
         from deadpool.launch import zygote_server as zs
@@ -56,9 +57,10 @@ def zygote_server() -> str | None:
             return None
         _SERVER.extend([str(sock), proc])
 
-        def stop():
+        def stop():  # (the server removes its socket; its directory is the session's)
             proc.stdin.close()
             proc.wait(30)
+            shutil.rmtree(sock.parent, ignore_errors=True)
         atexit.register(stop)
     return _SERVER[0]
 

@@ -98,6 +98,7 @@ def newest_step(run_dir: Path) -> int:
     return max(steps)
 
 
+@pytest.mark.core
 def test_a_killed_node_agent_loses_its_node_and_spares_take_both_ranks(reference, tmp_path):
     result, pids = {}, {}
     job = threading.Thread(target=lambda: result.update(

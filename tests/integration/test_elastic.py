@@ -90,7 +90,7 @@ def _equals_narrower_from(tmp_path, run, S: int, dp: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["in_place", "relaunch"])
+@pytest.mark.parametrize("mode", [pytest.param("in_place", marks=pytest.mark.core), "relaunch"])
 def test_shrink_equals_training_at_the_reduced_width_from_the_same_step(tmp_path, mode):
     run, s = _train(tmp_path, "elastic", ["ft=elastic", "faults=kill_mid_step",
                                           "faults.events.0.step=6", f"ft.elastic_mode={mode}"])

@@ -36,7 +36,7 @@ def slots_by_rank(run_dir: Path) -> dict[int, set[int]]:
 
 
 def test_a_sigkilled_rank_is_hot_swapped_and_ends_bitwise_equal(tmp_path):
-    """The one real-process recovery ``make test-fast`` runs (not ``slow``): dp2, a SIGKILL in
+    """The shortest real-process recovery (not ``slow``): dp2, a SIGKILL in
     the gradient all-reduce, a warm spare restored from the buddy's replica and a peer."""
     small = ["model=tiny", "parallel=dp2", "num_steps=8", "ft.num_spares=1", "log_every_steps=0"]
     ref = run_job(compose_train(small + ["faults=none"], tmp_path / "ref"), log=quiet)

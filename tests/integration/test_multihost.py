@@ -149,6 +149,7 @@ def test_an_agent_gives_its_processes_the_interface_that_reaches_the_store(tmp_p
         assert job.wait(timeout_s=120)["outcome"] == "completed"
 
 
+@pytest.mark.core
 def test_a_rank_killed(tmp_path, ref_dp4):
     kill = ["faults.events=[{rank: 2, step: 10, phase: mid_step, kind: kill}]"]
     with netns.TestBed(3) as bed, cluster(bed, tmp_path, DP4, kill).start() as job:

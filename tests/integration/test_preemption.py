@@ -136,7 +136,7 @@ def assert_no_traceback(job: Job) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,to", [(signal.SIGTERM, "coordinator"), (signal.SIGINT, "coordinator"),
-                                    (signal.SIGTERM, "agents")],
+                                    pytest.param(signal.SIGTERM, "agents", marks=pytest.mark.core)],
                          ids=["sigterm", "ctrl-c", "sigterm-to-agents"])
 def test_a_signal_writes_the_newest_step_and_auto_resume_ends_bitwise_equal(reference, tmp_path,
                                                                            sig, to):

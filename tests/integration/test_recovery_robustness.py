@@ -162,6 +162,7 @@ def test_a_corrupted_replica_is_detected_and_another_source_used(reference, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.core
 def test_coordinator_death_workers_save_and_exit_and_the_resume_is_bitwise_equal(reference, tmp_path):
     run_dir = tmp_path / "lost"
     cmd = [sys.executable, "-m", "deadpool.train", *FORKED, *BASE, "num_steps=20", "ft.num_spares=1",

@@ -38,6 +38,7 @@ def base(tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.core
 @pytest.mark.timeout(900)
 def test_tokens_3d_hot_swap_is_exact_and_the_export_loads_in_transformers(tokens, tmp_path):
     transformers = pytest.importorskip("transformers")

@@ -107,6 +107,7 @@ class Coordinator(Observer):
         self.errors_logged: set[tuple[int, int]] = set()
         self.error_hint = (-1, 0, False)  # (generation, num_errors seen, a sealed report behind it)
         self.forgeries: set[str] = set()  # kinds of unsealed messages already logged
+        self.evidence: dict[int, str] = {}  # rank -> what was known of it when declared failed
         self._finished_hint = (-1, 0)  # (generation, num_finished) when the reports were read
         self._finished: tuple[int, Reports] | None = None
         self._garbage: list[str] = []  # keys of finished generations, deleted a few per loop
@@ -262,6 +263,9 @@ class Coordinator(Observer):
         bad = detect.collect_bad_sources(self, keys)
         faults = detect.collect_faults(self, set(failed))
         decision = plan.decide(self, statuses)
+        if decision.resume_step is None:  # (the message says how each failed rank was found)
+            decision.reason += f" (failed in generation {g}: {detect.described(self, failed)})"
+        self.evidence.clear()
         rec = rollback.open_record(self, failed, faults, decision, t_detect, bad)
         lost = {d: self.members.ranks.pop(d) for d in failed}  # rank -> the slot it held
         if decision.resume_step is None:

@@ -116,6 +116,13 @@ class Liveness:
         p = self._prog.get(slot)
         return None if p is None else p[0]
 
+    def evidence(self, slot: int) -> str:
+        """What the coordinator last knew of ``slot``, for a message naming it lost."""
+        beat, prog = self.beat_age(slot), self.progress_age(slot)
+        return (f"beat {'never seen' if beat is None else f'{beat:.1f} s old'}, phase "
+                f"{self.phase.get(slot, '?')} unchanged for "
+                f"{'?' if prog is None else f'{prog:.1f}'} s")
+
     def beat_lost(self, slot: int, is_stopped) -> bool:
         age = self.beat_age(slot)
         if age is None or age <= self.soft_s:
@@ -259,6 +266,14 @@ class NodeLiveness:
         slow = self._slow.get(slot)
         own = None if slow is None else slow[0] + self.clock() - slow[1]
         return node if own is None else max(own, node or 0.0)
+
+    def evidence(self, slot: int) -> str:
+        """What the coordinator last knew of ``slot`` from its node's records (see ``Liveness``)."""
+        node, beat = self.node_age(self.node_of(slot)), self.beat_age(slot)
+        flags = [w for w, on in (("stopped", self.stopped(slot)),
+                                 ("hung", slot in self._own.get(self.node_of(slot), ()))) if on]
+        return (f"its node's record {'never seen' if node is None else f'{node:.1f} s old'}, beat "
+                f"{'never seen' if beat is None else f'{beat:.1f} s old'}" + "".join(f", {f}" for f in flags))
 
     def beat_lost(self, slot: int, is_stopped) -> bool:
         node = self.node_age(self.node_of(slot))

@@ -48,9 +48,11 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
             failed[rank] = "exception" if crashed else "exit"
         elif coord.lost(slot):
             failed[rank] = "heartbeat"
+            note(coord, rank, slot)
     for slot in hung:
-        if slot in by_slot:
-            failed.setdefault(by_slot[slot], "progress")
+        if slot in by_slot and by_slot[slot] not in failed:
+            failed[by_slot[slot]] = "progress"
+            note(coord, by_slot[slot], slot)
     held = getattr(coord, "suspicion", None)  # liveness-only suspects that would cost a copy
     if held is not None:
         failed = held.filter(failed, members.ranks.__getitem__, coord.gen)
@@ -181,6 +183,7 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
                 launcher.kill(slot)
             elif coord.lost(slot):
                 failed[rank] = "heartbeat"
+                note(coord, rank, slot)
                 launcher.kill(slot)
         # Every rank that has not answered also stopped beating (soft timeout): silent to the
         # abort and no heartbeat are two independent signals, so they are lost now rather than
@@ -191,7 +194,9 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
         silent = pending.missing
         if silent and all((coord.live.beat_age(ranks[r]) or 0.0) > coord.live.soft_s
                           for r in silent) and _may_fence(held, set(failed) | set(silent)):
-            failed.update((r, "heartbeat") for r in silent)
+            for r in silent:
+                failed[r] = "heartbeat"
+                note(coord, r, ranks[r], "silent to the abort")
             launcher.fence([ranks[r] for r in silent])
             pending.forget(failed)
         if len(statuses) + len(failed) >= len(ranks):
@@ -204,9 +209,23 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
             for rank, slot in ranks.items():
                 if rank not in failed and rank not in statuses:
                     failed[rank] = "no_status"
+                    note(coord, rank, slot)
                     launcher.kill(slot)
             return statuses
         time.sleep(0.002)
+
+
+def note(coord, rank: int, slot: int, more: str = "") -> None:
+    """Keep what the coordinator knew of a rank it declares failed on liveness alone (its beat,
+    its node's record), for the message of a recovery that cannot go on (``described``)."""
+    coord.evidence[rank] = ", ".join(x for x in (more, coord.live.evidence(slot)) if x)
+
+
+def described(coord, failed: dict[int, str]) -> str:
+    """``failed`` as a user reads it: each rank, how it was found and, for one found by its
+    silence, what the coordinator knew of it then."""
+    return ", ".join(f"rank {r} ({how}" + (f": {coord.evidence[r]}" if r in coord.evidence else "")
+                     + ")" for r, how in sorted(failed.items()))
 
 
 def _may_fence(held, ranks: set[int]) -> bool:

@@ -46,9 +46,12 @@ def write_state(coord, generation: int, action: str, decision, reason: str,
     def lost(slots, why: str) -> WriterLost:
         gone = {by_slot[s]: s for s in slots}
         r = min(gone)
+        seen = "; ".join(f"slot {s}: " + (f"exited ({code})" if (code := coord.launcher.poll(s))
+                                          is not None else coord.live.evidence(s))
+                         for s in sorted(gone.values()))
         e = WriterLost(r, gone[r], f"rank(s) {sorted(gone)} (slot(s) {sorted(gone.values())}) "
                                    f"{why} while writing the state of step {p.resume_step} to "
-                                   f"disk ({reason}); the newest complete checkpoint under "
+                                   f"disk ({reason}; {seen}); the newest complete checkpoint under "
                                    f"{coord.ft['checkpoint_dir']} is the way back")
         e.lost = gone
         return e

@@ -4,6 +4,7 @@ on an in-memory store with a scripted launcher: no processes."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -76,6 +77,10 @@ def test_statuses_are_collected_and_a_silent_stopped_rank_is_declared_failed(tmp
     statuses = detect.collect_statuses(coord, failed, keys)
     assert sorted(statuses) == [0, 2] and failed == {1: "exit", 3: "heartbeat"}
     assert 3 in coord.launcher.killed
+    # how each was found, for the message of a recovery that cannot go on
+    assert re.fullmatch(r"rank 1 \(exit\), rank 3 \(heartbeat: beat \d+\.\d s old, phase forward "
+                        r"unchanged for \d+\.\d s\)", detect.described(coord, failed)), \
+        detect.described(coord, failed)
 
 
 def test_a_corrupt_copy_reported_by_a_receiver_is_never_chosen_again(tmp_path):

@@ -176,7 +176,10 @@ def main(argv=None) -> int:
     # the record's own client, used by the writer thread only (its answer to a record may never
     # come: a stopped coordinator's store does not time out)
     record_timeout_s = max(0.5, min(2.0, float(ft.get("node_timeout_s", 3.0)) / 3))
-    store = open_store(timeout_s=record_timeout_s)
+    # (its connect as patient as any client's: a store that many agents reach at once on loaded
+    # cores answers late; its requests are bounded after that)
+    store = open_store()
+    store.set_timeout(timedelta(seconds=record_timeout_s))
     agent = NodeAgent(args.node, board, store, seal, ft, where,
                       kill=lambda slot: sigkill(procs.get(slot)),
                       group_keys=partial(layout_group_keys, cfg),

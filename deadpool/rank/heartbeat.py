@@ -40,8 +40,23 @@ class Heartbeat(threading.Thread):
         self.coordinator_lost = threading.Event()
         self.stopped = threading.Event()  # stop(): a process going on without beating (tests)
         self.seen_coordinator = False
-        self.store = open_store()
+        self.store = self._first_store()
         self.beat()  # the coordinator reads every process's heartbeat from the start
+
+    def _first_store(self):
+        """The first connection, tried again until ``coordinator_timeout_s``: each try is bounded
+        like a reconnect (``open_store``: 2 s in a worker), and a coordinator's store that many
+        processes connect to at once, on loaded cores, took longer than that to answer one (a
+        worker then crashed at its start). Not answering for ``coordinator_timeout_s`` is what
+        counts as the coordinator lost later on too."""
+        deadline = time.monotonic() + self.coordinator_timeout_s
+        while True:
+            try:
+                return self.open_store()
+            except Exception:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
 
     def beat(self, n: int = 0) -> None:
         # sealed: a process without the job's secret cannot keep a dead slot alive; the count

@@ -265,7 +265,6 @@ class Coordinator(Observer):
         decision = plan.decide(self, statuses)
         if decision.resume_step is None:  # (the message says how each failed rank was found)
             decision.reason += f" (failed in generation {g}: {detect.described(self, failed)})"
-        self.evidence.clear()
         rec = rollback.open_record(self, failed, faults, decision, t_detect, bad)
         lost = {d: self.members.ranks.pop(d) for d in failed}  # rank -> the slot it held
         if decision.resume_step is None:

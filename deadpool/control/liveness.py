@@ -272,8 +272,9 @@ class NodeLiveness:
         node, beat = self.node_age(self.node_of(slot)), self.beat_age(slot)
         flags = [w for w, on in (("stopped", self.stopped(slot)),
                                  ("hung", slot in self._own.get(self.node_of(slot), ()))) if on]
-        return (f"its node's record {'never seen' if node is None else f'{node:.1f} s old'}, beat "
-                f"{'never seen' if beat is None else f'{beat:.1f} s old'}" + "".join(f", {f}" for f in flags))
+        node_s = "never seen" if node is None else f"{node:.1f} s old"
+        beat_s = "never seen" if beat is None else f"{beat:.1f} s old"
+        return ", ".join([f"its node's record {node_s}", f"beat {beat_s}", *flags])
 
     def beat_lost(self, slot: int, is_stopped) -> bool:
         node = self.node_age(self.node_of(slot))

@@ -37,6 +37,7 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
     coord.read_heartbeats()
     members = coord.members
     failed: dict[int, str] = {}
+    coord.evidence.clear()  # (what ``note`` keeps is for this detection's recovery only)
     keys = Keys(coord.gen)
     suspects = coord.suspects()  # every rank's slot, or under node agents the flagged ones
     hung, stuck = coord.live.hung(members.ranks.values())

@@ -256,7 +256,8 @@ def test_sigterm_to_the_agents_of_an_unreachable_coordinator_has_their_ranks_wri
         while alive() and time.monotonic() - t0 < 60:
             time.sleep(0.05)
         took = time.monotonic() - t0
-        print(f"\nSIGTERM to the agents, coordinator stopped -> agents and ranks gone: {took:.2f} s")
+        print("\nSIGTERM to the agents, coordinator stopped -> agents and ranks gone: "
+              f"{took:.2f} s")
         left = alive()
         assert not left, f"processes outlived their agents' stop:\n{who(run_dir, left)}"
         assert took < 20, who(run_dir, [])

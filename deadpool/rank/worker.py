@@ -417,6 +417,7 @@ def main(argv=None) -> None:
     secret = auth.load_secret()  # from the environment or a 0600 file; never logged
     os.environ.update(netif.socket_env(cfg))  # (as its agent set it, or this host's: srun tasks)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
+    faulthandler.enable(all_threads=True)  # a crash in C (SIGSEGV, SIGABRT...) leaves its stacks
     if os.environ.get(NODE_DIR_ENV):  # under a node agent, which answers the job's signals for
         for sig in (signal.SIGTERM, signal.SIGINT):  # its node (deadpool/launch/stop.py): a signal Slurm
             signal.signal(sig, signal.SIG_IGN)  # sends every process of a step must not end a rank

@@ -21,6 +21,7 @@ detection timestamp ``t_detect``, which records compare with the ranks' own wall
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 from deadpool.recovery.report_text import summarize
@@ -44,9 +45,10 @@ def failures(coord) -> tuple[dict[int, str], float] | None:
     by_slot = {s: r for r, s in members.ranks.items()} if suspects or hung else {}
     for rank in sorted(by_slot[s] for s in suspects if s in by_slot):
         slot = members.ranks[rank]
-        if coord.launcher.poll(slot) is not None:
+        if (code := coord.launcher.poll(slot)) is not None:
             crashed = _crash_reports(coord, {rank: slot})
             failed[rank] = "exception" if crashed else "exit"
+            coord.evidence[rank] = exit_text(code)
         elif coord.lost(slot):
             failed[rank] = "heartbeat"
             note(coord, rank, slot)
@@ -179,8 +181,9 @@ def collect_statuses(coord, failed: dict[int, str], keys: Keys) -> dict[int, Ran
             rank = by_slot.get(slot)
             if rank is None or rank in failed or rank in statuses:
                 continue
-            if launcher.poll(slot) is not None:
+            if (code := launcher.poll(slot)) is not None:
                 failed[rank] = "exit"
+                coord.evidence[rank] = exit_text(code)
                 launcher.kill(slot)
             elif coord.lost(slot):
                 failed[rank] = "heartbeat"
@@ -220,6 +223,16 @@ def note(coord, rank: int, slot: int, more: str = "") -> None:
     """Keep what the coordinator knew of a rank it declares failed on liveness alone (its beat,
     its node's record), for the message of a recovery that cannot go on (``described``)."""
     coord.evidence[rank] = ", ".join(x for x in (more, coord.live.evidence(slot)) if x)
+
+
+def exit_text(code: int) -> str:
+    """A process's exit status as a user reads it: ``exit code 1``, ``killed by SIGKILL``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 def described(coord, failed: dict[int, str]) -> str:

@@ -83,6 +83,17 @@ def test_statuses_are_collected_and_a_silent_stopped_rank_is_declared_failed(tmp
         detect.described(coord, failed)
 
 
+def test_an_exit_is_described_with_its_status(tmp_path):
+    coord = coordinator(tmp_path)
+    for s in range(5):
+        beat(coord, s, 1)
+    coord.launcher.exited.update({2: -11, 3: 1})  # a crash in C (no report), an exit
+    failed, _ = detect.failures(coord)
+    assert failed == {2: "exit", 3: "exit"}
+    assert detect.described(coord, failed) == ("rank 2 (exit: killed by SIGSEGV), "
+                                               "rank 3 (exit: exit code 1)")
+
+
 def test_a_corrupt_copy_reported_by_a_receiver_is_never_chosen_again(tmp_path):
     coord = coordinator(tmp_path)
     post(coord, Keys(0).bad_source(1), json.dumps({"holder": 2, "owner": 1, "step": 9}))

@@ -80,8 +80,11 @@ def _zygote_main(req: dict, fds: list[int]) -> int:
     os.dup2(log, 2)
     _close_descriptors_from(3)
     os.setsid()
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+    for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
+    # SIGPIPE ignored, as a new interpreter has it: under SIG_DFL a write to a dead peer's socket
+    # (gloo, the store) killed the zygote's ranks silently, with the killed rank they talked to
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])

@@ -441,8 +441,7 @@ def main(argv=None) -> None:
                 cfg["_store"]["host"], int(cfg["_store"]["port"]), secret, 5))  # (through its agent)
         except Exception:
             pass
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stdout.flush(), sys.stderr.flush()
     # groups with ops in flight block on destruction; leave without running destructors
     os._exit(code)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -52,6 +53,11 @@ def test_a_served_zygote_forks_children_as_a_new_one_does_and_is_found_by_its_jo
         assert cmd[1:5] == [b"-m", b"deadpool.launch.zygote", b"--job",
                             str(run / "job.json").encode()]
         assert set(job_processes(run)) == {z.proc.pid, sleeper.pid}
+        # SIGPIPE ignored as in a new interpreter (else a write to a dead peer's socket kills)
+        for pid in (z.proc.pid, sleeper.pid):
+            ignored = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
+                               .splitlines() if line.startswith("SigIgn:")), 16)
+            assert ignored >> (signal.SIGPIPE - 1) & 1, (pid, hex(ignored))
         os.kill(sleeper.pid, 9)
         assert sleeper.wait(30) == -9
         assert z.proc.wait(30) == 0  # it leaves with its last child, as a new one does

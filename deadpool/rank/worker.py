@@ -430,7 +430,6 @@ def main(argv=None) -> None:
     if cfg["device"].startswith("cuda"):  # pragma: no cover - needs CUDA
         nccl_env.apply(bool(cfg.get("deterministic")))  # before any NCCL call (nccl_env.py)
         torch.cuda.set_device(int(os.environ.get("SLURM_LOCALID", os.environ.get("LOCAL_RANK", 0))))
-    code = 0
     try:
         code = Worker(cfg, args.slot, secret).run()
     except Exception as e:  # a crashed rank: say why, tell the coordinator, leave
@@ -441,7 +440,8 @@ def main(argv=None) -> None:
                 cfg["_store"]["host"], int(cfg["_store"]["port"]), secret, 5))  # (through its agent)
         except Exception:
             pass
-    sys.stdout.flush(), sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     # groups with ops in flight block on destruction; leave without running destructors
     os._exit(code)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from deadpool import checkpoint
 from deadpool.errors import WriterLost
+from deadpool.recovery.detect import exit_text
 from deadpool.store import reports
 from deadpool.store.protocol import Keys, Plan, RecoveryRecord, Source
 from deadpool.threads import wait_until
@@ -46,7 +47,7 @@ def write_state(coord, generation: int, action: str, decision, reason: str,
     def lost(slots, why: str) -> WriterLost:
         gone = {by_slot[s]: s for s in slots}
         r = min(gone)
-        seen = "; ".join(f"slot {s}: " + (f"exited ({code})" if (code := coord.launcher.poll(s))
+        seen = "; ".join(f"slot {s}: " + (exit_text(code) if (code := coord.launcher.poll(s))
                                           is not None else coord.live.evidence(s))
                          for s in sorted(gone.values()))
         e = WriterLost(r, gone[r], f"rank(s) {sorted(gone)} (slot(s) {sorted(gone.values())}) "

@@ -39,7 +39,7 @@ def test_an_exited_and_a_stopped_writer_are_named_with_their_evidence(tmp_path):
                          timeout_s=5.0)
     text = str(e.value)
     assert "rank(s) [2, 3] (slot(s) [2, 3]) died, stopped or hung" in text, text
-    assert "slot 2: exited (-9)" in text, text
+    assert "slot 2: killed by SIGKILL" in text, text
     # (its progress clock restarted when the write was planned)
     assert "slot 3: beat 7.5 s old, phase forward unchanged for 0.0 s" in text, text
     assert e.value.lost == {2: 2, 3: 3}

@@ -3,7 +3,8 @@
 The coordinator writes ``ev/<i>`` (sealed JSON, i = 0, 1, 2, ...) for each decision the nodes
 must act on at once::
 
-    {"kind": "abort", "g": g}          generation g failed: ranks leave their waits
+    {"kind": "abort", "g": g}          generation g failed: ranks leave their waits (with
+                                       "slots": [...], also the fence of those slots)
     {"kind": "plan", "g": g}           plan g is written (``plan/<g>``)
     {"kind": "fence", "slots": [...]}  SIGKILL these processes: declared dead, never to return
     {"kind": "done"} / {"kind": "stop"}

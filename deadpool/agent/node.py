@@ -397,16 +397,13 @@ class NodeAgent:
             self.wake()  # a process waiting for its plan (a warm spare) blocks on its waker
 
     def _apply(self, event: dict, kind: str, fetched) -> None:
-        if kind == "abort":
+        if kind == "abort":  # (carrying the fence of the ranks it is for: one event, not two)
             self.board.announce_abort(int(event["g"]))
+            self._fence(event.get("slots", ()))
         elif kind == "plan":
             self._take_plan(*fetched)
         elif kind == "fence":
-            for slot in event["slots"]:
-                if slot in self.index and slot not in self.fenced:
-                    self.fenced.add(slot)
-                    self.board.fence(self.index[slot])
-                    self.kill(slot)
+            self._fence(event["slots"])
         elif kind == "protected":
             self.board.set_protected(int(event["g"]), int(event["step"]))
         elif kind == "interval":
@@ -417,6 +414,13 @@ class NodeAgent:
             self.board.set_flag(JOB_DONE)
         elif kind == "stop":
             self.board.set_flag(JOB_STOP)
+
+    def _fence(self, slots) -> None:
+        for slot in slots:
+            if slot in self.index and slot not in self.fenced:
+                self.fenced.add(slot)
+                self.board.fence(self.index[slot])
+                self.kill(slot)
 
     def _take_plan(self, plan: Plan, text: str) -> None:
         """Hand plan ``g`` (or the newer one ``fetch_plan`` jumped to) to the node's processes:

@@ -148,11 +148,17 @@ class Coordinator(Observer):
     def gen(self) -> int:
         return self.members.generation
 
-    def announce_abort(self, reason: str) -> None:
-        """Abort the current generation: the sealed key, and under node agents a pushed event."""
+    def announce_abort(self, reason: str, fence: list[int] = ()) -> None:
+        """Abort the current generation: the sealed key, and under node agents a pushed event;
+        then fence the processes of slots ``fence`` (under node agents in that same event)."""
         announce_abort(self.store, self.seal, Keys(self.gen), reason)
+        if self.events is not None and fence:
+            self.launcher.fence(list(fence), abort=self.gen)
+            return
         if self.events is not None:
             self.events.push("abort", g=self.gen)
+        if fence:
+            self.launcher.fence(list(fence))
 
     def set_flag(self, key: str) -> None:
         """``job/done`` or ``job/stop`` (sealed; pushed to node agents)."""

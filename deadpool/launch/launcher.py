@@ -223,16 +223,20 @@ class AgentLauncher(Launcher):
     def kill(self, slot: int) -> None:
         self.fence([slot])
 
-    def fence(self, slots: list[int]) -> None:
+    def fence(self, slots: list[int], abort: int | None = None) -> None:
         """One pushed event for all of ``slots`` (every agent reads each event: a node's loss
-        is one event, not one per process)."""
+        is one event, not one per process). ``abort``: the generation aborted for them, pushed
+        as that one event (``{"kind": "abort", "g": g, "slots": [...]}``): at 2,048 nodes each
+        event read is 2,048 wake-ups, and the dead are fenced as the abort arrives."""
         new = [s for s in slots if s not in self.fenced]
         for node in {self.node_of_slot.get(s) for s in new}:
             p = self.agents.get(node)
             if p is not None and p.poll() is None and process_stopped(p.pid):
                 self.kill_node(node)  # a stopped agent cannot carry out a fence: the node goes
-        if new:
-            self.fenced.update(new)
+        self.fenced.update(new)
+        if abort is not None:  # (the abort must go out whatever was fenced before)
+            self.events.push("abort", g=abort, **({"slots": new} if new else {}))
+        elif new:
             try:
                 self.events.push("fence", slots=new)
             except Exception:  # the store is gone (the job is ending): the agents end with it

@@ -96,8 +96,8 @@ def name_culprit(coord, poll_s: float) -> dict[int, str]:
 def abort_and_fence(coord, failed: dict[int, str], reason: str | None = None) -> None:
     """Set the generation's abort key (every rank leaves what it waits on within one poll) and
     SIGKILL the failed ranks' processes (a stopped process must never come back)."""
-    coord.announce_abort(reason or f"ranks {sorted(failed)} failed")
-    coord.launcher.fence([coord.members.ranks[rank] for rank in failed])
+    coord.announce_abort(reason or f"ranks {sorted(failed)} failed",
+                         fence=[coord.members.ranks[rank] for rank in failed])
 
 
 def _crash_reports(coord, slots: dict[int, int]) -> dict[int, str]:

@@ -210,6 +210,8 @@ def test_agent_applies_pushed_events_to_its_board_and_processes(tmp_path):
     assert killed == [5] and board.fenced(1) and not board.fenced(0)
     agent.apply({"kind": "fence", "slots": [5]})  # once
     assert killed == [5]
+    agent.apply({"kind": "abort", "g": 3, "slots": [4, 5, 17]})  # an abort carrying its fence
+    assert link.aborted(3) and killed == [5, 4] and board.fenced(0)
     agent.apply({"kind": "done"})
     assert link.done and not link.stopped
 

@@ -104,3 +104,26 @@ def test_external_agent_launcher_knows_nodes_fences_by_event_and_never_by_signal
     launcher.kill_node(1)  # no handle on a remote agent: nothing happens
     assert events.pushed == [{"slots": [2, 3], "kind": "fence"}]
     launcher.wait_all(timeout_s=0.1)
+
+
+def test_an_abort_for_failed_ranks_is_one_event_that_carries_their_fence(tmp_path):
+    """Under node agents the abort and the fence of the ranks it is for go out as one event (each
+    event costs every agent a wake-up); an abort with nothing left to fence still goes out."""
+    from types import SimpleNamespace
+
+    from deadpool.control.coordinator import Coordinator
+    from deadpool.store.protocol import Keys, Seal
+
+    cfg = _cfg(tmp_path, dp=4, spares=2, rpn=2)
+    events = Events()
+    launcher = ExternalAgentLauncher(tmp_path, tmp_path / "job.json", None, cfg, None, events)
+    written = {}
+    coord = SimpleNamespace(store=SimpleNamespace(set=written.__setitem__, check=lambda k: False),
+                            seal=Seal(None), gen=3, events=events, launcher=launcher)
+    Coordinator.announce_abort(coord, "rank 1 failed", fence=[1])
+    assert events.pushed == [{"g": 3, "slots": [1], "kind": "abort"}]
+    assert Keys(3).abort in written and launcher.fenced == {1}
+    coord.gen = 4
+    Coordinator.announce_abort(coord, "again", fence=[1, 2])  # 1 is fenced already
+    Coordinator.announce_abort(coord, "a stop")  # nothing to fence
+    assert events.pushed[1:] == [{"g": 4, "slots": [2], "kind": "abort"}, {"g": 4, "kind": "abort"}]

@@ -12,9 +12,11 @@ value did)::
                                snapshot-interval decision (``deadpool.store.rounds``)
     one record per local slot  (the rank writes) pid, beat, progress count, step, phase, its
                                newest replicated step, its latest interval vote and how many
-                               reports it wrote (each a file next to the board, which the agent
-                               sends on: ``agent.node.report_file``);
-                               (the agent writes) fence
+                               reports it wrote, which the agent sends on;
+                               (the agent writes) fence, how many reports it took
+    one mailbox per local slot a rank's newest report, when it fits and the agent took the one
+                               before (``put_report``); else the report is a file next to the
+                               board (``agent.node.report_file``)
 
 A (generation, step) pair is packed into one word (``pack``), and a (generation, step, value)
 triple (an interval vote or decision) into one word too (``pack3``): one aligned 64-bit store, so
@@ -40,11 +42,14 @@ import errno
 import mmap
 import os
 import select
+import zlib
 from pathlib import Path
 
-MAGIC = 0x4450_4E42_0004  # "DPNB" v4
+MAGIC = 0x4450_4E42_0005  # "DPNB" v5
 HEADER_WORDS = 16
 SLOT_WORDS = 24
+MAILBOX_BYTES = 4096  # per slot: 3 words (report number, length, CRC-32), then the report
+_MB_HEAD = 24
 PHASE_BYTES = 64  # slot words 8-15
 # header words
 _MAGIC, _ABORT, _PLAN, _FLAGS, _JOB_STEP, _SLOTS, _AGENT_BEAT, _PROTECTED, _DECISION, _PAUSE = \
@@ -54,6 +59,7 @@ _SLOT, _PID, _BEAT, _PROG, _STEP, _FENCE, _REPLICATED, _VOTE = range(8)
 _PHASE_WORD = 8
 _COMPUTE = 16  # the rank's newest step and its compute time (straggler.pack_compute)
 _REPORTS = 17
+_TAKEN = 18  # (the agent writes) how many of the rank's reports it took
 _STEP_BITS = 40
 
 
@@ -165,10 +171,11 @@ class NodeBoard:
         if self.words[_MAGIC] != MAGIC:
             raise ValueError(f"{path} is not a DeadPool node board")
         self.num_slots = int(self.words[_SLOTS])
+        self._mailboxes = 8 * (HEADER_WORDS + SLOT_WORDS * self.num_slots)
 
     @classmethod
     def create(cls, path: Path, slots: list[int]) -> "NodeBoard":
-        size = 8 * (HEADER_WORDS + SLOT_WORDS * len(slots))
+        size = 8 * (HEADER_WORDS + SLOT_WORDS * len(slots)) + MAILBOX_BYTES * len(slots)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -184,6 +191,8 @@ class NodeBoard:
             base = HEADER_WORDS + SLOT_WORDS * i
             w[base + _SLOT] = slot
             w[base + _STEP] = w[base + _REPLICATED] = w[base + _VOTE] = -1
+        mailboxes = 8 * (HEADER_WORDS + SLOT_WORDS * len(slots))
+        mm[mailboxes:size] = bytes(size - mailboxes)  # touched now: no page fault per first report
         w[_MAGIC] = MAGIC  # last: a reader that sees the magic sees an initialised board
         w.release()
         return cls(path, mm)
@@ -329,6 +338,35 @@ class NodeBoard:
     def reports(self, index: int) -> int:
         """How many reports a local rank wrote (``agent.node.report_file``)."""
         return int(self.words[self._base(index) + _REPORTS])
+
+    def put_report(self, index: int, n: int, data: bytes) -> bool:
+        """Report ``n`` of local rank ``index`` into its mailbox (then ``set_reports``): no file
+        and no system call on either side. False if it does not fit or the agent has not taken
+        the report there yet: the caller writes a file instead."""
+        at = self._mailboxes + MAILBOX_BYTES * index
+        w, head = self.words, at // 8
+        if len(data) > MAILBOX_BYTES - _MB_HEAD or w[head] > w[self._base(index) + _TAKEN]:
+            return False
+        self._mm[at + _MB_HEAD:at + _MB_HEAD + len(data)] = data
+        w[head + 1], w[head + 2] = len(data), zlib.crc32(data)
+        w[head] = n  # last (a reader that sees an unfinished one finds its CRC wrong: ``take``)
+        return True
+
+    def take_report(self, index: int, n: int) -> tuple[bool, bytes | None]:
+        """(whether report ``n`` of local rank ``index`` is in its mailbox, its bytes). (True,
+        None): it is there but not whole yet (its words seen out of order, on a machine whose
+        stores are not seen in program order): look again later. (False, None): it is a file."""
+        head = (self._mailboxes + MAILBOX_BYTES * index) // 8
+        if self.words[head] != n:
+            return False, None
+        length, crc = int(self.words[head + 1]), int(self.words[head + 2])
+        start = 8 * head + _MB_HEAD
+        data = bytes(self._mm[start:start + min(max(0, length), MAILBOX_BYTES - _MB_HEAD)])
+        return True, (data if zlib.crc32(data) == crc and len(data) == length else None)
+
+    def set_taken(self, index: int, n: int) -> None:
+        """The agent took the local rank's first ``n`` reports (its mailbox is free again)."""
+        self.words[self._base(index) + _TAKEN] = n
 
     def fenced(self, index: int) -> bool:
         return bool(self.words[self._base(index) + _FENCE])

@@ -30,14 +30,17 @@ from deadpool.store.protocol import Keys, Seal
 
 def write_report(board, node_dir: Path, index: int, generation: int, kind: str, rank: int,
                  text: str, seal: Seal | None = None) -> None:
-    """Local record ``index``'s next report: its file (``agent.node.report_file``, sealed with
-    the job's secret: the agent sends on nothing else), then its count on the board (the
-    process of that record is the count's only writer)."""
+    """Local record ``index``'s next report, sealed with the job's secret (the agent sends on
+    nothing else): in the record's mailbox on the board where it fits, else its file
+    (``agent.node.report_file``); then its count on the board (the process of that record is
+    the count's only writer)."""
     seal = seal or Seal(None)
     n = board.reports(index) + 1
     path = report_path(os.fspath(node_dir), index, n)
-    write_whole(path, seal.wrap(file_context(path), json.dumps(
-        {"g": generation, "kind": kind, "rank": rank, "text": text})))
+    sealed = seal.wrap(file_context(path), json.dumps(
+        {"g": generation, "kind": kind, "rank": rank, "text": text}))
+    if not board.put_report(index, n, sealed.encode("utf-8")):
+        write_whole(path, sealed)
     board.set_reports(index, n)
 
 

@@ -67,14 +67,16 @@ def file_context(path: Path) -> str:
     return f"node-file/{os.path.basename(path)}"
 
 
-def read_report(path: Path, seal, on_forged=None) -> dict | None:
-    """A local process's report file (``report_file``), removed once read; None if it is missing,
-    not JSON, or fails its seal (``on_forged(name)`` is then called)."""
-    try:
-        raw = read_file(path)
-        os.unlink(path)
-    except OSError:
-        return None  # (the rank writes the file before the word: not expected)
+def read_report(path: Path, seal, on_forged=None, raw: str | None = None) -> dict | None:
+    """A local process's report: ``raw`` (from its mailbox on the board) or else its file
+    (``report_file``, removed once read); None if it is missing, not JSON, or fails its seal
+    (``on_forged(name)`` is then called)."""
+    if raw is None:
+        try:
+            raw = read_file(path)
+            os.unlink(path)
+        except OSError:
+            return None  # (the rank writes the file before the word: not expected)
     text = seal.open(file_context(path), raw)
     if text is None:
         if on_forged is not None:

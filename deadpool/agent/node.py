@@ -28,19 +28,16 @@ or by the control-plane benchmark for thousands of simulated nodes::
                     agreements (``deadpool.store.rounds``: the newest step all its ranks replicated,
                     their snapshot-interval vote) changed -> written at once (the coordinator
                     reads it within half an interval); the results come back as ``protected``
-                    / ``interval`` events for the board. And the reports its ranks wrote since
-                    (``report_file``: a status after an abort, a new generation's timings, ...)
-                    -> one sealed key per node, kind and generation (``Keys.node_report``),
-                    rewritten as more arrive
+                    / ``interval`` events for the board. And its ranks' new reports (a
+                    status, timings: mailboxes on the board, or files) -> one sealed key per
+                    node, kind and generation (``Keys.node_report``), rewritten as more arrive
 
 The agent's state is guarded by its own lock, never held across a store call: a read that
 stalls (a stopped coordinator, a plan fetch) holds up its own thread only. An agent that cannot
-go on (``go_deaf``: events it cannot apply) stops its record and board beat, so that its node is
-lost to the job rather than deaf to it.
+go on (``go_deaf``: events it cannot apply) stops its record and board beat: its node is lost.
 
-What the node costs the store in steady state: one record per interval and one coordinator
-heartbeat read per second, whatever the number of its processes; per recovery, a write or two
-per node and kind of report instead of one per rank.
+What the node costs the store: one record per interval and one coordinator heartbeat read per
+second, whatever its processes; per recovery, a write or two per node and kind of report.
 """
 
 from __future__ import annotations
@@ -291,22 +288,29 @@ class NodeAgent:
         """Send on the reports the local ranks wrote since the last check: one sealed key per
         generation and kind, holding every local rank's report of it so far (rewritten when
         one more arrives). Reports of generations two behind the newest are dropped, and so is
-        a file that fails its seal (``on_forged``). A crash report goes out at once as
+        one that fails its seal (``on_forged``). A crash report goes out at once as
         ``crash/<slot>`` of the process that wrote it (``client.report_crash``)."""
         crashes, where = {}, os.fspath(self.node_dir)
         with self.lock:
             for i in range(self.board.num_slots):
                 n, done = self.board.reports(i), self._reports_read.get(i, 0)
                 for k in range(done + 1, n + 1):
-                    r = read_report(report_path(where, i, k), self.seal, self.on_forged)
+                    held, data = self.board.take_report(i, k)  # its mailbox, or a file
+                    if held and data is None:
+                        break  # not whole yet (its words seen out of order): the next check
+                    r = read_report(report_path(where, i, k), self.seal, self.on_forged,
+                                    data.decode("utf-8", "replace") if held else None)
+                    done = k
+                    if r is not None and r["kind"] == CRASH:
+                        crashes[self.slots[i]] = r["text"]
                     if r is None or r["kind"] == CRASH:
-                        if r is not None:
-                            crashes[self.slots[i]] = r["text"]
                         continue
                     at = (int(r["g"]), str(r["kind"]))
                     self._reports.setdefault(at, {})[str(int(r["rank"]))] = r["text"]
                     self._unsent.add(at)
-                self._reports_read[i] = max(n, done)
+                if done != self._reports_read.get(i, 0):
+                    self._reports_read[i] = done
+                    self.board.set_taken(i, done)  # (its mailbox is free again)
         for slot, text in crashes.items():  # before its exit is written (``on_exit``)
             reports.post(store or self.store, self.seal, Keys.crash(slot), text)
         with self.lock:

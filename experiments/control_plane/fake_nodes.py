@@ -3,6 +3,7 @@ its processes fake (see ``FakeNodes``)."""
 
 from __future__ import annotations
 
+import gc
 import heapq
 import shutil
 import sys
@@ -264,6 +265,10 @@ def fake_nodes_process(host, port, secret, nodes, world, rpn, periods, ft, flags
     fns = [FakeNodes(host, port, secret, part, world, rpn, periods, ft, flags, stats,
                      (first + i) * FIELDS, window, exit_req, root / f"t{i}", decode)
            for i, part in enumerate(parts)]
+    # a real agent's process holds one node's objects; this one holds hundreds of nodes', which
+    # every full collection scanned again (during a recovery too): they are long-lived, so frozen
+    gc.collect()
+    gc.freeze()
     local_stop = threading.Event()
     runners = [threading.Thread(target=fn.run, args=(local_stop,), daemon=True) for fn in fns]
     for t in runners:

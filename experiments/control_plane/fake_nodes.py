@@ -24,11 +24,11 @@ from experiments.control_plane.common import (ALIVE, BUILT, DEAD, FIELDS, LAG, O
 class FakeNodes:
     """The fake nodes of one thread under node agents: per node a real ``NodeAgent`` (its real
     board in shared memory, record, pushed events on its own blocking store connection, plan
-    fetch) whose processes are fake: they beat into the board, write their status next to it
+    fetch) whose processes are fake: they beat into the board, write their status to the board
     after an abort (as ``recovery.restore.report_status`` does; their agent sends the node's on
     in one key) and count when the plan reached
-    them. A process checks the board every ``periods["plan"]`` (a local read, no store
-    request): reactions are scheduled that much after the event."""
+    them. A process sees an abort ``periods["abort"]`` and a plan ``periods["plan"]`` after its
+    agent put it on the board (a local read, no store request)."""
 
     def __init__(self, host, port, secret, nodes: dict, world, rpn, periods, ft, flags, stats,
                  base, window, exit_req, root: Path, decode):
@@ -127,8 +127,8 @@ class FakeNodes:
                 return
             if ev["kind"] in ("abort", "plan"):
                 with self.lock:
-                    heapq.heappush(self.reacts, (time.monotonic() + self.periods["plan"], node,
-                                                 ev["kind"], int(ev["g"])))
+                    heapq.heappush(self.reacts, (time.monotonic() + self.periods[ev["kind"]],
+                                                 node, ev["kind"], int(ev["g"])))
                 self.woken.set()
 
     def _log(self, line: str) -> None:

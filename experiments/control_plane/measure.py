@@ -128,7 +128,10 @@ def run_size(n: int, args, protocol: str = "old", log=print) -> dict:
     stop = ctx.Event()
     periods = {"hb": float(ft["heartbeat_interval_s"]), "poll": float(ft["collective_poll_s"]),
                "plan": 0.01 * D, "spare": 0.05 * D, "agent": float(ft["agent_interval_s"]),
-               "snap": args.snapshot_every_s * D}
+               "snap": args.snapshot_every_s * D,
+               # a training rank sees the abort on the board within ft.collective_poll_s (10 ms
+               # on average): not dilated, as detection -> plan is reported as measured
+               "abort": float(ft["collective_poll_s"]) / D / 2}
     live = events = None
     if protocol == "new":
         cfg["launcher"] = dict(cfg["launcher"], agents=True)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -22,7 +21,7 @@ from deadpool.agent.board import (COORD_LOST, COORD_SEEN, JOB_DONE, JOB_STOP, NO
                                   NODE_INDEX_ENV, Doorbell, NodeBoard, open_doorbell, ring,
                                   waker_name)
 from deadpool.agent.files import (CRASH, file_context, plan_file, read_file, report_path,
-                                  write_whole)
+                                  report_text, write_whole)
 from deadpool.rank.watchdog import Progress
 from deadpool.store import auth, reports
 from deadpool.store.protocol import Keys, Seal
@@ -37,8 +36,7 @@ def write_report(board, node_dir: Path, index: int, generation: int, kind: str, 
     seal = seal or Seal(None)
     n = board.reports(index) + 1
     path = report_path(os.fspath(node_dir), index, n)
-    sealed = seal.wrap(file_context(path), json.dumps(
-        {"g": generation, "kind": kind, "rank": rank, "text": text}))
+    sealed = seal.wrap(file_context(path), report_text(generation, kind, rank, text))
     if not board.put_report(index, n, sealed.encode("utf-8")):
         write_whole(path, sealed)
     board.set_reports(index, n)

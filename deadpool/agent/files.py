@@ -7,7 +7,6 @@ is private to the job's user (``agent.shm``).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -52,13 +51,13 @@ def plan_file(node_dir: Path, generation: int) -> Path:
 
 def report_file(node_dir: Path, index: int, n: int) -> Path:
     """The ``n``-th report of the process of local record ``index`` (``agent.client.NodeLink
-    .report``): JSON ``{"g", "kind", "rank", "text"}``, sealed (``file_context``)."""
+    .report``): ``report_text``, sealed (``file_context``)."""
     return Path(report_path(os.fspath(node_dir), index, n))
 
 
 def report_path(node_dir: str, index: int, n: int) -> str:
     """``report_file`` as a string (the reports' own path: no pathlib per report)."""
-    return f"{node_dir}/report-{index}-{n}.json"
+    return f"{node_dir}/report-{index}-{n}.txt"
 
 
 def file_context(path: Path) -> str:
@@ -67,10 +66,16 @@ def file_context(path: Path) -> str:
     return f"node-file/{os.path.basename(path)}"
 
 
+def report_text(generation: int, kind: str, rank: int, text: str) -> str:
+    """A report as the rank seals it: ``"<g> <kind> <rank>"``, a newline, then its text as it is
+    (no JSON around a text that is JSON already: two encodings less per rank and recovery)."""
+    return f"{int(generation)} {kind} {int(rank)}\n{text}"
+
+
 def read_report(path: Path, seal, on_forged=None, raw: str | None = None) -> dict | None:
-    """A local process's report: ``raw`` (from its mailbox on the board) or else its file
-    (``report_file``, removed once read); None if it is missing, not JSON, or fails its seal
-    (``on_forged(name)`` is then called)."""
+    """A local process's report, ``{"g", "kind", "rank", "text"}``: ``raw`` (from its mailbox
+    on the board) or else its file (``report_file``, removed once read); None if it is missing,
+    malformed, or fails its seal (``on_forged(name)`` is then called)."""
     if raw is None:
         try:
             raw = read_file(path)
@@ -82,7 +87,9 @@ def read_report(path: Path, seal, on_forged=None, raw: str | None = None) -> dic
         if on_forged is not None:
             on_forged(os.path.basename(path))
         return None
+    head, _, body = text.partition("\n")
     try:
-        return json.loads(text)
+        g, kind, rank = head.split(" ")
+        return {"g": int(g), "kind": kind, "rank": int(rank), "text": body}
     except ValueError:
         return None

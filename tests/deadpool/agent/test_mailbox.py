@@ -44,14 +44,14 @@ def test_a_report_is_a_file_while_the_mailbox_holds_an_untaken_one_or_when_it_is
     master, store, agent, board, link = _node(tmp_path)  # noqa: F841
     link.report(2, "status", 0, "first")  # the mailbox
     link.report(2, "status", 1, "second")  # the first is not taken yet: a file
-    assert _files(tmp_path) == ["report-1-2.json"]
+    assert _files(tmp_path) == ["report-1-2.txt"]
     agent.check_rounds()
     assert _sent(store) == {"0": "first", "1": "second"} and _files(tmp_path) == []
     big = "x" * MAILBOX_BYTES
     link.report(2, "status", 2, big)  # does not fit: a file
-    assert _files(tmp_path) == ["report-1-3.json"]
+    assert _files(tmp_path) == ["report-1-3.txt"]
     link.report(2, "status", 3, "after")  # the mailbox is free (report 1 was taken)
-    assert _files(tmp_path) == ["report-1-3.json"]
+    assert _files(tmp_path) == ["report-1-3.txt"]
     agent.check_rounds()
     assert _sent(store)["2"] == big and _sent(store)["3"] == "after"
 
@@ -76,12 +76,11 @@ def test_a_mailbox_report_without_the_jobs_seal_is_dropped(tmp_path):
     master, store, agent, board, link = _node(tmp_path)  # noqa: F841
     forged = []
     agent.on_forged = forged.append
-    assert board.put_report(0, 1, json.dumps({"g": 2, "kind": "status", "rank": 0,
-                                              "text": "forged"}).encode())
+    assert board.put_report(0, 1, b"2 status 0\nforged")
     board.set_reports(0, 1)
     link.report(2, "status", 1, "real")
     agent.check_rounds()
-    assert _sent(store) == {"1": "real"} and forged == ["report-0-1.json"]
+    assert _sent(store) == {"1": "real"} and forged == ["report-0-1.txt"]
 
 
 def test_a_new_board_has_its_mailboxes_free_and_in_memory(tmp_path):
@@ -91,3 +90,13 @@ def test_a_new_board_has_its_mailboxes_free_and_in_memory(tmp_path):
     assert not board.put_report(2, 2, b"s")  # report 1 not taken yet
     board.set_taken(2, 1)
     assert board.put_report(2, 2, b"s") and board.take_report(2, 2) == (True, b"s")
+
+
+def test_a_sealed_report_without_its_header_line_is_dropped_and_the_next_is_taken(tmp_path):
+    master, store, agent, board, link = _node(tmp_path)  # noqa: F841
+    seal = Seal(SECRET)
+    assert board.put_report(0, 1, seal.wrap("node-file/report-0-1.txt", "no header").encode())
+    board.set_reports(0, 1)
+    link.report(2, "status", 1, "real\nwith a second line")
+    agent.check_rounds()
+    assert _sent(store) == {"1": "real\nwith a second line"} and agent._reports_read[0] == 1

@@ -156,3 +156,38 @@ def test_a_layouts_groups_are_enumerated_once_not_at_every_recovery(monkeypatch)
     assert enumerated == []
     assert first and again and set(first) != set(again)
     assert not any(1 in members[k] for k in first) and not any(2 in members[k] for k in again)
+
+
+def test_a_recovery_runs_without_cyclic_gc_and_the_collector_comes_back_after(tmp_path,
+                                                                              monkeypatch):
+    """Decoding 16,384 statuses made the collector scan the coordinator's whole process inside the
+    detection -> plan window: the loop recovers with automatic collection off, and turns it back
+    on after, also when the recovery raised."""
+    import gc
+
+    import pytest
+
+    from deadpool.recovery import detect
+    from tests.deadpool.recovery.helpers import coordinator
+
+    coord = coordinator(tmp_path)
+    monkeypatch.setattr(coord, "wait_warm", lambda: None)
+    monkeypatch.setattr(detect, "failures", lambda c: ({1: "exit"}, 0.0))
+    seen = []
+
+    def recover(failed, t):
+        seen.append(gc.isenabled())
+        coord.outcome = "failed"
+
+    monkeypatch.setattr(coord, "recover", recover)
+    assert gc.isenabled()
+    coord._run()
+    assert seen == [False] and gc.isenabled()
+
+    def broken(failed, t):
+        raise RuntimeError("recovery failed")
+
+    monkeypatch.setattr(coord, "recover", broken)
+    with pytest.raises(RuntimeError):
+        coord._run()
+    assert gc.isenabled()

@@ -113,7 +113,8 @@ class SnapshotEngine:
             self.persister.close()
 
     def _alloc(self) -> torch.Tensor:
-        return torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        flat = torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return self.layout.zero_gaps(flat)  # no state there, but the same bytes in every copy
 
     def ring_allocated(self) -> bool:
         """Every slot of the local ring has its buffer (the background allocation is done)."""

@@ -64,6 +64,22 @@ class StateLayout:
             off += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.nbytes = off
 
+    def gaps(self) -> list[tuple[int, int]]:
+        """The byte ranges no tensor covers (each tensor starts ``_ALIGN``-aligned)."""
+        out, end = [], 0
+        for e in self.entries:
+            if e.offset > end:
+                out.append((end, e.offset))
+            end = e.offset + e.nbytes
+        return out + ([(end, self.nbytes)] if self.nbytes > end else [])
+
+    def zero_gaps(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` with its ``gaps`` zeroed (a new buffer holds whatever the allocator last had
+        there: two snapshots of one state would differ in bytes no copy writes)."""
+        for a, b in self.gaps():
+            flat[a:b] = 0
+        return flat
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries]
 

@@ -136,8 +136,10 @@ class BoardHeartbeat(threading.Thread):
     """``heartbeat.Heartbeat`` through the node's board: no store round trip per beat.
 
     It also watches the agent's own beat: an agent silent for ``node_timeout_s`` (stopped, or cut
-    off) is a node the coordinator declares lost at that same timeout, and whose fences cannot
-    arrive, so the process fences itself."""
+    off) is a node whose fences cannot arrive, so the process fences itself. The worker passes
+    ``ft.node_timeout_s`` less one agent interval: the job declares the node lost once its
+    record has been silent for ``ft.node_timeout_s``, and the process must be gone by then (at
+    the same timeout it raced the coordinator's kill of a stopped agent, which takes it along)."""
 
     def __init__(self, link: NodeLink, interval_s: float, progress: Progress,
                  node_timeout_s: float = float("inf")):

@@ -215,7 +215,7 @@ class NodeAgent:
     def go_deaf(self, why: str) -> None:
         """This agent cannot carry out the coordinator's events: from now on it writes no
         record and no board beat, so the job declares its node lost within
-        ``ft.node_timeout_s`` and the node's processes fence themselves at the same timeout
+        ``ft.node_timeout_s`` and the node's processes fence themselves just before
         (a node that is deaf but fresh would stall recoveries and never carry out a fence)."""
         with self.lock:
             if self.deaf is None:

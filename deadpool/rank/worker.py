@@ -76,8 +76,8 @@ class Worker:
         if self.link is not None:  # the agent reads the board every agent interval: beating
             # twice per interval is as fresh as it can see (not every heartbeat_interval_s)
             every = max(float(self.ft["heartbeat_interval_s"]), float(self.ft["agent_interval_s"]) / 2)
-            self.heartbeat = BoardHeartbeat(self.link, every, self.progress,
-                                            float(self.ft["node_timeout_s"]))
+            self.heartbeat = BoardHeartbeat(self.link, every, self.progress, float(
+                self.ft["node_timeout_s"]) - float(self.ft["agent_interval_s"]))  # (agent/client.py)
             self.progress.on_step = partial(self.link.board.set_step, self.link.index)
         else:
             self.heartbeat = Heartbeat(lambda: self.open_store(timeout_s=2.0), slot,

@@ -175,7 +175,8 @@ class NodeBoard:
 
     @classmethod
     def create(cls, path: Path, slots: list[int]) -> "NodeBoard":
-        size = 8 * (HEADER_WORDS + SLOT_WORDS * len(slots)) + MAILBOX_BYTES * len(slots)
+        mailboxes = 8 * (HEADER_WORDS + SLOT_WORDS * len(slots))
+        size = mailboxes + MAILBOX_BYTES * len(slots)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -191,7 +192,6 @@ class NodeBoard:
             base = HEADER_WORDS + SLOT_WORDS * i
             w[base + _SLOT] = slot
             w[base + _STEP] = w[base + _REPLICATED] = w[base + _VOTE] = -1
-        mailboxes = 8 * (HEADER_WORDS + SLOT_WORDS * len(slots))
         mm[mailboxes:size] = bytes(size - mailboxes)  # touched now: no page fault per first report
         w[_MAGIC] = MAGIC  # last: a reader that sees the magic sees an initialised board
         w.release()

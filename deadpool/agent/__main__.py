@@ -52,7 +52,7 @@ from deadpool.agent.node import NodeAgent
 from deadpool.agent.presence import PROBE_S, PresenceClient
 from deadpool.agent.shm import UnsafeNodeDir, make_node_dir
 from deadpool.launch.procs import fork_worker, job_env, local_rank, sigkill, start_worker
-from deadpool.launch.stop import install_agent
+from deadpool.launch.stop import ask_timeout_s, install_agent
 from deadpool.rank import netif
 from deadpool.rank.groups import layout_group_keys
 from deadpool.store import auth
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     # this agent ends with its processes, or kills them once the coordinator's bound is past
     install_agent(args.node, open_store, seal, procs, coordinator_lost, stop,
                   partial(_leave, where),
-                  float(ft["stop_timeout_s"]) + float(ft["coordinator_timeout_s"]))
+                  float(ft["stop_timeout_s"]) + float(ft["coordinator_timeout_s"]), ask_timeout_s(ft))
 
     def wait_child(slot, p):
         code = p.wait()

@@ -15,7 +15,7 @@ import time
 from deadpool.control import drain
 from deadpool.recovery import detect
 from deadpool.store import reports
-from deadpool.store.protocol import NODES_CHANGED, Keys, node_key
+from deadpool.store.protocol import NODES_CHANGED, Keys, coordinator_beat_s, node_key
 
 
 class Observer:
@@ -27,12 +27,11 @@ class Observer:
 
     def _beat(self) -> None:
         """``coord/hb`` advances while the main loop turns: workers that see it stop (the
-        coordinator died or hangs) save their state and exit. Twenty beats per
-        ``coordinator_timeout_s`` (its readers judge it on their own clocks), at most one per
-        ``heartbeat_interval_s``."""
+        coordinator died or hangs) save their state and exit; a node agent's stop request is
+        answered when it advances (``launch.stop.ask``). One beat per
+        ``protocol.coordinator_beat_s``."""
         n = 0
-        interval = max(float(self.ft["heartbeat_interval_s"]),
-                       float(self.ft["coordinator_timeout_s"]) / 20)
+        interval = coordinator_beat_s(self.ft)
         while self.outcome == "running":
             if time.monotonic() - self._tick < float(self.ft["coordinator_timeout_s"]) / 2:
                 n += 1

@@ -31,7 +31,7 @@ import time
 
 from deadpool.launch.procs import sigkill
 from deadpool.recovery.detect import forged
-from deadpool.store.protocol import wake_coordinator
+from deadpool.store.protocol import Keys, coordinator_beat_s, wake_coordinator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 REQUEST_KEY = "job/stop_request"  # sealed: an agent's signal ({"signal", "node"})
@@ -77,6 +77,7 @@ class Stopper:
         self.t: float | None = None  # when the request arrived (time.time(), for records)
         self.t_mono: float | None = None  # the same on the monotonic clock (for deadlines)
         self.hard = False
+        self.taken = False  # the coordinator's loop took it (``recovery.preempt.requested``)
         self.launcher = None
         self.waker = None
         self.running = False
@@ -151,16 +152,53 @@ def request(store, seal, signal_name: str, node: int) -> None:
     wake_coordinator(store)
 
 
+def coordinator_beat(store, seal) -> int:
+    """The coordinator's sealed heartbeat count (``coord/hb``); -1 if it has not beaten yet or
+    the value is not the job's."""
+    if not store.check([Keys.COORD_HB]):
+        return -1
+    text = seal.open(Keys.COORD_HB, store.get(Keys.COORD_HB))
+    try:
+        return -1 if text is None else int(text)
+    except ValueError:
+        return -1
+
+
+def ask(open_store, seal, signal_name: str, node: int, timeout_s: float) -> bool:
+    """Send the stop request and wait, within ``timeout_s``, for the coordinator's answer: its
+    loop took a stop (``job/stop_taken``) or is alive after the request (its heartbeat advances,
+    ``Observer._beat``, which beats only while the loop turns: a recovery in progress takes the
+    request when it ends). A store that took the request is not enough: SIGSTOP reaches a multi-threaded process one
+    thread at a time (the thread the kernel woke first stops the others), so on a loaded host
+    the store's thread can still answer a request the stopped loop never reads. Blocks until the
+    store answers: run it on a thread of its own (``install_agent``)."""
+    deadline = time.monotonic() + timeout_s
+    store = open_store(timeout_s=timeout_s)
+    request(store, seal, signal_name, node)
+    first = coordinator_beat(store, seal)
+    while time.monotonic() < deadline:
+        if seal.flag(store, Keys.STOP_TAKEN) or coordinator_beat(store, seal) > first:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def ask_timeout_s(ft) -> float:
+    """How long an agent waits for the coordinator to answer its request: ``ASK_TIMEOUT_S``, or
+    three of the coordinator's beats where they are slower (``protocol.coordinator_beat_s``)."""
+    return max(ASK_TIMEOUT_S, 3 * coordinator_beat_s(ft))
+
+
 def install_agent(node: int, open_store, seal, procs: dict, coordinator_lost,
-                  ended: threading.Event, leave, timeout_s: float) -> None:
+                  ended: threading.Event, leave, timeout_s: float, ask_s: float) -> None:
     """A node agent's answer to ``STOP_SIGNALS`` (call from the main thread, after its children
-    are forked). The first signal asks the coordinator to stop the job with a fresh store client;
-    if the store does not answer, ``coordinator_lost()`` has the node's ranks write what they
-    hold now. Either way the agent ends with its processes: those not gone ``timeout_s`` after
-    the signal are SIGKILLed, and once all are gone the agent's main loop must end (``ended``)
-    within ``LEAVE_GRACE_S``, else ``leave()`` ends the agent (its main thread is then inside a
-    store call to an unreachable coordinator). A second signal SIGKILLs them at once and ends the
-    agent (128 + its number).
+    are forked). The first signal asks the coordinator to stop the job with a fresh store client
+    (``ask``); if the coordinator does not answer within ``ask_s``, ``coordinator_lost()`` has
+    the node's ranks write what they hold now. Either way the agent ends with its processes:
+    those not gone ``timeout_s`` after the signal are SIGKILLed, and once all are gone the
+    agent's main loop must end (``ended``) within ``LEAVE_GRACE_S``, else ``leave()`` ends the
+    agent (its main thread is then inside a store call to an unreachable coordinator). A second
+    signal SIGKILLs them at once and ends the agent (128 + its number).
 
     Signals are read from a wake-up pipe (``signal.set_wakeup_fd``) by a thread of their own, not
     acted on in a Python handler: Python runs handlers in the main thread between bytecodes, and
@@ -174,22 +212,22 @@ def install_agent(node: int, open_store, seal, procs: dict, coordinator_lost,
 
     def send(name: str, sent: threading.Event) -> None:
         try:
-            request(open_store(timeout_s=ASK_TIMEOUT_S), seal, name, node)
-            sent.set()
+            if ask(open_store, seal, name, node, ask_s):
+                sent.set()
         except Exception:
             pass
 
-    def ask(name: str) -> None:
+    def stop(name: str) -> None:
         # on a thread of its own, waited for with a bound: a store client connecting to a
         # stopped coordinator's port blocks past its own timeout (torch 2.13, libuv client)
         t0, sent = time.monotonic(), threading.Event()
         threading.Thread(target=send, args=(name, sent), daemon=True, name="stop-send").start()
-        if sent.wait(ASK_TIMEOUT_S):
+        if sent.wait(ask_s):
             print(f"[agent {node}] {name}: asked the coordinator to write the newest step in "
                   "memory and stop the job", flush=True)
         else:
             print(f"[agent {node}] {name}: the coordinator does not answer within "
-                  f"{ASK_TIMEOUT_S:.0f} s; the node's ranks write what they hold", flush=True)
+                  f"{ask_s:.0f} s; the node's ranks write what they hold", flush=True)
             coordinator_lost()
         while any(p.poll() is None for p in list(procs.values())):
             if time.monotonic() - t0 > timeout_s:
@@ -213,7 +251,8 @@ def install_agent(node: int, open_store, seal, procs: dict, coordinator_lost,
             name = signal.Signals(signum).name
             if first is None:
                 first = name
-                threading.Thread(target=ask, args=(name,), daemon=True, name="stop-request").start()
+                threading.Thread(target=stop, args=(name,), daemon=True,
+                                 name="stop-request").start()
                 continue
             for p in list(procs.values()):
                 sigkill(p)

@@ -40,6 +40,9 @@ def requested(coord) -> bool:
         return False
     if st.why is None and coord.events is not None:
         st.poll_agents(coord)
+    if st.why is not None and not st.taken:  # the agents' answer (``launch.stop.ask``)
+        st.taken = True
+        coord.store.set(Keys.STOP_TAKEN, coord.seal.wrap(Keys.STOP_TAKEN, "1"))
     return st.why is not None
 
 

@@ -128,6 +128,7 @@ class Keys:
     COORD_HB = "coord/hb"  # the coordinator's heartbeat: a counter workers watch advance
     PROGRESS = "job/progress"  # rank 0's latest progress line
     JOB_STOP = "job/stop"
+    STOP_TAKEN = "job/stop_taken"  # sealed: the coordinator's loop took a stop request
     COORD_WAKE = "coord/wake"  # set to wake the coordinator's loop (unsealed: it only wakes it)
 
 
@@ -143,6 +144,13 @@ def node_key(node: int) -> str:
 # a process started after the job began (an in-place regrow, recovery.elastic) waits for plans
 # from this generation on, as a warm spare; it never takes the job's first plan as its own start
 JOIN_GENERATION_ENV = "DEADPOOL_JOIN_GENERATION"
+
+
+def coordinator_beat_s(ft) -> float:
+    """How often the coordinator's heartbeat (``coord/hb``) advances while its loop turns:
+    twenty beats per ``coordinator_timeout_s`` (its readers judge it on their own clocks), at most
+    one per ``heartbeat_interval_s``."""
+    return max(float(ft["heartbeat_interval_s"]), float(ft["coordinator_timeout_s"]) / 20)
 
 
 def wake_coordinator(store) -> None:

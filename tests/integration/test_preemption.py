@@ -149,6 +149,9 @@ def test_a_signal_writes_the_newest_step_and_auto_resume_ends_bitwise_equal(refe
     assert job.p.returncode == 128 + sig, job.out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "preempted", summary["message"]
+    if to == "agents":  # each agent's request answered: no node took the coordinator-loss path
+        logs = "".join(f.read_text() for f in (run_dir / "logs").glob("agent*.log"))
+        assert logs.count("asked the coordinator") == 2 and "does not answer" not in logs, logs
     stop = summary["stop"]
     S = stop["resume_step"]
     # rank 0 logged step 8; a rank cut inside step 8 (its live state torn) holds 7 and older

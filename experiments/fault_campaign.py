@@ -3,7 +3,10 @@ checked against a failure-free run of the same seed.
 
     python experiments/fault_campaign.py [--trials 50] [--seed 0] [--spares 2] [--steps 24]
                                          [--out experiments/results/runtime/campaign]
-                                         [--override KEY=VALUE ...]
+                                         [--override KEY=VALUE ...] [--only 19 ...] [--keep DIR]
+
+``--only`` runs the named trials of the same draw (the faults of trial i do not depend on which
+trials run); ``--keep`` keeps every run directory (logs, summaries, checkpoints) under DIR.
 
 Each trial draws one to three faults: a kind (SIGKILL, SIGSTOP, exception, a training-thread hang
 with the heartbeat alive, corrupted replica bytes), a target (a rank, or a warm spare's launch
@@ -85,6 +88,8 @@ def main() -> None:
     ap.add_argument("--out", default="experiments/results/runtime/campaign")
     ap.add_argument("--override", nargs="*", default=[],
                     help="config overrides for every run, e.g. launcher.fork_workers=true")
+    ap.add_argument("--only", type=int, nargs="*", default=None, help="run these trials only")
+    ap.add_argument("--keep", default=None, help="keep the run directories under this directory")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     out = Path(args.out)
@@ -93,11 +98,14 @@ def main() -> None:
             "ft.replication_chunk_mb=0.5", "ft.progress_timeout_s=3", "ft.status_timeout_s=4",
             "ft.persist_interval_steps=4", "ft.on_no_spare=checkpoint_and_stop", *args.override]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="deadpool-campaign-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="deadpool-campaign-") as scratch:
+        tmp = args.keep or scratch
         ref = Path(tmp) / "ref"
         run_job(compose_config(base + ["faults=none", "ft.num_spares=0"], ref), log=quiet)
         for i in range(args.trials):
             evs = [draw_fault(rng, args.steps, args.spares) for _ in range(rng.randint(1, 3))]
+            if args.only is not None and i not in args.only:
+                continue
             rd = Path(tmp) / f"t{i}"
             over = base + [f"ft.num_spares={args.spares}", "faults.events=[" + ",".join(map(fmt, evs)) + "]"]
             t0 = time.time()
@@ -115,7 +123,9 @@ def main() -> None:
                 s2 = run_bounded(compose_config(base + ["faults=none", f"ft.num_spares={args.spares}",
                                                         f"ft.resume_from={rd / 'checkpoints'}"], rs),
                                  args.trial_timeout_s)
-                ok, why = compare_final_states(rs, ref) if s2 and s2["outcome"] == "completed" else (False, "resume failed")
+                ok, why = (compare_final_states(rs, ref) if s2 and s2["outcome"] == "completed" else
+                           (False, "resume: " + (f"{s2['outcome']}: {s2['message']}" if s2 else
+                                                 "no outcome within the watchdog")))
                 verdict = "resumed equal" if ok else "FAIL"
             elif outcome == "unrecoverable":
                 verdict, why = "documented stop", s["message"]
@@ -129,10 +139,11 @@ def main() -> None:
                    "interrupted": sum(r.get("outcome") == "interrupted by another failure" for r in recs),
                    "detected_by": "/".join(sorted({str(r.get("detected_by")) for r in recs})),
                    "verdict": verdict, "leftover_processes": len(left), "wall_s": round(time.time() - t0, 1),
-                   "note": why[:160]}
+                   "note": why[:300]}
             rows.append(row)
             print(f"{i:3d} {verdict:15s} {outcome:20s} rec={row['recoveries']} "
-                  f"({row['detected_by']})  {row['wall_s']:5.1f}s  {row['faults']}", flush=True)
+                  f"({row['detected_by']})  {row['wall_s']:5.1f}s  {row['faults']}"
+                  + (f"\n      {why}" if verdict == "FAIL" else ""), flush=True)
     with open(out / "trials.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

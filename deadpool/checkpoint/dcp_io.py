@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from deadpool.checkpoint.files import (HEADER_FILE, OLD_RNG_FILE, WRITTEN_AT, CheckpointWriteError,
-                                       _header_text, _rank_tag, _root_cause, _same_layout,
-                                       _tmp_rank_dir, _write_error, complete_layout,
-                                       encode_rng_state, install_rank, layout_tag, rank_dir)
+                                       _header_text, _root_cause, _same_layout, _tmp_rank_dir,
+                                       _write_error, complete_layout, encode_rng_state, holds,
+                                       install_rank, is_whole, layout_tag, rank_dir)
 
 # dcp.save(no_dist=True) warns on every call that it assumes a single process: that is the intent.
 warnings.filterwarnings("ignore", category=UserWarning,
@@ -34,15 +34,15 @@ def save_rank_state(root, step: int, rank: int, state: dict[str, torch.Tensor], 
                     *, layout: dict | None = None, world_size: int | None = None) -> Path:
     """Write one rank's state (name -> tensor, as from ``StateLayout.state_dict``) at ``step``,
     atomically, as written at ``layout`` and ``world_size`` (recorded in its header); a no-op if
-    a complete copy of this layout is already there, or the step is complete at another layout
-    (``files``: one layout per step). Returns the rank directory. Raises ``TypeError`` for a
+    a complete copy of this layout is already there (a whole one, if this write is whole:
+    ``files.holds``), or the step is complete at another layout (``files``: one layout per step). Returns the rank directory. Raises ``TypeError`` for a
     header that is not JSON, ``CheckpointWriteError`` if the write fails."""
     tag = None if world_size is None else layout_tag(world_size, layout)
     text = _header_text(header if tag is None else dict(header, **{WRITTEN_AT: tag}))
     final = rank_dir(root, step, rank)
     if (final / HEADER_FILE).exists():
         try:
-            if _same_layout(_rank_tag(final), tag):
+            if holds(final, tag, is_whole(header)):
                 return final
         except (FileNotFoundError, json.JSONDecodeError):
             pass

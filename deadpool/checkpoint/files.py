@@ -23,6 +23,13 @@ layout it was written at (``written_at``: world size and degrees), and:
 
 The header is a JSON-serialisable dict (``{"step", "data_position", "generation", "rng_cpu"}``,
 ``rng_cpu`` being ``encode_rng_state(torch.get_rng_state())``).
+
+A rank directory may hold its whole state or only part of it (``checkpoint.unique``: its header
+names where the rest is, ``shared_from`` or ``shared_parts``). A whole copy replaces one of the
+same layout that takes its shared tensors from another rank's directory (``shared_from``), never
+the reverse: a periodic checkpoint begun at a step (parameters in data-parallel rank 0's
+directory only) may be finished by a stop that writes whole states, rank 0's by the holder of
+its replica, which lacks the parameters; the other ranks' copies, kept, would leave them nowhere.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 HEADER_FILE = "header.json"  # written last: its presence marks a rank's checkpoint complete
 META_FILE = "meta.json"
 WRITTEN_AT = "written_at"    # header key: the layout (world size, degrees) a rank was written at
+SHARED_FROM = "shared_from"  # header key: ranks whose directories hold this rank's shared tensors
+SHARED_PARTS = "shared_parts"  # header key: this rank holds parts of its shared tensors only
 OLD_RNG_FILE = "rng.pt"      # older format only; read, never written
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -178,6 +187,23 @@ def _rank_tag(rank_path: Path) -> dict | None:
     return header.get(WRITTEN_AT) if isinstance(header, dict) else None
 
 
+def is_whole(header: dict) -> bool:
+    """A rank's header says its directory holds all of its state (``checkpoint.unique``)."""
+    return not header.get(SHARED_FROM) and not header.get(SHARED_PARTS)
+
+
+def holds(rank_path: Path, tag: dict | None, whole: bool) -> bool:
+    """The complete rank directory ``rank_path`` holds what a write at layout ``tag`` would: the
+    same layout and, if the write is ``whole``, not a copy that names another rank's directory
+    for its shared tensors (``shared_from``; see the module docstring). A copy with spread parts
+    (``shared_parts``) holds: its group reads their parts from it. False for another layout or a
+    copy to replace; ``FileNotFoundError`` (or a JSON error) if it is not complete."""
+    header = json.loads((rank_path / HEADER_FILE).read_text())
+    if not isinstance(header, dict):
+        return True  # (older format, untagged: matches anything)
+    return _same_layout(header.get(WRITTEN_AT), tag) and not (whole and header.get(SHARED_FROM))
+
+
 def complete_layout(step_dir: Path) -> dict | None:
     """The layout tag of a complete step directory (from its meta.json), else None."""
     try:
@@ -209,8 +235,11 @@ def install_rank(tmp: Path, final: Path, header_text: str, tag: dict | None) -> 
 
 def _install_rank_dir(tmp: Path, final: Path, header_text: str, tag: dict | None = None) -> bool:
     """Finish a rank directory written under ``tmp``: ``header.json`` last, then rename it to
-    ``final``. Returns False if a complete ``final`` of the same layout already existed (``tmp``
-    is discarded); one of another layout is replaced."""
+    ``final``. Returns False if a complete ``final`` that ``holds`` this one already existed
+    (``tmp`` is discarded); one of another layout, or a partial one where this is whole, is
+    replaced."""
+    header = json.loads(header_text)
+    whole = not isinstance(header, dict) or is_whole(header)
     with open(tmp / HEADER_FILE, "w") as f:
         f.write(header_text)
         f.flush()
@@ -225,14 +254,14 @@ def _install_rank_dir(tmp: Path, final: Path, header_text: str, tag: dict | None
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             try:
-                same = _same_layout(_rank_tag(final), tag)
+                same = holds(final, tag, whole)
             except (FileNotFoundError, json.JSONDecodeError):
                 same = None  # incomplete (or gone meanwhile)
             if same:  # another writer's complete copy of this layout: keep it
                 shutil.rmtree(tmp, ignore_errors=True)
                 return False
-            if same is False:  # a leftover of another layout: never mixed with this one
-                _move_aside_and_remove(final)
+            if same is False:  # another layout's leftover (never mixed with this one), or a
+                _move_aside_and_remove(final)  # partial copy where this one is whole
                 continue
             # an incomplete leftover (a crash in the older, in-place format): move it aside. If a
             # second writer installs its copy in between, that copy is moved aside instead and

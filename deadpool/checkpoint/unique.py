@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 
 from deadpool.checkpoint.dcp_io import load_rank_state, read_rank_state
+from deadpool.checkpoint.files import SHARED_FROM, SHARED_PARTS
 from deadpool.topology import ParallelDims
 
-SHARED_FROM = "shared_from"  # header key: ranks whose directories hold this rank's shared tensors
-SHARED_PARTS = "shared_parts"  # header key: name -> {shape, dtype, lo, hi} of a spread tensor
+# header keys: SHARED_FROM, the ranks whose directories hold this rank's shared tensors;
+# SHARED_PARTS, name -> {shape, dtype, lo, hi} of a spread tensor (both in ``files``)
 SHARED_GROUP = "shared_group"  # header key: the data-parallel group in dp order (the parts' writers)
 PART = "@part"  # suffix of a spread tensor's part in a rank's directory
 

@@ -145,3 +145,42 @@ def test_without_retention_every_step_stays(tmp_path):
     for step in (2, 4, 6):
         _write(tmp_path, dims, step, keep=0)
     assert sorted(d.name for d in tmp_path.iterdir()) == ["step_2", "step_4", "step_6"]
+
+
+def test_a_stop_that_finishes_a_periodic_step_leaves_every_rank_its_parameters(tmp_path):
+    """The fault campaign's trial 19 (dp4, no spare left): ranks 1-3 wrote their periodic
+    checkpoint of step 12 without parameters (dp rank 0 writes them) and rank 0 was stopped
+    before it wrote; the stop then writes step 12 whole, rank 0's from the replica rank 1 holds
+    (its ZeRO shard only, the parameters named in its data-parallel peers). Kept, the periodic
+    copies of ranks 1-3 left the parameters in no directory: every resume failed."""
+    dims, S = ParallelDims(4), 12
+    for r in (1, 2, 3):  # the periodic checkpoint, rank 0's never written
+        p = AsyncPersister(tmp_path, r)
+        p.layout = dims.layout
+        p.unique_state(SHARED, None)
+        assert p.submit(S, _state(dims, r), {"step": S, "rank": r}, dims.world_size)
+        p.close()
+    at = {"layout": dims.layout, "world_size": dims.world_size}
+    unique = {k: v for k, v in _state(dims, 0).items() if k not in SHARED}
+    checkpoint.save_rank_state(tmp_path, S, 0, unique, {"step": S, "rank": 0,
+                                                        "shared_from": [1, 2, 3]}, **at)
+    for r in (1, 2, 3):  # each live rank its own state, whole
+        checkpoint.save_rank_state(tmp_path, S, r, _state(dims, r), {"step": S, "rank": r}, **at)
+    checkpoint.write_meta(tmp_path, S, dims.world_size, "no warm spare left", layout=dims.layout)
+    assert checkpoint.is_complete(tmp_path / f"step_{S}")
+    for r in range(4):
+        tr = _Trainer(dims, r)
+        rank_state.load(tr, dims, tmp_path, r)
+        for k, v in _state(dims, r).items():
+            assert torch.equal(tr.state_dict()[k], v), (r, k)
+        assert tr.header["rank"] == r
+
+
+def test_a_copy_without_parameters_never_replaces_a_whole_one(tmp_path):
+    dims = ParallelDims(2)
+    at = {"layout": dims.layout, "world_size": dims.world_size}
+    checkpoint.save_rank_state(tmp_path, 3, 1, _state(dims, 1), {"rank": 1}, **at)
+    unique = {k: v for k, v in _state(dims, 1).items() if k not in SHARED}
+    checkpoint.save_rank_state(tmp_path, 3, 1, unique, {"rank": 1, "shared_from": [0]}, **at)
+    written, header = checkpoint.read_rank_state(tmp_path / "step_3", 1)
+    assert "params" in written and "shared_from" not in header

@@ -4,13 +4,20 @@
         [--base gpu_h100] [--name control_plane_fit] [--out PATH]
 
 Reads the table that ``experiments/bench_control_plane.py`` writes (``ranks, protocol, ...,
-exit_detect_s, node_detect_s, plan_everywhere_s, ..., dilation, survived``), keeps the rows of
-``--protocol`` that survived, and fits three lines in N = ranks (one rank per GPU, so the
-simulator evaluates them at ``num_gpus``), each over the rows where its column has a value:
+exit_detect_s, node_detect_s, plan_everywhere_s, ..., detect_to_plan_s, ..., dilation,
+survived``), keeps the rows of ``--protocol`` that survived, and fits three lines in N = ranks
+(one rank per GPU, so the simulator evaluates them at ``num_gpus``), each over the rows where its
+columns have values:
 
     detect_crash_s + detect_crash_per_rank_s * N  ~  exit_detect_s      a process exits
     detect_node_s  + detect_node_per_rank_s  * N  ~  node_detect_s      a node (its agent too) goes silent
-    plan_base_s    + plan_per_rank_s         * N  ~  plan_everywhere_s  decision -> plan in every rank's hands
+    plan_base_s    + plan_per_rank_s         * N  ~  detect_to_plan_s + plan_everywhere_s
+                                                     noticed -> statuses in, plan written, and
+                                                     the plan in every rank's hands
+
+The plan term is what the runtime's recoveries record as ``plan_s`` (detection to the plan,
+``sim.calibrate``) and the simulator charges between detection and the rebuild. A table without
+``detect_to_plan_s`` (older runs) gives ``plan_everywhere_s`` alone, and the output says so.
 
 Least squares with both coefficients >= 0 (``scipy.optimize.lsq_linear``): none of these times
 falls as N grows, and a negative intercept would go below zero at small N. One N only: the
@@ -42,10 +49,13 @@ from scipy.optimize import lsq_linear
 
 import sim.config
 
-# (column of the table, base key, per-rank key, what it is)
-TERMS = (("exit_detect_s", "detect_crash_s", "detect_crash_per_rank_s", "a process exits -> noticed"),
-         ("node_detect_s", "detect_node_s", "detect_node_per_rank_s", "a node goes silent (agent and all) -> noticed"),
-         ("plan_everywhere_s", "plan_base_s", "plan_per_rank_s", "decision -> the plan in every rank's hands"))
+# (term, the table's columns summed: the first choice some row has, base key, per-rank key, what it is)
+TERMS = (("exit_detect_s", (("exit_detect_s",),), "detect_crash_s", "detect_crash_per_rank_s",
+          "a process exits -> noticed"),
+         ("node_detect_s", (("node_detect_s",),), "detect_node_s", "detect_node_per_rank_s",
+          "a node goes silent (agent and all) -> noticed"),
+         ("plan_s", (("detect_to_plan_s", "plan_everywhere_s"), ("plan_everywhere_s",)), "plan_base_s",
+          "plan_per_rank_s", "noticed -> statuses in, plan written and in every rank's hands"))
 # Llama 3 crash causes (sim.trace) that take the host down, its node agent with it; the others
 # (GPU, software) end a process that the node's agent sees exit. Assumption.
 NODE_CAUSES = ("host_maintenance", "psu", "server_chassis", "io_board", "cpu", "system_memory")
@@ -66,11 +76,13 @@ class ControlPlaneFitError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Line:
-    """``base + per_rank * N`` fitted on ``rows`` (``(N, seconds)``)."""
+    """``base + per_rank * N`` fitted on ``rows`` (``(N, seconds)``) of the table's ``column``
+    (a sum: ``a + b``)."""
 
     base: float
     per_rank: float
     rows: tuple[tuple[int, float], ...]
+    column: str = ""
 
     def __call__(self, n: float) -> float:
         return self.base + self.per_rank * n
@@ -114,11 +126,16 @@ def fit(rows: list[dict], protocol: str) -> dict[str, Line]:
         raise ControlPlaneFitError(
             f"no row of protocol {protocol!r} survived ({len(mine)} rows of it; protocols in the table: {seen})")
     lines = {}
-    for col, *_ in TERMS:
-        pts = [(int(r["ranks"]), float(r[col])) for r in ok if r.get(col) is not None]
-        if not pts:
-            raise ControlPlaneFitError(f"protocol {protocol!r}: no surviving row has {col}")
-        lines[col] = fit_line(sorted(pts))
+    for term, choices, *_ in TERMS:
+        for cols in choices:
+            pts = [(int(r["ranks"]), sum(float(r[c]) for c in cols)) for r in ok
+                   if all(r.get(c) is not None for c in cols)]
+            if pts:
+                lines[term] = dataclasses.replace(fit_line(sorted(pts)), column=" + ".join(cols))
+                break
+        else:
+            raise ControlPlaneFitError(f"protocol {protocol!r}: no surviving row has "
+                                       + " or ".join(" and ".join(c) for c in choices))
     return lines
 
 
@@ -145,15 +162,17 @@ def block(lines: dict[str, Line], rows: list[dict], protocol: str, table: str, b
            f"# Measured: {table}, protocol={protocol}, surviving rows at N = "
            + ", ".join(f"{n} (dilation {used[n] or 1})" for n in ns) + " ranks, one per GPU.",
            "# Model: each time = base + per_rank * N, least squares with both >= 0 (scipy lsq_linear).",
-           *(["# Dilated rows: period-driven times divided by the dilation (the plan's bytes are not"
-              " dilated: plan times there are optimistic, see the benchmark's docstring)."]
+           *(["# Dilated rows: node_detect_s and plan_everywhere_s divided by the dilation (the plan's bytes"
+              " are not dilated: optimistic at large N, see the benchmark's docstring); exit_detect_s and"
+              " detect_to_plan_s as measured (CPU, not periods: the fake nodes' reactions run one after"
+              " another on the benchmark's cores, on a cluster at once)."]
              if any(float(d or 1) != 1.0 for d in used.values()) else []),
            f"# Fitted over N = {ns[0]}..{ns[-1]}; beyond that it is an extrapolation. Values (s) at "
            + ", ".join(f"{n:,}" for n in REPORT_AT) + " GPUs:"]
-    for col, *_ in TERMS:
-        ln = lines[col]
-        out.append(f"#   {col:<18} " + "  ".join(f"{ln(n):8.3f}" for n in REPORT_AT)
-                   + f"   (RMS residual {ln.rms_s:.3g} s over {len(ln.rows)} rows)")
+    for term, *_ in TERMS:
+        ln = lines[term]
+        out.append(f"#   {term:<18} " + "  ".join(f"{ln(n):8.3f}" for n in REPORT_AT)
+                   + f"   (RMS residual {ln.rms_s:.3g} s over {len(ln.rows)} rows of {ln.column})")
     out += [f"# Replaced from base '{base_name}': detect_crash_s: {old.get('detect_crash_s', '-')} (process exit and node loss alike),"
             f" plan_s: {old.get('plan_s', old.get('plan_base_s', '-'))}"
             + (f" + {old['plan_per_rank_s']} x N." if "plan_per_rank_s" in old else "."),
@@ -162,9 +181,9 @@ def block(lines: dict[str, Line], rows: list[dict], protocol: str, table: str, b
             " (experiments/results/control_plane/NOTE.md) = "
             + ", ".join(f"{rebuild_control_s(n):.2g} s" for n in REPORT_AT) + " at the N above,",
             "#   inside the rebuild time assumed there; rebuilding only the affected groups shrinks it further."]
-    for col, key, per_key, what in TERMS:
-        ln = lines[col]
-        src = f"Measured: fitted on {col} ({len(ln.rows)} rows, RMS {ln.rms_s:.3g} s)"
+    for term, _, key, per_key, what in TERMS:
+        ln = lines[term]
+        src = f"Measured: fitted on {ln.column} ({len(ln.rows)} rows, RMS {ln.rms_s:.3g} s)"
         out.append(_pad(f"{key}: {_num(ln.base)}") + f"# {what}. {src}")
         out.append(_pad(f"{per_key}: {_num(ln.per_rank)}") + "#   + this x num_gpus (the same measured fit)")
     out.append(f"node_causes: [{', '.join(NODE_CAUSES)}]  # crash causes that take the host and its agent down"
@@ -177,7 +196,7 @@ def render(base_text: str, name: str, fitted: list[str], top: list[str] = ()) ->
     """``base_text`` with any earlier fit block and the lines of the fitted keys (and the older
     ``plan_s``) removed, ``fitted`` put where the first of them was, ``top`` (``MARK_TOP`` lines)
     first and ``name`` set."""
-    keys = {"plan_s", "node_causes"} | {k for _, b, p, _ in TERMS for k in (b, p)}
+    keys = {"plan_s", "node_causes"} | {k for _, _, b, p, _ in TERMS for k in (b, p)}
     out, old, at, skipping, moved = [], {}, None, False, False
     for ln in base_text.splitlines():
         if ln.startswith((MARK_TOP, "#   python -m sim.calibrate_control_plane")):
@@ -231,10 +250,10 @@ def main(argv: list[str] | None = None) -> Path:
     out = Path(a.out) if a.out else sim.config.SIM_CONF_DIR / "calibration" / f"{a.name}.yaml"
     out.write_text(text)
     print(f"[calibrate_control_plane] {table} protocol={a.protocol} -> {out}")
-    for col, key, per_key, _ in TERMS:
-        ln = lines[col]
-        print(f"  {col:<18} = {ln.base:.4g} + {ln.per_rank:.4g} * N   (N = {[n for n, _ in ln.rows]}, "
-              f"RMS {ln.rms_s:.3g} s; at 131,072: {ln(131072):.3g} s)")
+    for term, *_ in TERMS:
+        ln = lines[term]
+        print(f"  {term:<18} = {ln.base:.4g} + {ln.per_rank:.4g} * N   ({ln.column}; N = "
+              f"{[n for n, _ in ln.rows]}, RMS {ln.rms_s:.3g} s; at 131,072: {ln(131072):.3g} s)")
     return out
 
 

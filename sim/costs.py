@@ -120,7 +120,8 @@ def detection(c: Mapping, layout: Layout) -> Detection:
 
 
 def plan_s(layout: Layout, c: Mapping) -> float:
-    """Decision -> the plan in every rank's hands: ``plan_base_s + plan_per_rank_s * num_gpus``.
+    """Detection -> the plan in every rank's hands (statuses collected, plan decided, written and
+    read): ``plan_base_s + plan_per_rank_s * num_gpus``.
     A calibration must give ``plan_base_s`` or (older files) ``plan_s``, not both: an override
     of one would silently leave the other in force."""
     if "plan_base_s" in c and "plan_s" in c:

@@ -12,7 +12,7 @@ from sim.simulate import run_one
 from sim.trace import LLAMA3_CAUSE_MIX
 
 COLS = ("ranks", "protocol", "store_ops_per_s_per_rank", "exit_detect_s", "node_detect_s", "plan_everywhere_s",
-        "coordinator_cpu_frac", "dilation", "survived")
+        "coordinator_cpu_frac", "detect_to_plan_s", "dilation", "survived")
 # known lines: exit 0.01 + 2e-7 N, node 2.5 + 3e-5 N, plan 0.02 + 1e-4 N
 EXIT, NODE, PLAN = (0.01, 2e-7), (2.5, 3e-5), (0.02, 1e-4)
 
@@ -40,11 +40,28 @@ def synthetic(ns=(512, 2048, 8192, 16384)):
 
 def test_fit_recovers_known_coefficients(tmp_path):
     lines = cp.fit(cp.read_table(write_table(tmp_path / "t", synthetic())), "new")
-    for col, (a, b) in (("exit_detect_s", EXIT), ("node_detect_s", NODE), ("plan_everywhere_s", PLAN)):
+    for col, (a, b) in (("exit_detect_s", EXIT), ("node_detect_s", NODE), ("plan_s", PLAN)):
         assert lines[col].base == pytest.approx(a, rel=1e-6)
         assert lines[col].per_rank == pytest.approx(b, rel=1e-6)
         assert lines[col].rms_s == pytest.approx(0.0, abs=1e-9)
         assert [n for n, _ in lines[col].rows] == [512, 2048, 8192, 16384]
+
+
+def test_the_plan_term_counts_status_collection_where_the_table_has_it(tmp_path):
+    """Detection -> plan (statuses in, plan written) plus the plan reaching every rank: what the
+    runtime records as a recovery's plan time; an older table gives the second part alone."""
+    rows = synthetic()
+    for r in rows:
+        r["detect_to_plan_s"] = 0.05 + 3e-5 * r["ranks"]
+    lines = cp.fit(cp.read_table(write_table(tmp_path / "t", rows)), "new")
+    assert lines["plan_s"].column == "detect_to_plan_s + plan_everywhere_s"
+    assert lines["plan_s"].base == pytest.approx(PLAN[0] + 0.05, rel=1e-6)
+    assert lines["plan_s"].per_rank == pytest.approx(PLAN[1] + 3e-5, rel=1e-6)
+    older = cp.fit(cp.read_table(write_table(tmp_path / "o", synthetic())), "new")
+    assert older["plan_s"].column == "plan_everywhere_s"
+    out = tmp_path / "fit.yaml"
+    cp.main([str(tmp_path / "t"), "--out", str(out)])
+    assert "fitted on detect_to_plan_s + plan_everywhere_s (4 rows" in out.read_text()
 
 
 def test_slope_and_intercept_are_never_negative(tmp_path):
@@ -55,7 +72,7 @@ def test_slope_and_intercept_are_never_negative(tmp_path):
                  survived=True)]
     lines = cp.fit(rows, "new")
     assert lines["exit_detect_s"].per_rank == 0.0 and lines["exit_detect_s"].base == pytest.approx(0.010)
-    assert lines["plan_everywhere_s"].base == 0.0 and lines["plan_everywhere_s"].per_rank > 0
+    assert lines["plan_s"].base == 0.0 and lines["plan_s"].per_rank > 0
     one = cp.fit(rows[:1], "new")  # one size: the value, slope 0
     assert (one["node_detect_s"].base, one["node_detect_s"].per_rank) == (3.0, 0.0)
 

@@ -69,6 +69,15 @@ class _Trainer:
         self.header = header
 
 
+def _assert_each_rank_loads_its_own_state(root, dims: ParallelDims) -> None:
+    for r in range(dims.world_size):
+        tr = _Trainer(dims, r)
+        rank_state.load(tr, dims, root, r)
+        for k, v in _state(dims, r).items():
+            assert torch.equal(tr.state_dict()[k], v), (r, k)
+        assert tr.header["rank"] == r
+
+
 @pytest.mark.parametrize("dp,tp,pp", [(4, 1, 1), (2, 2, 2)])
 def test_replicated_tensors_are_written_once_and_every_rank_loads_its_own_state(tmp_path, dp, tp, pp):
     dims = ParallelDims(dp, tp, pp, ranks_per_node=tp)
@@ -88,12 +97,7 @@ def test_replicated_tensors_are_written_once_and_every_rank_loads_its_own_state(
     shared = NUMEL * 4
     # the replicated share is written once per (pp, tp) group instead of dp times
     assert sum(sizes) == dims.world_size * full - (dp - 1) * tp * pp * shared
-    for r in range(dims.world_size):
-        tr = _Trainer(dims, r)
-        rank_state.load(tr, dims, tmp_path, r)
-        for k, v in _state(dims, r).items():
-            assert torch.equal(tr.state_dict()[k], v), (r, k)
-        assert tr.header["rank"] == r
+    _assert_each_rank_loads_its_own_state(tmp_path, dims)
 
 
 def test_a_unique_state_checkpoint_loads_at_another_data_parallel_width(tmp_path):
@@ -168,12 +172,7 @@ def test_a_stop_that_finishes_a_periodic_step_leaves_every_rank_its_parameters(t
         checkpoint.save_rank_state(tmp_path, S, r, _state(dims, r), {"step": S, "rank": r}, **at)
     checkpoint.write_meta(tmp_path, S, dims.world_size, "no warm spare left", layout=dims.layout)
     assert checkpoint.is_complete(tmp_path / f"step_{S}")
-    for r in range(4):
-        tr = _Trainer(dims, r)
-        rank_state.load(tr, dims, tmp_path, r)
-        for k, v in _state(dims, r).items():
-            assert torch.equal(tr.state_dict()[k], v), (r, k)
-        assert tr.header["rank"] == r
+    _assert_each_rank_loads_its_own_state(tmp_path, dims)
 
 
 def test_a_copy_without_parameters_never_replaces_a_whole_one(tmp_path):

@@ -3,10 +3,13 @@ checked against a failure-free run of the same seed.
 
     python experiments/fault_campaign.py [--trials 50] [--seed 0] [--spares 2] [--steps 24]
                                          [--out experiments/results/runtime/campaign]
-                                         [--override KEY=VALUE ...] [--only 19 ...] [--keep DIR]
+                                         [--override KEY=VALUE ...] [--parallel dp4]
+                                         [--only 19 ...] [--keep DIR]
 
-``--only`` runs the named trials of the same draw (the faults of trial i do not depend on which
-trials run); ``--keep`` keeps every run directory (logs, summaries, checkpoints) under DIR.
+``--parallel`` picks the layout (default dp4; e.g. ``dp2_tp2_pp2 --override
+parallel.microbatches=4``: faults then target its 8 ranks). ``--only`` runs the named trials of
+the same draw (the faults of trial i do not depend on which trials run); ``--keep`` keeps every
+run directory (logs, summaries, checkpoints) under DIR.
 
 Each trial draws one to three faults: a kind (SIGKILL, SIGSTOP, exception, a training-thread hang
 with the heartbeat alive, corrupted replica bytes), a target (a rank, or a warm spare's launch
@@ -42,26 +45,25 @@ from deadpool.launch.launcher import job_processes  # noqa: E402
 from deadpool.launch.report import compare_final_states  # noqa: E402
 
 quiet = lambda *a, **k: None  # noqa: E731
-WORLD = 4
 TRAIN = ["forward", "backward", "mid_step", "allreduce", "optimizer", "snapshot_copy", "replication"]
 RECOVERY = ["status", "rebuild", "transfer", "rollback", "repl_restart"]
 KINDS = ["kill", "kill", "stop", "exception", "hang", "corrupt"]
 
 
-def draw_fault(rng: random.Random, steps: int, spares: int) -> dict:
+def draw_fault(rng: random.Random, steps: int, spares: int, world: int = 4) -> dict:
     kind = rng.choice(KINDS)
     step = rng.randrange(1, steps - 2)
     if kind == "corrupt":  # replicas (in a snapshot thread or a recovery; in the step it is a
         # parameter bit: recovery.integrity); they exist from step 1 and matter when used
-        return {"rank": rng.randrange(WORLD), "step": step, "phase": rng.choice(["snapshot_copy", "status"]),
+        return {"rank": rng.randrange(world), "step": step, "phase": rng.choice(["snapshot_copy", "status"]),
                 "kind": kind}
     if rng.random() < 0.25:  # a warm spare: idle, or while it takes over a rank
-        slot = WORLD + rng.randrange(spares)
+        slot = world + rng.randrange(spares)
         phase = rng.choice(["idle"] + RECOVERY[1:])
         return {"slot": slot, "step": step if phase == "idle" else 0, "phase": phase, "kind": kind}
     if rng.random() < 0.35:  # a survivor during a recovery (fires at the first one, if any)
-        return {"rank": rng.randrange(WORLD), "step": 0, "phase": rng.choice(RECOVERY), "kind": kind}
-    return {"rank": rng.randrange(WORLD), "step": step, "phase": rng.choice(TRAIN), "kind": kind}
+        return {"rank": rng.randrange(world), "step": 0, "phase": rng.choice(RECOVERY), "kind": kind}
+    return {"rank": rng.randrange(world), "step": step, "phase": rng.choice(TRAIN), "kind": kind}
 
 
 def fmt(ev: dict) -> str:
@@ -88,22 +90,25 @@ def main() -> None:
     ap.add_argument("--out", default="experiments/results/runtime/campaign")
     ap.add_argument("--override", nargs="*", default=[],
                     help="config overrides for every run, e.g. launcher.fork_workers=true")
+    ap.add_argument("--parallel", default="dp4", help="the layout (conf/parallel), e.g. dp2_tp2_pp2")
     ap.add_argument("--only", type=int, nargs="*", default=None, help="run these trials only")
     ap.add_argument("--keep", default=None, help="keep the run directories under this directory")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = ["model=tiny", "parallel=dp4", f"num_steps={args.steps}", "log_every_steps=0",
+    base = ["model=tiny", f"parallel={args.parallel}", f"num_steps={args.steps}", "log_every_steps=0",
             "ft.replication_chunk_mb=0.5", "ft.progress_timeout_s=3", "ft.status_timeout_s=4",
             "ft.persist_interval_steps=4", "ft.on_no_spare=checkpoint_and_stop", *args.override]
+    par = compose_config(base, "unused")["parallel"]  # (composing writes nothing)
+    world = int(par["dp"]) * int(par["tp"]) * int(par["pp"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="deadpool-campaign-") as scratch:
         tmp = args.keep or scratch
         ref = Path(tmp) / "ref"
         run_job(compose_config(base + ["faults=none", "ft.num_spares=0"], ref), log=quiet)
         for i in range(args.trials):
-            evs = [draw_fault(rng, args.steps, args.spares) for _ in range(rng.randint(1, 3))]
+            evs = [draw_fault(rng, args.steps, args.spares, world) for _ in range(rng.randint(1, 3))]
             if args.only is not None and i not in args.only:
                 continue
             rd = Path(tmp) / f"t{i}"

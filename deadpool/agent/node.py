@@ -334,17 +334,15 @@ class NodeAgent:
     def check_coordinator(self, error: bool = False, store=None) -> None:
         """Read the coordinator's heartbeat (``store``: the caller's client), then judge its
         silence (``judge_coordinator``)."""
-        beat = None
+        beat = -1
         store = store or self.store
         if not error and store is not None:
-            try:  # once seen, the key always exists: one request, not two
-                text = self.seal.open(Keys.COORD_HB, store.get(Keys.COORD_HB)) \
-                    if self._coord[0] >= 0 or store.check([Keys.COORD_HB]) else None
-                beat = None if text is None else int(text)
+            try:
+                beat = self.seal.count(store, Keys.COORD_HB, exists=self._coord[0] >= 0)
             except Exception:
-                beat = None
+                beat = -1
         with self.lock:
-            if beat is not None and beat > self._coord[0]:
+            if beat > self._coord[0]:
                 self._coord = (beat, self.clock())
                 self.board.set_flag(COORD_SEEN)
         self.judge_coordinator()

@@ -35,8 +35,9 @@ def save_rank_state(root, step: int, rank: int, state: dict[str, torch.Tensor], 
     """Write one rank's state (name -> tensor, as from ``StateLayout.state_dict``) at ``step``,
     atomically, as written at ``layout`` and ``world_size`` (recorded in its header); a no-op if
     a complete copy of this layout is already there (a whole one, if this write is whole:
-    ``files.holds``), or the step is complete at another layout (``files``: one layout per step). Returns the rank directory. Raises ``TypeError`` for a
-    header that is not JSON, ``CheckpointWriteError`` if the write fails."""
+    ``files.holds``), or the step is complete at another layout (``files``: one layout per
+    step). Returns the rank directory. Raises ``TypeError`` for a header that is not JSON,
+    ``CheckpointWriteError`` if the write fails."""
     tag = None if world_size is None else layout_tag(world_size, layout)
     text = _header_text(header if tag is None else dict(header, **{WRITTEN_AT: tag}))
     final = rank_dir(root, step, rank)

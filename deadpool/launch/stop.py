@@ -152,32 +152,21 @@ def request(store, seal, signal_name: str, node: int) -> None:
     wake_coordinator(store)
 
 
-def coordinator_beat(store, seal) -> int:
-    """The coordinator's sealed heartbeat count (``coord/hb``); -1 if it has not beaten yet or
-    the value is not the job's."""
-    if not store.check([Keys.COORD_HB]):
-        return -1
-    text = seal.open(Keys.COORD_HB, store.get(Keys.COORD_HB))
-    try:
-        return -1 if text is None else int(text)
-    except ValueError:
-        return -1
-
-
 def ask(open_store, seal, signal_name: str, node: int, timeout_s: float) -> bool:
     """Send the stop request and wait, within ``timeout_s``, for the coordinator's answer: its
     loop took a stop (``job/stop_taken``) or is alive after the request (its heartbeat advances,
     ``Observer._beat``, which beats only while the loop turns: a recovery in progress takes the
-    request when it ends). A store that took the request is not enough: SIGSTOP reaches a multi-threaded process one
-    thread at a time (the thread the kernel woke first stops the others), so on a loaded host
-    the store's thread can still answer a request the stopped loop never reads. Blocks until the
-    store answers: run it on a thread of its own (``install_agent``)."""
+    request when it ends). A store that took the request is not enough: SIGSTOP reaches a
+    multi-threaded process one thread at a time (the thread the kernel woke first stops the
+    others), so on a loaded host the store's thread can still answer a request the stopped loop
+    never reads. Blocks until the store answers: run it on a thread of its own
+    (``install_agent``)."""
     deadline = time.monotonic() + timeout_s
     store = open_store(timeout_s=timeout_s)
     request(store, seal, signal_name, node)
-    first = coordinator_beat(store, seal)
+    first = seal.count(store, Keys.COORD_HB)
     while time.monotonic() < deadline:
-        if seal.flag(store, Keys.STOP_TAKEN) or coordinator_beat(store, seal) > first:
+        if seal.flag(store, Keys.STOP_TAKEN) or seal.count(store, Keys.COORD_HB) > first:
             return True
         time.sleep(0.05)
     return False

@@ -77,9 +77,9 @@ class Heartbeat(threading.Thread):
                 # checked every 4th beat: store round trips share the cores with training
                 if n % 4 == 1 and self.store.check([fence]) and self._sealed(fence):
                     os.kill(os.getpid(), signal.SIGKILL)
-                seen = seen or self.store.check([Keys.COORD_HB])
-                coord = self._coordinator_beat() if seen else None
-                if coord is not None and coord > last_coord:  # an older (replayed) beat is no news
+                coord = self.seal.count(self.store, Keys.COORD_HB, exists=seen)
+                seen = seen or coord >= 0
+                if coord > last_coord:  # an older (replayed) beat is no news
                     last_coord, t_coord = coord, time.monotonic()
                     self.seen_coordinator = True
             except Exception:  # a store hiccup, or the coordinator is gone: retry next beat
@@ -91,14 +91,6 @@ class Heartbeat(threading.Thread):
     def stop(self) -> None:
         self.stopped.set()
         self.join()
-
-    def _coordinator_beat(self) -> int | None:
-        """The coordinator's beat count, None unless the job sealed it."""
-        text = self.seal.open(Keys.COORD_HB, self.store.get(Keys.COORD_HB))
-        try:
-            return None if text is None else int(text)
-        except ValueError:
-            return None
 
     def _sealed(self, key: str) -> bool:
         try:

@@ -429,6 +429,17 @@ class Seal:
         """A sealed flag (``job/done``, ``job/stop``) is set: it exists and this job sealed it."""
         return store.check([key]) and self.open(key, store.get(key)) is not None
 
+    def count(self, store, key: str, exists: bool = False) -> int:
+        """A sealed count (``coord/hb``): -1 if the key is absent, not this job's or not a number.
+        ``exists``: the caller saw it before (it stays: one request, not two)."""
+        if not exists and not store.check([key]):
+            return -1
+        text = self.open(key, store.get(key))
+        try:
+            return -1 if text is None else int(text)
+        except ValueError:
+            return -1
+
 
 def now() -> float:
     return time.time()
